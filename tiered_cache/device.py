@@ -1,0 +1,148 @@
+"""The one place that knows CUDA from CPU: streams, events, pinned memory, synchronize, free memory.
+
+On a machine without CUDA, streams and events are no-ops (work runs synchronously on the caller's
+thread, so an event is complete as soon as it is recorded) and pinned allocations are ordinary
+ones. Everything above this module calls these functions and never asks ``torch.cuda`` itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional, Union
+
+import torch
+
+from tiered_cache.errors import InvalidArgumentError
+
+DeviceLike = Union[str, torch.device, None]
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve(device: DeviceLike = None) -> torch.device:
+    """``None`` or ``"auto"`` -> the GPU when there is one, else the CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not cuda_available():
+            raise InvalidArgumentError("device", "a device that exists (no CUDA here)", str(dev))
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise InvalidArgumentError("device", "'cpu', 'cuda' or 'cuda:N'", str(dev))
+    return dev
+
+
+def is_cuda(device: DeviceLike) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+class NullEvent:
+    """Stands in for ``torch.cuda.Event`` on CPU: work is synchronous, so recording completes it."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+
+class NullStream:
+    """Stands in for ``torch.cuda.Stream`` on CPU."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def record_event(self, event: Optional[NullEvent] = None) -> NullEvent:
+        return event if event is not None else NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def new_stream(device: DeviceLike, priority: int = 0):
+    """A new stream on ``device`` (a CUDA stream, or a ``NullStream`` on CPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.Stream(device=dev, priority=priority)
+    return NullStream()
+
+
+def current_stream(device: DeviceLike):
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.current_stream(dev)
+    return NullStream()
+
+
+def new_event(device: DeviceLike):
+    if torch.device(device).type == "cuda":
+        return torch.cuda.Event()
+    return NullEvent()
+
+
+@contextlib.contextmanager
+def use_stream(stream) -> Iterator[None]:
+    """Make ``stream`` current inside the block (no-op for a ``NullStream``)."""
+    if isinstance(stream, torch.cuda.Stream):
+        with torch.cuda.stream(stream):
+            yield
+    else:
+        yield
+
+
+def synchronize(device: DeviceLike = None) -> None:
+    dev = resolve(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def pinned_empty(nbytes: int, *, pin: bool = True) -> torch.Tensor:
+    """A host ``uint8`` buffer; page-locked when CUDA exists and ``pin`` is set, else ordinary."""
+    if nbytes < 0:
+        raise InvalidArgumentError("nbytes", ">= 0", nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=bool(pin and cuda_available()))
+
+
+def free_memory(device: DeviceLike) -> int:
+    """Bytes that can still be allocated on ``device`` (GPU: ``cudaMemGetInfo``; CPU: MemAvailable)."""
+    dev = resolve(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    return host_available_memory()
+
+
+def host_available_memory() -> int:
+    """MemAvailable from /proc/meminfo, or the physical memory size where that file is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_name(device: DeviceLike = None) -> str:
+    dev = resolve(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return "cpu"

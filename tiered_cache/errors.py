@@ -1,0 +1,58 @@
+"""Typed errors.
+
+Every error raised for bad input names the argument, what was expected and what was given, and is
+raised before anything changes. Expected outcomes are not errors: a miss is an empty match and
+"no room" is ``None``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TieredCacheError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidArgumentError(TieredCacheError, ValueError):
+    """An argument has the wrong value, shape, dtype or device.
+
+    ``arg`` names the argument, ``expected`` says what was expected and ``got`` what was given.
+    Also a ``ValueError``, so callers that catch the builtin keep working.
+    """
+
+    def __init__(self, arg: str, expected: str, got: Any):
+        self.arg = arg
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{arg}: expected {expected}, got {_short(got)}")
+
+
+class SlotStateError(InvalidArgumentError):
+    """A slot id is not in the state the call needs: freeing a free or unknown id, an id twice."""
+
+
+class SlotBusyError(TieredCacheError):
+    """A slot is read or written by a transfer still in flight; it may not be freed or reused."""
+
+
+class MemoryBudgetError(TieredCacheError, MemoryError):
+    """A pool would not fit in the memory there is. ``setting`` names what to lower."""
+
+    def __init__(self, what: str, need_bytes: int, free_bytes: int, setting: str):
+        self.need_bytes = need_bytes
+        self.free_bytes = free_bytes
+        self.setting = setting
+        super().__init__(
+            f"{what} needs {need_bytes / 2**20:.1f} MiB but only {free_bytes / 2**20:.1f} MiB "
+            f"is free; lower {setting}"
+        )
+
+
+class IntegrityError(TieredCacheError):
+    """Bytes read back do not match the checksum taken when they were written."""
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,187 @@
+"""Frozen specs: what one slot of each kind of data holds, and its bytes.
+
+A slot's bytes for all its layers are contiguous (envelope-major), so freeing one slot frees a
+whole envelope the peer side of a ``UnifiedPool`` can grow into. Every field inside an envelope
+starts on a ``ALIGN``-byte boundary, so typed views of any dtype can be cut from the raw bytes and
+kernels may use 16-byte loads.
+
+KV envelope of one page (``page_size`` tokens), layer-major inside the page::
+
+    | L0 K [ps, H, D] | L0 V [ps, H, Dv] | L1 K | L1 V | ... |  (each field padded to ALIGN)
+
+State envelope of one request, layer-major::
+
+    | L0 temporal [H, a, b] | L0 conv0 [...] | L0 conv1 [...] | L1 temporal | ... |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Tuple
+
+import torch
+
+from tiered_cache.errors import InvalidArgumentError
+
+ALIGN = 16
+
+FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp8 is stored as bytes (kernels and copies treat it as uint8); other dtypes as themselves."""
+    return torch.uint8 if dtype in FP8_DTYPES else dtype
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgumentError(name, "a positive int", value)
+
+
+def _shape(name: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    try:
+        out = tuple(int(s) for s in shape)
+    except TypeError:
+        raise InvalidArgumentError(name, "a tuple of positive ints", shape) from None
+    if not out or any(s <= 0 for s in out):
+        raise InvalidArgumentError(name, "a non-empty tuple of positive ints", shape)
+    return out
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Full-attention or sliding-window KV of ``num_layers`` layers.
+
+    Per token and layer: K ``[kv_heads, head_dim]`` and V ``[kv_heads, v_head_dim]`` of ``dtype``.
+    ``window`` is set for sliding-window layers (tokens needed before a position to resume there).
+    """
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    v_head_dim: int = 0  # 0: same as head_dim
+    window: int = 0  # 0: full attention
+
+    def __post_init__(self) -> None:
+        _positive("num_layers", self.num_layers)
+        _positive("kv_heads", self.kv_heads)
+        _positive("head_dim", self.head_dim)
+        if self.v_head_dim == 0:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        _positive("v_head_dim", self.v_head_dim)
+        if not isinstance(self.dtype, torch.dtype) or self.dtype.is_complex:
+            raise InvalidArgumentError("dtype", "a real torch.dtype", self.dtype)
+        if not isinstance(self.window, int) or self.window < 0:
+            raise InvalidArgumentError("window", "an int >= 0 (0 = full attention)", self.window)
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        return storage_dtype(self.dtype)
+
+    @property
+    def k_token_bytes(self) -> int:
+        return self.kv_heads * self.head_dim * self.store_dtype.itemsize
+
+    @property
+    def v_token_bytes(self) -> int:
+        return self.kv_heads * self.v_head_dim * self.store_dtype.itemsize
+
+    def field_offsets(self, page_size: int) -> Tuple[Tuple[int, int], ...]:
+        """Byte offset of (K, V) of each layer inside one page envelope."""
+        _positive("page_size", page_size)
+        k_bytes = align_up(page_size * self.k_token_bytes)
+        v_bytes = align_up(page_size * self.v_token_bytes)
+        return tuple((layer * (k_bytes + v_bytes), layer * (k_bytes + v_bytes) + k_bytes)
+                     for layer in range(self.num_layers))
+
+    def bytes_per_slot(self, page_size: int = 1) -> int:
+        """Bytes of one page envelope (``page_size`` tokens, all layers)."""
+        _positive("page_size", page_size)
+        return self.num_layers * (align_up(page_size * self.k_token_bytes) + align_up(page_size * self.v_token_bytes))
+
+    def bytes_per_token(self) -> int:
+        """Payload bytes of one token over all layers (no padding)."""
+        return self.num_layers * (self.k_token_bytes + self.v_token_bytes)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """The recurrent state of one request over ``num_layers`` linear-attention layers.
+
+    ``temporal_shape`` is the per-layer SSM state, 3-D ``[H, a, b]``; ``value_axis`` (1 or 2) names
+    which of ``a``/``b`` is the value axis, the one the int8 scale reduces over:
+    GDN/KDA in SGLang order ``[H, d_v, d_k]`` -> 1; transformers' Qwen3-Next ``[H, d_k, d_v]`` -> 2;
+    Mamba2 ``[H, head_dim, d_state]`` -> 1 (head_dim plays d_v, d_state plays d_k).
+    ``conv_shapes`` are the conv windows per layer (e.g. ``((conv_dim, kernel - 1),)``) at ``conv_dtype``.
+    """
+
+    num_layers: int
+    temporal_shape: Tuple[int, ...]
+    temporal_dtype: torch.dtype = torch.float32
+    conv_shapes: Tuple[Tuple[int, ...], ...] = field(default_factory=tuple)
+    conv_dtype: torch.dtype = torch.bfloat16
+    value_axis: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("num_layers", self.num_layers)
+        shape = _shape("temporal_shape", self.temporal_shape)
+        if len(shape) != 3:
+            raise InvalidArgumentError("temporal_shape", "3 dims [H, a, b]", self.temporal_shape)
+        object.__setattr__(self, "temporal_shape", shape)
+        convs = tuple(_shape("conv_shapes", s) for s in self.conv_shapes)
+        object.__setattr__(self, "conv_shapes", convs)
+        if self.temporal_dtype not in STATE_DTYPES:
+            raise InvalidArgumentError("temporal_dtype", "float32, bfloat16 or float16", self.temporal_dtype)
+        if not isinstance(self.conv_dtype, torch.dtype) or self.conv_dtype.is_complex:
+            raise InvalidArgumentError("conv_dtype", "a real torch.dtype", self.conv_dtype)
+        if self.value_axis not in (1, 2):
+            raise InvalidArgumentError("value_axis", "1 or 2 (an axis of temporal_shape [H, a, b])", self.value_axis)
+
+    @property
+    def num_heads(self) -> int:
+        return self.temporal_shape[0]
+
+    @property
+    def d_v(self) -> int:
+        return self.temporal_shape[self.value_axis]
+
+    @property
+    def d_k(self) -> int:
+        return self.temporal_shape[3 - self.value_axis]
+
+    @property
+    def temporal_bytes(self) -> int:
+        return math.prod(self.temporal_shape) * self.temporal_dtype.itemsize
+
+    def conv_bytes(self, i: int) -> int:
+        return math.prod(self.conv_shapes[i]) * self.conv_dtype.itemsize
+
+    def _layer_bytes(self) -> int:
+        return align_up(self.temporal_bytes) + sum(align_up(self.conv_bytes(i)) for i in range(len(self.conv_shapes)))
+
+    def field_offsets(self) -> Tuple[Tuple[int, Tuple[int, ...]], ...]:
+        """Per layer: (temporal byte offset, (conv byte offsets...)) inside one envelope."""
+        out = []
+        for layer in range(self.num_layers):
+            base = layer * self._layer_bytes()
+            off = base + align_up(self.temporal_bytes)
+            convs = []
+            for i in range(len(self.conv_shapes)):
+                convs.append(off)
+                off += align_up(self.conv_bytes(i))
+            out.append((base, tuple(convs)))
+        return tuple(out)
+
+    def bytes_per_slot(self, page_size: int = 1) -> int:
+        """Bytes of one state envelope (all layers). ``page_size`` is ignored: one state per slot."""
+        return self.num_layers * self._layer_bytes()
