@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Tuple
 
 import torch
 
@@ -47,7 +46,7 @@ def _positive(name: str, value: int) -> None:
         raise InvalidArgumentError(name, "a positive int", value)
 
 
-def _shape(name: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+def _shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     try:
         out = tuple(int(s) for s in shape)
     except TypeError:
@@ -96,7 +95,7 @@ class KVSpec:
     def v_token_bytes(self) -> int:
         return self.kv_heads * self.v_head_dim * self.store_dtype.itemsize
 
-    def field_offsets(self, page_size: int) -> Tuple[Tuple[int, int], ...]:
+    def field_offsets(self, page_size: int) -> tuple[tuple[int, int], ...]:
         """Byte offset of (K, V) of each layer inside one page envelope."""
         _positive("page_size", page_size)
         k_bytes = align_up(page_size * self.k_token_bytes)
@@ -126,9 +125,9 @@ class StateSpec:
     """
 
     num_layers: int
-    temporal_shape: Tuple[int, ...]
+    temporal_shape: tuple[int, ...]
     temporal_dtype: torch.dtype = torch.float32
-    conv_shapes: Tuple[Tuple[int, ...], ...] = field(default_factory=tuple)
+    conv_shapes: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     conv_dtype: torch.dtype = torch.bfloat16
     value_axis: int = 1
 
@@ -169,7 +168,7 @@ class StateSpec:
     def _layer_bytes(self) -> int:
         return align_up(self.temporal_bytes) + sum(align_up(self.conv_bytes(i)) for i in range(len(self.conv_shapes)))
 
-    def field_offsets(self) -> Tuple[Tuple[int, Tuple[int, ...]], ...]:
+    def field_offsets(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Per layer: (temporal byte offset, (conv byte offsets...)) inside one envelope."""
         out = []
         for layer in range(self.num_layers):

@@ -1,0 +1,35 @@
+"""tiered-cache: a tiered cache for the KV and recurrent states of hybrid LLMs.
+
+T0 ``UnifiedPool`` (one GPU byte buffer, two sub-pools growing towards each other), T1 int8
+checkpoint pool, T2 pinned host mirror, and the HiMamba radix cache that drives them.
+"""
+
+from __future__ import annotations
+
+from tiered_cache.allocator import MultiEndedAllocator
+from tiered_cache.errors import (
+    IntegrityError,
+    InvalidArgumentError,
+    MemoryBudgetError,
+    SlotBusyError,
+    SlotStateError,
+    TieredCacheError,
+)
+from tiered_cache.specs import KVSpec, StateSpec
+from tiered_cache.unified_pool import SubPool, UnifiedPool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IntegrityError",
+    "InvalidArgumentError",
+    "KVSpec",
+    "MemoryBudgetError",
+    "MultiEndedAllocator",
+    "SlotBusyError",
+    "SlotStateError",
+    "StateSpec",
+    "SubPool",
+    "TieredCacheError",
+    "UnifiedPool",
+]

@@ -1,0 +1,3 @@
+from tiered_cache.cli import main
+
+raise SystemExit(main())

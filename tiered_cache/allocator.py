@@ -1,0 +1,354 @@
+"""``MultiEndedAllocator``: one side of a ``UnifiedPool``, handing out virtual slot ids.
+
+Two allocators share one byte buffer. The ``up`` side's band starts at the low bytes, the ``down``
+side's at the high bytes; each grows towards the other and never into bytes the other holds::
+
+    byte 0                                                                      total_bytes
+    | sink | up rank 1 | up rank 2 | ... ->    (free bytes)    <- ... | down rank 1 | sink |
+    |<----------- up band: n_up * E_up -------->|      |<------ down band: n_down * E_down ->|
+
+A side counts its slots by *rank*, the distance from its own end (rank 0 is the reserved sink that
+padded writes land in). The *physical* id of a slot is its row in the side's typed views, which run
+in ascending byte order: row = rank on the up side, row = capacity - 1 - rank on the down side.
+Everything above the allocator holds *virtual* ids; ``translate`` maps them to physical rows with
+one gather, so compaction (moving live slots into holes to shrink the band) rewrites only the
+tables, never a reference held above.
+
+Eager compaction keeps a band hole-free after every ``free``. Lazy compaction leaves holes, reuses
+them first, and compacts only when the peer needs the bytes (or on ``compact()``).
+
+KV sides are page-aware: one slot is a page of ``page_size`` tokens; ``alloc``/``free``/``translate``
+speak token ids (``page * page_size + offset``), as a serving engine's token-to-KV map does.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tiered_cache.errors import InvalidArgumentError, SlotStateError
+
+Mover = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class MultiEndedAllocator:
+    """Virtual-id allocator for one side of a shared byte buffer.
+
+    Args:
+        name: the side's name, used in error messages.
+        entry_bytes: bytes of one slot (one page for KV).
+        total_bytes: bytes of the whole shared buffer.
+        grows: ``"up"`` (from byte 0) or ``"down"`` (from ``total_bytes``).
+        page_size: tokens per slot (1 for state sides).
+        lazy: lazy compaction instead of eager.
+        device: where the translate table lives (ids handed out live there too).
+        mover: ``mover(src_rows, dst_rows)`` copies whole slots inside this side's rows; called by
+            compaction before the tables change. ``None``: the allocator manages ids only.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        entry_bytes: int,
+        total_bytes: int,
+        grows: str,
+        page_size: int = 1,
+        lazy: bool = False,
+        device: torch.device | str = "cpu",
+        mover: Optional[Mover] = None,
+    ) -> None:
+        if grows not in ("up", "down"):
+            raise InvalidArgumentError("grows", "'up' or 'down'", grows)
+        if not isinstance(page_size, int) or page_size < 1:
+            raise InvalidArgumentError("page_size", "an int >= 1", page_size)
+        if entry_bytes <= 0 or total_bytes // entry_bytes < 2:
+            raise InvalidArgumentError(
+                "total_bytes", f"room for the sink and one slot of {entry_bytes} bytes", total_bytes
+            )
+        self.name = name
+        self.entry_bytes = int(entry_bytes)
+        self.total_bytes = int(total_bytes)
+        self.grows = grows
+        self.page_size = page_size
+        self.lazy = bool(lazy)
+        self.device = torch.device(device)
+        self.mover = mover
+        self.capacity = self.total_bytes // self.entry_bytes  # rows if this side had every byte
+        self.peer: Optional[MultiEndedAllocator] = None
+        self.num_moves = 0  # slots moved by compaction, for stats and tests
+        # The device table is what kernels gather from; on CPU it shares memory with the host copy.
+        self._v2p = np.full(self.capacity, -1, dtype=np.int64)
+        if self.device.type == "cpu":
+            self._table = torch.from_numpy(self._v2p)
+        else:
+            self._table = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        self.clear()
+
+    # ----------------------------------------------------------------------------------- setup
+
+    def bind_peer(self, peer: MultiEndedAllocator) -> None:
+        if peer.total_bytes != self.total_bytes or peer.grows == self.grows:
+            raise InvalidArgumentError("peer", "the other side of the same buffer", peer.name)
+        self.peer = peer
+
+    def clear(self) -> None:
+        """Forget every allocation (no data moves): the band is the sink alone."""
+        self._v2p[:] = -1
+        self._p2v = np.full(self.capacity, -1, dtype=np.int64)
+        sink_row = self._row(0)
+        self._v2p[0] = sink_row
+        self._p2v[sink_row] = 0
+        self._n = 1  # band size in ranks, sink included
+        self._live = 0
+        self._free_vids: list[int] = list(range(self.capacity - 1, 0, -1))  # pop() gives 1, 2, ...
+        self._holes: list[int] = []  # min-heap of hole ranks (may hold stale entries)
+        self._hole_set: set[int] = set()
+        self._dirty: set[int] = set(range(self.capacity)) if self.device.type != "cpu" else set()
+
+    # ------------------------------------------------------------------------------- geometry
+
+    def _row(self, rank):
+        return rank if self.grows == "up" else self.capacity - 1 - rank
+
+    def band_bytes(self) -> int:
+        """Bytes from this side's end to its frontier, holes included."""
+        return self._n * self.entry_bytes
+
+    def live_band_bytes(self) -> int:
+        """Bytes the band would take once compacted."""
+        return (self._live + 1) * self.entry_bytes
+
+    def _max_ranks(self, peer_bytes: Optional[int] = None) -> int:
+        if self.peer is None:
+            return self.capacity
+        if peer_bytes is None:
+            peer_bytes = self.peer.band_bytes()
+        return min(self.capacity, (self.total_bytes - peer_bytes) // self.entry_bytes)
+
+    # ------------------------------------------------------------------------------- queries
+
+    def available_size(self) -> int:
+        """Tokens (slots when ``page_size`` is 1) ``alloc`` can return without moving the peer."""
+        slots = len(self._hole_set) + max(0, self._max_ranks() - self._n)
+        return min(slots, len(self._free_vids)) * self.page_size
+
+    def schedulable_available_size(self) -> int:
+        """Tokens ``alloc`` can return now, counting peer holes that compaction would release."""
+        peer_bytes = None if self.peer is None else self.peer.live_band_bytes()
+        slots = len(self._hole_set) + max(0, self._max_ranks(peer_bytes) - self._n)
+        return min(slots, len(self._free_vids)) * self.page_size
+
+    @property
+    def num_live(self) -> int:
+        return self._live
+
+    @property
+    def num_holes(self) -> int:
+        return len(self._hole_set)
+
+    def live_virtual_ids(self) -> list[int]:
+        return sorted(int(v) for v in np.nonzero(self._v2p >= 0)[0] if v != 0)
+
+    def physical_of(self, vid: int) -> int:
+        """The physical row of one virtual slot id (not page-expanded); -1 when free."""
+        return int(self._v2p[vid])
+
+    # ------------------------------------------------------------------------------- alloc/free
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        """``n`` virtual ids (tokens, whole pages) on ``device``, or ``None`` if there is no room.
+
+        Holes are reused first (lowest rank first), then the band grows. When growing would cross
+        into the peer's band and compacting the peer would make room, the peer is compacted.
+        On ``None`` nothing has changed.
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise InvalidArgumentError("n", "an int >= 0", n)
+        if n % self.page_size:
+            raise InvalidArgumentError("n", f"a multiple of page_size={self.page_size}", n)
+        k = int(n) // self.page_size
+        if k > len(self._free_vids):
+            return None
+        reuse = min(k, len(self._hole_set))
+        grow = k - reuse
+        if self._n + grow > self._max_ranks():
+            if self.peer is None or self._n + grow > self._max_ranks(self.peer.live_band_bytes()):
+                return None
+            self.peer.compact()  # the peer's holes are exactly the bytes we need
+        ranks: list[int] = []
+        while len(ranks) < reuse:
+            r = heapq.heappop(self._holes)
+            if r in self._hole_set:
+                self._hole_set.discard(r)
+                ranks.append(r)
+        ranks.extend(range(self._n, self._n + grow))
+        self._n += grow
+        vids = [self._free_vids.pop() for _ in range(k)]
+        rows = [self._row(r) for r in ranks]
+        self._v2p[vids] = rows
+        self._p2v[rows] = vids
+        self._live += k
+        self._mark_dirty(vids)
+        return self._expand(vids)
+
+    def free(self, ids: torch.Tensor) -> None:
+        """Return ids from ``alloc``. Free, unknown or repeated ids raise before anything changes."""
+        vids = self._pages_of(ids)
+        if not vids:
+            return
+        rows = self._v2p[vids].tolist()
+        self._v2p[vids] = -1
+        self._p2v[rows] = -1
+        self._live -= len(vids)
+        self._free_vids.extend(reversed(vids))
+        self._mark_dirty(vids)
+        for row in rows:
+            r = self._row(row)
+            self._hole_set.add(r)
+            heapq.heappush(self._holes, r)
+        if self.lazy:
+            self._trim()
+        else:
+            self.compact()
+
+    def compact(self) -> int:
+        """Move the live slots above the compacted frontier into the holes below it.
+
+        Returns the number of slots moved. Data moves first (one ``mover`` call), then the tables.
+        """
+        new_n = self._live + 1
+        if self._n == new_n:
+            self._clear_holes()
+            return 0
+        targets = sorted(r for r in self._hole_set if r < new_n)
+        top_rows = self._row(np.arange(new_n, self._n))
+        sources = [int(r) for r in top_rows[self._p2v[top_rows] >= 0]]
+        dst_rows = [self._row(r) for r in targets]
+        assert len(sources) == len(dst_rows), "compaction lost track of a slot"
+        if sources:
+            if self.mover is not None:
+                dev = self.device
+                self.mover(torch.tensor(sources, device=dev), torch.tensor(dst_rows, device=dev))
+            moved_vids = self._p2v[sources].copy()
+            self._p2v[sources] = -1
+            self._p2v[dst_rows] = moved_vids
+            self._v2p[moved_vids] = dst_rows
+            self._mark_dirty(moved_vids.tolist())
+            self.num_moves += len(sources)
+        self._n = new_n
+        self._clear_holes()
+        return len(sources)
+
+    # -------------------------------------------------------------------------------- translate
+
+    def translate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Virtual token ids -> physical token ids (``page_size`` 1: slot rows), one gather.
+
+        The table's address never changes, so a captured CUDA graph that gathers from it stays valid.
+        """
+        self.sync_table()
+        if self.page_size == 1:
+            return self._table[ids]
+        return self._table[ids // self.page_size] * self.page_size + ids % self.page_size
+
+    def translate_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """Virtual page (slot) ids -> physical rows."""
+        self.sync_table()
+        return self._table[page_ids]
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The virtual->physical row table on ``device`` (-1 for free ids); stable address."""
+        self.sync_table()
+        return self._table
+
+    def sync_table(self) -> None:
+        """Push host-side table changes to the device copy (a no-op on CPU, where they share memory)."""
+        if not self._dirty:
+            return
+        idx = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
+        self._table[torch.from_numpy(idx).to(self.device)] = torch.from_numpy(self._v2p[idx]).to(self.device)
+        self._dirty.clear()
+
+    # ------------------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Recompute from the tables that ids, rows, holes and bands agree. Raises AssertionError."""
+        v2p, p2v = self._v2p, self._p2v
+        live_v = np.nonzero(v2p >= 0)[0]
+        assert v2p[0] == self._row(0) and p2v[self._row(0)] == 0, "sink moved"
+        assert np.array_equal(p2v[v2p[live_v]], live_v), "v2p and p2v are not inverse"
+        live_rows = np.nonzero(p2v >= 0)[0]
+        assert len(live_rows) == len(live_v), "a physical row holds two ids, or an id two rows"
+        assert len(live_v) == self._live + 1, "live counter disagrees with the table"
+        ranks = self._row(live_rows)
+        assert ranks.max() < self._n, "a live slot lies outside the band"
+        band_holes = set(range(1, self._n)) - set(ranks.tolist())
+        assert band_holes == self._hole_set, "hole set disagrees with the table"
+        assert self.lazy or not self._hole_set, "eager side has holes"
+        assert self._n == 1 or (self._row(self._n - 1) in set(live_rows.tolist())), "band not trimmed"
+        free = set(self._free_vids)
+        assert len(free) == len(self._free_vids), "a virtual id is free twice"
+        assert free == set(range(1, self.capacity)) - set(live_v.tolist()), "free ids disagree"
+        if self.peer is not None:
+            assert self.band_bytes() + self.peer.band_bytes() <= self.total_bytes, "bands overlap"
+        if self.device.type != "cpu":
+            self.sync_table()
+            assert np.array_equal(self._table.cpu().numpy(), v2p), "device table out of sync"
+
+    # --------------------------------------------------------------------------------- helpers
+
+    def _expand(self, vids: list[int]) -> torch.Tensor:
+        t = torch.tensor(vids, dtype=torch.int64, device=self.device)
+        if self.page_size == 1:
+            return t
+        return (t[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def _pages_of(self, ids: torch.Tensor) -> list[int]:
+        """Validate ids handed back to ``free`` and return their virtual slot ids.
+
+        Plain Python on the id list: engines free a few pages at a time, where numpy's per-call
+        overhead dominates.
+        """
+        if (not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point
+                or ids.dtype == torch.bool):
+            raise InvalidArgumentError("ids", "a 1-D integer tensor", getattr(ids, "shape", type(ids)))
+        ps = self.page_size
+        lst = ids.tolist()
+        if len(lst) % ps:
+            raise SlotStateError("ids", f"whole pages of page_size={ps} tokens", f"{len(lst)} ids")
+        if ps == 1:
+            vids = lst
+        else:
+            vids = [t // ps for t in lst[::ps]]
+            if lst != [v * ps + j for v in vids for j in range(ps)]:
+                raise SlotStateError("ids", f"whole pages (page*{ps} + 0..{ps - 1}, in order)", lst[:16])
+        if vids and (min(vids) < 1 or max(vids) >= self.capacity):
+            raise SlotStateError("ids", f"virtual ids in [1, {self.capacity}) of side {self.name!r}", vids[:16])
+        if len(set(vids)) != len(vids):
+            raise SlotStateError("ids", "each id at most once per call", vids[:16])
+        v2p = self._v2p
+        unallocated = [v for v in vids if v2p[v] < 0]
+        if unallocated:
+            raise SlotStateError("ids", f"allocated ids of side {self.name!r}", unallocated[:16])
+        return vids
+
+    def _trim(self) -> None:
+        while self._n > 1 and (self._n - 1) in self._hole_set:
+            self._n -= 1
+            self._hole_set.discard(self._n)
+        # stale heap entries above the frontier are skipped when popped
+
+    def _clear_holes(self) -> None:
+        self._holes.clear()
+        self._hole_set.clear()
+
+    def _mark_dirty(self, vids) -> None:
+        if self.device.type != "cpu":
+            self._dirty.update(vids)

@@ -1,0 +1,22 @@
+"""Plain-torch twins of every kernel in ``tiered_cache.kernels``. They run on CPU and are what tests
+and benchmarks compare the kernels against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def move_rows_reference(buf: torch.Tensor, base: int, entry_bytes: int, num_rows: int,
+                        src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """Twin of ``kernels.move.move_rows``: copy row ``src_rows[i]`` over ``dst_rows[i]``.
+
+    Rows are ``entry_bytes`` wide and start at byte ``base`` of the ``uint8`` buffer ``buf``. Source
+    and destination rows must be disjoint sets (compaction moves live rows into holes).
+    """
+    rows = buf[base: base + num_rows * entry_bytes].view(num_rows, entry_bytes)
+    rows[dst_rows] = rows[src_rows]
+
+
+# --- int8 checkpoint (T1) twins: defined in _ref_quant.py (kept apart so two authors never clobber) ---
+from tiered_cache.kernels._ref_quant import *  # noqa: E402,F401,F403
