@@ -30,6 +30,10 @@ def device_name() -> str:
 
 
 def commit() -> str:
+    """``git rev-parse --short HEAD`` (+ ``-dirty``); ``TIERED_CACHE_COMMIT`` where the tree has no .git
+    (the GPU machine gets a copy of the work tree without its history)."""
+    if os.environ.get("TIERED_CACHE_COMMIT"):
+        return os.environ["TIERED_CACHE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=os.path.dirname(RESULTS), timeout=10)

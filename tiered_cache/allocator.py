@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tiered_cache.errors import InvalidArgumentError, SlotStateError
+from tiered_cache.errors import InvalidArgumentError, SlotBusyError, SlotStateError
 
 Mover = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -80,6 +80,9 @@ class MultiEndedAllocator:
         self.mover = mover
         self.capacity = self.total_bytes // self.entry_bytes  # rows if this side had every byte
         self.peer: Optional[MultiEndedAllocator] = None
+        # Called before compaction moves data: a transfer engine makes compute wait for its copies.
+        self.fences: list[Callable[[], None]] = []
+        self._busy: dict[int, int] = {}  # virtual slot id -> transfers in flight on it
         self.num_moves = 0  # slots moved by compaction, for stats and tests
         # The device table is what kernels gather from; on CPU it shares memory with the host copy.
         self._v2p = np.full(self.capacity, -1, dtype=np.int64)
@@ -110,6 +113,8 @@ class MultiEndedAllocator:
         self._holes: list[int] = []  # min-heap of hole ranks (may hold stale entries)
         self._hole_set: set[int] = set()
         self._dirty: set[int] = set(range(self.capacity)) if self.device.type != "cpu" else set()
+        if getattr(self, "_busy", None):
+            raise SlotBusyError(f"side {self.name!r}: cannot clear with transfers in flight")
 
     # ------------------------------------------------------------------------------- geometry
 
@@ -202,6 +207,9 @@ class MultiEndedAllocator:
         vids = self._pages_of(ids)
         if not vids:
             return
+        if self._busy and any(v in self._busy for v in vids):
+            busy = [v for v in vids if v in self._busy]
+            raise SlotBusyError(f"side {self.name!r}: slots {busy[:16]} are read or written by a transfer in flight")
         rows = self._v2p[vids].tolist()
         self._v2p[vids] = -1
         self._p2v[rows] = -1
@@ -232,6 +240,8 @@ class MultiEndedAllocator:
         dst_rows = [self._row(r) for r in targets]
         assert len(sources) == len(dst_rows), "compaction lost track of a slot"
         if sources:
+            for fence in self.fences:
+                fence()
             if self.mover is not None:
                 dev = self.device
                 self.mover(torch.tensor(sources, device=dev), torch.tensor(dst_rows, device=dev))
@@ -244,6 +254,25 @@ class MultiEndedAllocator:
         self._n = new_n
         self._clear_holes()
         return len(sources)
+
+    def physical_rows(self, vids: list[int]) -> list[int]:
+        """Host-side translate of virtual slot (page) ids to physical rows, no device round trip."""
+        rows = self._v2p[vids].tolist()
+        if any(r < 0 for r in rows):
+            raise SlotStateError("vids", f"allocated ids of side {self.name!r}", vids[:16])
+        return rows
+
+    def mark_busy(self, vids) -> None:
+        for v in vids:
+            self._busy[v] = self._busy.get(v, 0) + 1
+
+    def unmark_busy(self, vids) -> None:
+        for v in vids:
+            left = self._busy[v] - 1
+            if left:
+                self._busy[v] = left
+            else:
+                del self._busy[v]
 
     # -------------------------------------------------------------------------------- translate
 

@@ -18,5 +18,14 @@ def move_rows_reference(buf: torch.Tensor, base: int, entry_bytes: int, num_rows
     rows[dst_rows] = rows[src_rows]
 
 
+
+def row_checksums_reference(rows_view: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.checksum.row_checksums``: ``sum_i w_i * (2i + 1) mod 2**64`` per row, where
+    ``w_i`` are the row's bytes read as unsigned 32-bit words."""
+    data = rows_view[rows].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    weights = torch.arange(data.shape[1], dtype=torch.int64, device=data.device) * 2 + 1
+    return (data * weights).sum(dim=1)
+
+
 # --- int8 checkpoint (T1) twins: defined in _ref_quant.py (kept apart so two authors never clobber) ---
 from tiered_cache.kernels._ref_quant import *  # noqa: E402,F401,F403

@@ -1,0 +1,289 @@
+"""Fused int8 quantize-store / dequantize-load and the row copy against their torch twins.
+
+CPU runs go through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA), with small
+L, H and few states so a launch is a handful of program instances. Outputs are poisoned first: int8
+with -128 (the kernel clamps to +-127, so it never writes -128) and floats with NaN, so an element the
+kernel forgot to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.kernels import quant
+from tiered_cache.kernels.reference import (
+    copy_rows_reference,
+    dequantize_load_reference,
+    dequantize_reference,
+    quantize_reference,
+    quantize_store_reference,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+POISON_Q = -128
+gpu = pytest.mark.gpu
+
+
+def state_shape(L, R, H, dv, dk, value_axis):
+    return (L, R, H, dv, dk) if value_axis == 1 else (L, R, H, dk, dv)
+
+
+def rand_states(shape, dtype, device="cpu", seed=0, k_axis=-1):
+    """``randn`` scaled per state/head and per k-channel (the structure a decay diag(alpha) gives real
+    states), so every scale differs. Never zeros."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=device)
+    per_head = [1] * len(shape)
+    per_head[: len(shape) - 2] = shape[: len(shape) - 2]
+    per_k = [1] * len(shape)
+    per_k[k_axis] = shape[k_axis]
+    x = x * torch.exp(torch.randn(per_head, generator=g, device=device))
+    x = x * torch.exp(0.5 * torch.randn(per_k, generator=g, device=device))
+    return x.to(dtype)
+
+
+def bits(t):
+    """Same-size integer view: compares floats bit for bit, NaN poison included."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def poisoned_codes(L, S, H, dv, dk, dtype, device="cpu"):
+    q = torch.full((L, S, H, dv, dk), POISON_Q, dtype=torch.int8, device=device)
+    s = torch.full((L, S, H, 1, dk), float("nan"), dtype=dtype, device=device)
+    return q, s
+
+
+def run_store_load(L, R, S, H, dv, dk, dtype, value_axis, rows, slots, device="cpu", seed=0):
+    """Kernel vs reference for one store and one load; asserts bit-exactness and untouched poison."""
+    rows = torch.tensor(rows, device=device)
+    slots = torch.tensor(slots, device=device)
+    src = rand_states(state_shape(L, R, H, dv, dk, value_axis), dtype, device, seed, -1 if value_axis == 1 else -2)
+    q, s = poisoned_codes(L, S, H, dv, dk, dtype, device)
+    q_ref, s_ref = q.clone(), s.clone()
+    quant.quantize_store(src, rows, q, s, slots, value_axis, backend="triton")
+    quantize_store_reference(src, rows, q_ref, s_ref, slots, value_axis)
+    assert torch.equal(q, q_ref), "int8 codes differ from the reference"
+    assert torch.equal(bits(s), bits(s_ref)), "scales differ (bitwise; NaN poison included)"
+    assert (q[:, slots] != POISON_Q).all() and not s[:, slots].isnan().any(), "unwritten codes"
+    others = torch.ones(S, dtype=torch.bool, device=device)
+    others[slots] = False
+    assert (q[:, others] == POISON_Q).all(), "wrote outside dst_slots"
+
+    dst = torch.full_like(src, float("nan"))
+    dst_ref = dst.clone()
+    quant.dequantize_load(q, s, slots, dst, rows, value_axis, backend="triton")
+    dequantize_load_reference(q_ref, s_ref, slots, dst_ref, rows, value_axis)
+    assert torch.equal(dst[:, rows], dst_ref[:, rows]), "dequantized states differ from the reference"
+    untouched = torch.ones(R, dtype=torch.bool, device=device)
+    untouched[rows] = False
+    assert dst[:, untouched].isnan().all(), "wrote outside dst_rows"
+    return src, dst, rows
+
+
+# Head dims: powers of two and not (80, 96 need masks); value_axis 2 is the transposed source.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("value_axis", [1, 2])
+@pytest.mark.parametrize("dv,dk", [(80, 96), (128, 64), (64, 256)])
+def test_kernels_match_reference(dtype, value_axis, dv, dk):
+    run_store_load(L=2, R=5, S=4, H=2, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
+                   rows=[3, 0, 4], slots=[2, 1, 3], seed=dv * 7 + dk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_relative_error(dtype):
+    src, dst, rows = run_store_load(L=2, R=3, S=3, H=2, dv=128, dk=128, dtype=dtype, value_axis=1,
+                                    rows=[0, 2], slots=[1, 2], seed=11)
+    a, b = src[:, rows].float(), dst[:, rows].float()
+    rel = ((a - b).norm() / a.norm()).item()
+    assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_state_stays_zero(dtype):
+    # The one test with zeros on purpose: amax clamps to 1e-8 (fp16: the scale floor), q = 0, back to 0.
+    src = torch.zeros(2, 2, 2, 64, 80, dtype=dtype)
+    q, s = poisoned_codes(2, 2, 2, 64, 80, dtype)
+    quant.quantize_store(src, torch.tensor([0, 1]), q, s, torch.tensor([1, 0]), 1, backend="triton")
+    assert (q == 0).all() and (s > 0).all()
+    dst = torch.full_like(src, float("nan"))
+    quant.dequantize_load(q, s, torch.tensor([0, 1]), dst, torch.tensor([1, 0]), 1, backend="triton")
+    assert (dst == 0).all() and not dst.signbit().any()
+
+
+def test_fp16_tiny_values_do_not_divide_by_zero():
+    # fp16 (amax / 127) underflows to 0 below amax ~7.6e-6; the scale floor keeps x / scale finite.
+    src = (rand_states((1, 1, 1, 64, 64), torch.float32, seed=5) * 1e-7).to(torch.float16)
+    q, s = poisoned_codes(1, 1, 1, 64, 64, torch.float16)
+    q_ref, s_ref = q.clone(), s.clone()
+    ids = torch.tensor([0])
+    quant.quantize_store(src, ids, q, s, ids, 1, backend="triton")
+    quantize_store_reference(src, ids, q_ref, s_ref, ids, 1)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and (s > 0).all()
+
+
+def test_ties_round_half_to_even():
+    # scale = 2**-4 exactly (amax = 127 / 16); x = (k + 0.5) * scale lands exactly on a tie.
+    dk = 8
+    col = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]) / 16
+    src = col[:, None].expand(8, dk).contiguous().reshape(1, 1, 1, 8, dk)
+    q, s = poisoned_codes(1, 1, 1, 8, dk, torch.float32)
+    ids = torch.tensor([0])
+    quant.quantize_store(src, ids, q, s, ids, 1, backend="triton")
+    assert torch.equal(s[0, 0, 0, 0], torch.full((dk,), 1 / 16))
+    assert q[0, 0, 0, :, 0].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    q_ref, s_ref = quantize_reference(src)
+    assert torch.equal(q, q_ref)
+
+
+def test_reference_math_is_the_documented_one():
+    # amax in fp32, scale rounded to the state dtype before dividing, dequantize in fp32 then cast.
+    x = rand_states((3, 48, 40), torch.bfloat16, seed=2)
+    q, s = quantize_reference(x)
+    amax = x.float().abs().amax(dim=-2, keepdim=True).clamp(min=1e-8)
+    assert torch.equal(s, (amax / 127).to(torch.bfloat16))
+    assert torch.equal(q, torch.round(x.float() / s.float()).clamp(-127, 127).to(torch.int8))
+    assert torch.equal(dequantize_reference(q, s, torch.bfloat16), (q.float() * s.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_copy_rows_bitwise(dtype):
+    L, R, S = 2, 5, 4
+    src = rand_states((L, R, 24, 3), dtype, seed=3)
+    dst = torch.full((L, S, 24, 3), float("nan"), dtype=dtype)
+    dst_ref = dst.clone()
+    quant.copy_rows(src, torch.tensor([4, 1]), dst, torch.tensor([3, 0]), backend="triton")
+    copy_rows_reference(src, torch.tensor([4, 1]), dst_ref, torch.tensor([3, 0]))
+    assert torch.equal(dst[:, [3, 0]], dst_ref[:, [3, 0]]) and dst[:, [1, 2]].isnan().all()
+
+
+def test_strided_source_like_a_pool_view():
+    # Slot-major envelopes: [R, L, H, a, b] storage viewed as [L, R, ...] (neither stride contiguous),
+    # plus padding between slots, like UnifiedPool.temporal_view_all().
+    L, R, H, a, b = 2, 4, 2, 96, 80
+    env = torch.randn(R, L * H * a * b + 64)
+    src = env[:, : L * H * a * b].reshape(R, L, H, a, b).transpose(0, 1)
+    q, s = poisoned_codes(L, 3, H, b, a, torch.float32)
+    q_ref, s_ref = q.clone(), s.clone()
+    rows, slots = torch.tensor([2, 3]), torch.tensor([0, 2])
+    quant.quantize_store(src, rows, q, s, slots, 2, backend="triton")
+    quantize_store_reference(src, rows, q_ref, s_ref, slots, 2)
+    assert torch.equal(q, q_ref) and torch.equal(s[:, slots], s_ref[:, slots])
+
+
+# ------------------------------------------------------------------------------ bad inputs
+def _bad_setup():
+    src = rand_states((2, 4, 2, 64, 32), torch.float32, seed=9)
+    q, s = poisoned_codes(2, 3, 2, 64, 32, torch.float32)
+    return src, q, s
+
+
+@pytest.mark.parametrize("case,arg", [
+    ("scale_dtype", "scale"), ("q_dtype", "qdata"), ("q_shape", "qdata"), ("axis", "value_axis"),
+    ("rows_range", "src_rows"), ("slots_range", "dst_slots"), ("dup_slots", "dst_slots"),
+    ("lengths", "dst_slots"), ("ids_float", "src_rows"), ("device", "src_rows"), ("expanded", "qdata"),
+])
+def test_quantize_store_bad_input_writes_nothing(case, arg):
+    src, q, s = _bad_setup()
+    rows, slots, va = torch.tensor([0, 1]), torch.tensor([1, 2]), 1
+    if case == "scale_dtype":
+        s = s.to(torch.float16)
+    elif case == "q_dtype":
+        q = q.to(torch.int16)
+    elif case == "q_shape":
+        q = q[..., :16]
+    elif case == "axis":
+        va = 3
+    elif case == "rows_range":
+        rows = torch.tensor([0, 4])
+    elif case == "slots_range":
+        slots = torch.tensor([1, 3])
+    elif case == "dup_slots":
+        slots = torch.tensor([2, 2])
+    elif case == "lengths":
+        slots = torch.tensor([1])
+    elif case == "ids_float":
+        rows = rows.float()
+    elif case == "device":
+        rows = rows.to("meta")
+    elif case == "expanded":
+        q = q[:, :1].expand(2, 3, 2, 64, 32)
+    q0, s0 = q.clone(), s.clone()
+    with pytest.raises(InvalidArgumentError) as err:
+        quant.quantize_store(src, rows, q, s, slots, va, backend="triton")
+    assert err.value.arg == arg
+    assert torch.equal(q, q0) and torch.equal(bits(s), bits(s0))
+
+
+def test_dequantize_load_bad_input_writes_nothing():
+    src, q, s = _bad_setup()
+    quantize_store_reference(src, torch.tensor([0, 1, 2]), q, s, torch.tensor([0, 1, 2]), 1)
+    dst = torch.full_like(src, float("nan"))
+    for kwargs, arg in [
+        (dict(dst=dst.to(torch.bfloat16)), "scale"),              # scale dtype must match the state dtype
+        (dict(dst_rows=torch.tensor([1, 1])), "dst_rows"),        # duplicate destinations
+        (dict(src_slots=torch.tensor([0, 3])), "src_slots"),      # out of range
+        (dict(dst_rows=torch.tensor([0, 1, 2])), "dst_rows"),     # lengths
+        (dict(dst=dst[:, :, :, :, :16]), "qdata"),                # shape mismatch
+    ]:
+        args = dict(qdata=q, scale=s, src_slots=torch.tensor([0, 1]), dst=dst, dst_rows=torch.tensor([2, 3]))
+        args.update(kwargs)
+        with pytest.raises(InvalidArgumentError) as err:
+            quant.dequantize_load(**args, value_axis=1, backend="triton")
+        assert err.value.arg == arg, kwargs
+        assert dst.isnan().all()
+
+
+def test_copy_rows_bad_input():
+    src = rand_states((2, 3, 8, 3), torch.float32)
+    dst = torch.full((2, 3, 8, 3), float("nan"))
+    with pytest.raises(InvalidArgumentError, match="dst"):
+        quant.copy_rows(src, torch.tensor([0]), dst.to(torch.bfloat16), torch.tensor([1]), backend="triton")
+    with pytest.raises(InvalidArgumentError, match="inner dims contiguous"):
+        quant.copy_rows(src.transpose(2, 3), torch.tensor([0]), dst.transpose(2, 3), torch.tensor([1]),
+                        backend="triton")
+    with pytest.raises(InvalidArgumentError, match="dst_rows"):
+        quant.copy_rows(src, torch.tensor([0, 1]), dst, torch.tensor([2, 2]), backend="triton")
+    assert dst.isnan().all()
+
+
+# ------------------------------------------------------------------------------ GPU, realistic sizes
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("value_axis", [1, 2])
+def test_gpu_qwen3_next_sized(dtype, value_axis):
+    # 36 layers x 32 heads x 128 x 128, 16 scattered states out of 40 rows, into 20 slots.
+    perm = torch.randperm(40)[:16].tolist()
+    slots = torch.randperm(20)[:16].tolist()
+    src, dst, rows = run_store_load(L=36, R=40, S=20, H=32, dv=128, dk=128, dtype=dtype, value_axis=value_axis,
+                                    rows=perm, slots=slots, device="cuda", seed=1)
+    a, b = src[:, rows].float(), dst[:, rows].float()
+    assert ((a - b).norm() / a.norm()).item() < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dv,dk", [(80, 96), (96, 80), (256, 64), (64, 256), (256, 256)])
+def test_gpu_head_dims(dtype, dv, dk):
+    for value_axis in (1, 2):
+        run_store_load(L=4, R=70, S=66, H=8, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
+                       rows=torch.randperm(70)[:64].tolist(), slots=torch.randperm(66)[:64].tolist(),
+                       device="cuda", seed=dv + dk)
+
+
+@gpu
+def test_gpu_copy_rows_and_zero_state():
+    src = rand_states((36, 40, 8192, 3), torch.bfloat16, device="cuda")
+    dst = torch.full((36, 20, 8192, 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+    rows, slots = torch.arange(0, 32, 2, device="cuda"), torch.arange(1, 17, device="cuda")
+    quant.copy_rows(src, rows, dst, slots, backend="triton")
+    assert torch.equal(dst[:, slots], src[:, rows])
+    for dtype in DTYPES:
+        z = torch.zeros(4, 3, 8, 128, 128, dtype=dtype, device="cuda")
+        q, s = poisoned_codes(4, 3, 8, 128, 128, dtype, "cuda")
+        ids = torch.arange(3, device="cuda")
+        quant.quantize_store(z, ids, q, s, ids, 1, backend="triton")
+        out = torch.full_like(z, float("nan"))
+        quant.dequantize_load(q, s, ids, out, ids, 1, backend="triton")
+        assert (q == 0).all() and (out == 0).all()

@@ -1,0 +1,269 @@
+"""T2 and the transfer engine: byte-exact round trips, checksums, busy slots, back-pressure."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tiered_cache import (
+    InvalidArgumentError,
+    KVSpec,
+    MemoryBudgetError,
+    SlotBusyError,
+    SlotStateError,
+    StateSpec,
+    UnifiedPool,
+)
+from tiered_cache.checkpoint_pool import Int8CheckpointPool
+from tiered_cache.host_mirror import HostMirror, RegionSpec
+from tiered_cache.kernels.checksum import row_checksums
+from tiered_cache.kernels.reference import row_checksums_reference
+from tiered_cache.moves import demote_kv, demote_states, kv_layer_ranges, load_kv, promote_states, restore_states
+from tiered_cache.transfer import TransferEngine, TransferTimeoutError
+
+KV = KVSpec(num_layers=3, kv_heads=2, head_dim=8, dtype=torch.float16)
+ST = StateSpec(num_layers=2, temporal_shape=(2, 8, 16), temporal_dtype=torch.float32,
+               conv_shapes=((6, 3),), conv_dtype=torch.bfloat16, value_axis=2)
+
+
+def setup(device="cpu", codec="int8", host_states=8, host_pages=16):
+    pool = UnifiedPool(KV, ST, low_slots=16, high_slots=6, page_size=4, device=device)
+    t1 = Int8CheckpointPool(ST, 8, device=device, codec=codec)
+    mirror = HostMirror([RegionSpec("state", t1.slot_bytes, host_states),
+                         RegionSpec("full", pool.low.entry_bytes, host_pages)])
+    return pool, t1, mirror, TransferEngine(device)
+
+
+def fill_random(t: torch.Tensor, seed: int) -> None:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g).to(t.device))
+
+
+@pytest.mark.parametrize("entry_bytes", [16, 64, 8192 + 48])
+def test_checksum_kernel_matches_reference(entry_bytes):
+    rows = torch.randint(0, 256, (7, entry_bytes), dtype=torch.uint8)
+    ids = torch.tensor([6, 0, 3, 3])
+    got = row_checksums(rows, ids, backend="triton")
+    assert torch.equal(got, row_checksums_reference(rows, ids))
+    assert got[2] == got[3] and got[0] != got[1]
+
+
+def test_checksum_detects_every_single_bit_flip_in_a_row():
+    rows = torch.randint(0, 256, (1, 64), dtype=torch.uint8)
+    base = row_checksums_reference(rows, torch.tensor([0]))
+    for byte in range(64):
+        for bit in range(8):
+            flipped = rows.clone()
+            flipped[0, byte] ^= 1 << bit
+            assert row_checksums_reference(flipped, torch.tensor([0])) != base
+
+
+def test_state_round_trip_t1_t2_t1_is_byte_exact_scattered_and_repeated():
+    pool, t1, mirror, eng = setup()
+    region = mirror.region("state")
+    src = t1.alloc(4).tolist()
+    fill_random(t1.envelopes, 1)
+    before = t1.envelopes.clone()
+    # scattered host slots, and one T1 slot demoted twice
+    hs = region.alloc(6)
+    hs = [hs[5], hs[1], hs[3], hs[0], hs[4], hs[2]]
+    demote = demote_states(eng, t1, src + src[:2], region, hs)
+    assert not demote.done
+    assert eng.poll() == [demote] and demote.done and demote.ok == [True] * 6
+    for s, h in zip(src + src[:2], hs):
+        assert torch.equal(region.slot(h), before[s])
+    dst = t1.alloc(4).tolist()
+    t1.envelopes[dst] = 0
+    promote = promote_states(eng, region, [hs[3], hs[0], hs[1], hs[5]], t1, dst[::-1])
+    assert eng.wait(promote, timeout=5) and promote.ok == [True] * 4
+    expect = [src[3], src[0], src[1], src[1]]
+    for d, s in zip(dst[::-1], expect):
+        assert torch.equal(t1.envelopes[d], before[s])
+    mirror.check_invariants()
+
+
+def test_kv_round_trip_t0_t2_t0_layerwise_byte_exact():
+    pool, t1, mirror, eng = setup()
+    full, region = pool.side("full"), mirror.region("full")
+    toks = full.alloc(12)  # 3 pages
+    fill_random(full.rows_bytes(), 2)
+    rows = full.translate(toks[::4]) // 4
+    saved = full.rows_bytes()[rows].clone()
+    hs = region.alloc(3)[::-1]
+    t = demote_kv(eng, full, toks, region, hs)
+    eng.wait(t)
+    full.free(toks)
+    back = full.alloc(12)
+    full.rows_bytes()[full.translate(back[::4]) // 4] = 0
+    t = load_kv(eng, region, hs, full, back, layerwise=True)
+    assert len(t.layer_events) == 3
+    assert eng.wait(t) and t.ok == [True] * 3
+    assert torch.equal(full.rows_bytes()[full.translate(back[::4]) // 4], saved)
+    assert [n for _, n in kv_layer_ranges(full)] == [full.entry_bytes // 3] * 3
+
+
+def test_restore_dequantizes_into_a_t0_slot_and_keeps_the_host_copy():
+    pool, t1, mirror, eng = setup()
+    mamba, region = pool.side("mamba"), mirror.region("state")
+    a = mamba.alloc(1)
+    mamba.temporal_view_all()[:, mamba.translate(a)] = torch.randn(2, 1, 2, 8, 16)
+    mamba.conv_view_all()[:, mamba.translate(a)] = torch.randn(2, 1, 6, 3).to(torch.bfloat16)
+    ck = t1.alloc(1)
+    t1.store_from_active(mamba, a, ck)
+    hs = region.alloc(1)
+    eng.wait(demote_states(eng, t1, ck.tolist(), region, hs))
+    ref = mamba.alloc(1)
+    t1.load_to_active(ck, mamba, ref)  # what a T1 hit gives
+    t1.free(ck)
+    scratch = t1.alloc(1)
+    b = mamba.alloc(1)
+    t = restore_states(eng, region, hs, t1, scratch.tolist(), mamba, b.tolist())
+    assert eng.wait(t) and t.ok == [True]
+    temporal = mamba.temporal_view_all()
+    assert torch.equal(temporal[:, mamba.translate(b)], temporal[:, mamba.translate(ref)])
+    assert torch.equal(mamba.conv_view_all()[:, mamba.translate(b)], mamba.conv_view_all()[:, mamba.translate(ref)])
+    assert region.valid[hs[0]]
+
+
+def test_one_bit_flipped_in_each_of_1000_host_entries_is_always_caught():
+    pool, t1, mirror, eng = setup(host_states=4, host_pages=1000)
+    full, region = pool.side("full"), mirror.region("full")
+    rng = random.Random(0)
+    toks = full.alloc(16)
+    fill_random(full.rows_bytes(), 3)
+    vids = toks[::4].tolist()
+    caught = 0
+    for _round in range(4):
+        hs = region.alloc(250)
+        src = [vids[i % 4] for i in range(250)]
+        token_ids = [v + j for v in src for j in range(4)]
+        eng.wait(demote_kv(eng, full, token_ids, region, hs))
+        for h in hs:
+            region.flip_bit(h, rng.randrange(region.slot_bytes), rng.randrange(8))
+        for i in range(0, 250, 4):  # load back through 4 live pages at a time
+            t = load_kv(eng, region, hs[i:i + 4], full, toks[: 4 * len(hs[i:i + 4])], layerwise=False)
+            eng.wait(t)
+            caught += t.ok.count(False)
+            assert not any(t.ok)
+    assert caught == 1000 and eng.stats["checksum_failures"] == 1000
+
+
+def test_busy_slots_cannot_be_freed_until_the_ticket_completes():
+    pool, t1, mirror, eng = setup()
+    full, region = pool.side("full"), mirror.region("full")
+    toks = full.alloc(8)
+    hs = region.alloc(2)
+    t = demote_kv(eng, full, toks, region, hs)
+    with pytest.raises(SlotBusyError):
+        full.free(toks[:4])
+    with pytest.raises(SlotBusyError):
+        region.free(hs[:1])
+    ck = t1.alloc(1).tolist()
+    hs2 = region.alloc(1)
+    t2 = demote_states(eng, t1, ck, mirror.region("state"), mirror.region("state").alloc(1))
+    with pytest.raises(SlotBusyError):
+        t1.free(ck)
+    assert [x.id for x in eng.poll()] == [t.id, t2.id]
+    full.free(toks)
+    region.free(hs + hs2)
+    t1.free(ck)
+
+
+def test_bad_input_is_typed_and_changes_nothing():
+    pool, t1, mirror, eng = setup()
+    full, region, sregion = pool.side("full"), mirror.region("full"), mirror.region("state")
+    toks = full.alloc(4)
+    hs = region.alloc(1)
+    with pytest.raises(InvalidArgumentError, match="rows_view"):
+        eng.demote(t1.envelopes, [1], region, hs)  # wrong slot size for this region
+    with pytest.raises(SlotStateError, match="host_slots"):
+        demote_kv(eng, full, toks, region, [hs[0] + 1])  # not allocated
+    with pytest.raises(InvalidArgumentError, match="host_slots"):
+        load_kv(eng, region, hs, full, toks)  # never demoted: nothing valid to load
+    with pytest.raises(InvalidArgumentError, match="token_ids"):
+        demote_kv(eng, full, toks[1:], region, hs)
+    with pytest.raises(SlotStateError, match="t1_slots"):
+        demote_states(eng, t1, [3], sregion, sregion.alloc(1))
+    with pytest.raises(InvalidArgumentError, match="rows_view"):
+        eng.demote(torch.zeros(4, region.slot_bytes, dtype=torch.int8), [1], region, hs)
+    assert eng.pending == 0 and not region.valid.any()
+
+
+class StuckEvent:
+    """An event on a stream that has not got there yet: what a busy copy stream looks like."""
+
+    def __init__(self):
+        self.released = False
+
+    def query(self):
+        return self.released
+
+
+def test_back_pressure_bounds_bytes_in_flight():
+    pool, t1, mirror, _ = setup()
+    eng = TransferEngine("cpu", max_inflight_bytes=2 * t1.slot_bytes, room_timeout_s=0.05)
+    region = mirror.region("state")
+    ck = t1.alloc(3).tolist()
+    t_a = demote_states(eng, t1, ck[:2], region, region.alloc(2))
+    stuck = t_a.event = StuckEvent()
+    assert eng.inflight_bytes == 2 * t1.slot_bytes and eng.poll() == []
+    # no room while t_a is in flight: a non-blocking move is refused, a blocking one times out
+    hs = region.alloc(1)
+    assert eng.demote(t1.envelopes, ck[2:], region, hs, block=False) is None
+    with pytest.raises(TransferTimeoutError):
+        demote_states(eng, t1, ck[2:], region, hs)
+    assert eng.pending == 1 and not region.valid[hs[0]]
+    with pytest.raises(SlotBusyError):
+        t1.free(ck[:1])
+    stuck.released = True  # the copy stream catches up
+    t_b = demote_states(eng, t1, ck[2:], region, hs)
+    assert t_a.done and t_b is not None and eng.inflight_bytes == t1.slot_bytes
+    assert eng.wait(t_b, timeout=1) and eng.inflight_bytes == 0
+    t1.free(ck)
+
+
+def test_host_mirror_budget_and_chunks():
+    with pytest.raises(MemoryBudgetError, match="num_slots of state"):
+        HostMirror([RegionSpec("state", 1 << 20, 64)], budget_bytes=1 << 20)
+    with pytest.raises(MemoryBudgetError, match="num_slots"):
+        HostMirror([RegionSpec("state", 1 << 30, 1 << 20)])
+    with pytest.raises(InvalidArgumentError, match="slot_bytes"):
+        RegionSpec("x", 10, 4)
+    with pytest.raises(InvalidArgumentError, match="pin"):
+        HostMirror([RegionSpec("x", 16, 4)], pin="register")
+    m = HostMirror([RegionSpec("x", 48, 10)], chunk_bytes=100)  # two slots a chunk, none straddling
+    r = m.region("x")
+    assert r.per_chunk == 2 and len(r.chunks) == 6 and m.nbytes == 11 * 48
+    assert r.runs([1, 2, 3, 7, 6]) == [(0, 1, 1), (1, 2, 2), (3, 7, 1), (4, 6, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["copy", "staging"])
+def test_round_trips_on_cuda(method):
+    pool, t1, mirror, _ = setup("cuda")
+    eng = TransferEngine("cuda", method={"d2h": method, "h2d": method})
+    region = mirror.region("state")
+    src = t1.alloc(4).tolist()
+    fill_random(t1.envelopes, 5)
+    before = t1.envelopes.clone()
+    hs = region.alloc(5)
+    assert eng.wait(demote_states(eng, t1, src + src[:1], region, hs), timeout=10)
+    dst = t1.alloc(4).tolist()
+    t = promote_states(eng, region, hs[:4][::-1], t1, dst)
+    assert eng.wait(t, timeout=10) and t.ok == [True] * 4
+    for d, s in zip(dst, src[::-1]):
+        assert torch.equal(t1.envelopes[d], before[s])
+    full, kreg = pool.side("full"), mirror.region("full")
+    toks = full.alloc(16)
+    fill_random(full.rows_bytes(), 6)
+    saved = full.rows_bytes()[full.translate(toks[::4]) // 4].clone()
+    khs = kreg.alloc(4)
+    eng.wait(demote_kv(eng, full, toks, kreg, khs), timeout=10)
+    kreg.flip_bit(khs[2], 5, 3)
+    full.rows_bytes()[full.translate(toks[::4]) // 4] = 0
+    t = load_kv(eng, kreg, khs, full, toks)
+    assert eng.wait(t, timeout=10) and t.ok == [True, True, False, True]
+    got = full.rows_bytes()[full.translate(toks[::4]) // 4]
+    assert torch.equal(got[[0, 1, 3]], saved[[0, 1, 3]])

@@ -1,0 +1,80 @@
+"""Per-row checksums of slot envelopes, computed on the device where the bytes are.
+
+Twin: ``reference.row_checksums_reference``. A row of ``E`` bytes is read as ``E/4`` 32-bit words
+``w_i`` (unsigned) and summed as ``sum_i w_i * (2i + 1) mod 2**64``. Every weight is odd, so flipping
+any single bit of any word changes the sum by ``+-2**b * (2i + 1)``, which is never 0 mod 2**64: a
+one-bit flip is always detected; swapped words are detected unless their weights collide mod 2**64,
+and the position weight also catches most multi-bit damage. Addition mod 2**64 is associative, so
+the kernel's block-wise partial sums equal the reference's whole-row sum exactly.
+
+Bytes moved: each row read once (``len(rows) * E``), 8 bytes written per (row, block).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.kernels import use_triton
+from tiered_cache.kernels.reference import row_checksums_reference
+
+
+@triton.jit
+def _checksum_kernel(words_ptr, rows_ptr, out_ptr, row_stride_words, row_words, n_blocks,
+                     BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    i = tl.program_id(0)
+    part = tl.program_id(1)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    base = words_ptr + row * row_stride_words
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    for it in range(ITERS):
+        offs = (part * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        w = tl.load(base + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+        acc += w * (2 * offs + 1)
+    tl.store(out_ptr + i * n_blocks + part, tl.sum(acc, axis=0))
+
+
+def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Checksums (int64, on the view's device) of ``rows_view[rows]``.
+
+    ``rows_view``: ``[R, E]`` uint8 with ``E % 16 == 0`` and a unit inner stride (a pool's rows view);
+    ``rows``: 1-D int64 row ids on the same device.
+    """
+    if not isinstance(rows_view, torch.Tensor) or rows_view.dtype != torch.uint8 or rows_view.dim() != 2:
+        raise InvalidArgumentError("rows_view", "a 2-D uint8 tensor [rows, bytes]", getattr(rows_view, "shape", None))
+    if rows_view.stride(1) != 1 or rows_view.shape[1] % 16 or rows_view.stride(0) % 16:
+        raise InvalidArgumentError("rows_view", "rows of a multiple of 16 bytes, 16-byte aligned, unit inner stride",
+                                   (tuple(rows_view.shape), rows_view.stride()))
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgumentError("rows", "a 1-D int32/int64 tensor", getattr(rows, "dtype", type(rows)))
+    if rows.device != rows_view.device:
+        raise InvalidArgumentError("rows", f"a tensor on {rows_view.device}", rows.device)
+    if rows.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64, device=rows_view.device)
+    if not use_triton(rows_view.device, backend):
+        return row_checksums_reference(rows_view, rows)
+    if rows_view.storage_offset() % 16 or rows_view.data_ptr() % 16:
+        raise InvalidArgumentError("rows_view", "a 16-byte aligned start", rows_view.data_ptr())
+    row_words = rows_view.shape[1] // 4
+    block = min(2048, triton.next_power_of_2(row_words))
+    # On the GPU split long rows over programs (~64 KiB each) so a few big envelopes still fill the
+    # chip; in the interpreter, one program per row.
+    iters = max(1, min(8, triton.cdiv(row_words, block))) if rows_view.is_cuda else triton.cdiv(row_words, block)
+    n_blocks = triton.cdiv(row_words, block * iters)
+    out = torch.empty(rows.numel(), n_blocks, dtype=torch.int64, device=rows_view.device)
+    words = _word_view(rows_view)
+    _checksum_kernel[(rows.numel(), n_blocks)](words, rows, out, rows_view.stride(0) // 4, row_words, n_blocks,
+                                                BLOCK=block, ITERS=iters)
+    return out.sum(dim=1) if n_blocks > 1 else out[:, 0]
+
+
+def _word_view(rows_view: torch.Tensor) -> torch.Tensor:
+    """The same bytes as int32 words, starting at the view's first byte."""
+    storage = torch.empty(0, dtype=torch.uint8, device=rows_view.device).set_(
+        rows_view.untyped_storage(), rows_view.storage_offset(), (rows_view.untyped_storage().nbytes()
+                                                                  - rows_view.storage_offset(),))
+    n = storage.numel() // 4 * 4
+    return storage[:n].view(torch.int32)

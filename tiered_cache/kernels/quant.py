@@ -1,0 +1,387 @@
+"""Fused int8 quantize-store and dequantize-load of recurrent states, plus the row copy for conv windows.
+
+Twins: ``reference.quantize_store_reference``, ``reference.dequantize_load_reference``,
+``reference.copy_rows_reference`` (defined in ``kernels/_ref_quant.py``, which also states the math).
+
+Shapes (``[L, rows, ...]`` tensors may have any strides, e.g. ``UnifiedPool`` views whose slot and
+layer strides are an envelope apart)::
+
+    src/dst state  [L, R, H, a, b]   fp32 | bf16 | fp16; value_axis 1: a = d_v, 2: b = d_v
+    qdata          [L, S, H, d_v, d_k]  int8
+    scale          [L, S, H, 1,  d_k]   the state dtype (one per layer, slot, head, k-channel)
+
+Bytes per call, N states of ``E = L*H*d_v*d_k`` elements of ``isz`` bytes:
+store reads ``N*E*isz`` and writes ``N*E + N*L*H*d_k*isz``; load the reverse. One launch moves all
+layers of all N states: grid ``(L*N*H, k-blocks)``; each program holds a whole ``[d_v, BLOCK_K]`` tile,
+so the amax over the value axis is one in-register reduction and every byte is read once.
+``value_axis == 2`` is a transposed view (swapped strides), so one kernel serves GDN and Mamba2 orders.
+
+Portability notes (Triton interpreter on CPU, see PLATFORM.md): rounding half-to-even is the fp32
+trick ``(y + 1.5*2**23) - 1.5*2**23`` (exact for ``|y| < 2**22``; ``|y| <= 127.x`` here) because
+``libdevice.rint`` is None there; fp32 -> bf16 rounding is done on the bits because the interpreter
+truncates; values are clamped before the float -> int8 cast, which wraps otherwise. Triton's ``/`` on
+fp32 is the approximate ``div.full.f32`` on NVIDIA GPUs, and the int8 codes must be bit-exact with
+IEEE ``x / scale``: the scale uses ``div_rn``, and ``x / scale`` is ``div_rn`` in the interpreter and
+a correctly rounded reciprocal-multiply-and-correct on the GPU (see the store kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.kernels import use_triton
+from tiered_cache.kernels._ref_quant import (
+    copy_rows_reference,
+    dequantize_load_reference,
+    min_scale,
+    quantize_store_reference,
+)
+from tiered_cache.specs import STATE_DTYPES
+
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Same-size integer dtypes: copies move bits, never values, so any dtype (fp8 too) copies exactly.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# GPU tiles (elements per program) and warps, swept on an H200 (36 x 32 x 128 x 128 states, 16 and 64
+# a call, fp32 and bf16, both value axes): the store peaks at 8192 / 4 warps (fp32 3.7 TB/s; 4096: 2.4,
+# 16384 / 8: 3.0), the load at 16384 / 8 warps (3.9 TB/s; 8192: 3.7, 4096: 2.7). Big tiles keep enough
+# bytes in flight per SM; more warps on the store split its amax reduction over more shared memory.
+_STORE_TILE, _STORE_WARPS = 8192, 4
+_LOAD_TILE, _LOAD_WARPS = 16384, 8
+_COPY_TILE = 4096
+
+
+@triton.jit
+def _round_to_dtype(x, KIND: tl.constexpr):
+    """fp32 -> the nearest value of the state dtype (ties to even), still held in fp32."""
+    if KIND == 1:
+        # bf16 is the top 16 bits of fp32: add half an ulp (plus the tie-to-even bit) and truncate.
+        b = x.to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        x = ((b >> 16) << 16).to(tl.float32, bitcast=True)
+    elif KIND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, N, H, D_V, D_K,
+                           s_l, s_r, s_h, s_v, s_k,
+                           q_l, q_s, q_h, q_v, q_k,
+                           c_l, c_s, c_h, c_k,
+                           BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
+                           MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr):
+    # Heads innermost: neighbouring programs read neighbouring bytes of one state's envelope.
+    pid = tl.program_id(0).to(tl.int64)
+    h = pid % H
+    n = (pid // H) % N
+    layer = pid // (H * N)
+    row = tl.load(rows_ptr + n).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < D_K
+    mask = (offs_v[:, None] < D_V) & mask_k[None, :]
+    src = src_ptr + layer * s_l + row * s_r + h * s_h
+    # Upcast right after the load: all math in fp32 (bf16 arithmetic is wrong in the interpreter).
+    src = src + offs_v[:, None] * s_v + offs_k[None, :] * s_k
+    if EVEN:  # the tile covers d_v and divides d_k: no masks, so every access is a full-width vector
+        x = tl.load(src).to(tl.float32)
+    else:
+        x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
+    scale = _round_to_dtype(tl.math.div_rn(amax, 127.0), KIND)
+    if MIN_SCALE > 0.0:
+        scale = tl.maximum(scale, MIN_SCALE)
+    if FMA_DIV:
+        # x / scale correctly rounded without a per-element division (Markstein): with r = RN(1/s)
+        # and q0 = RN(x * r) within an ulp, q0 + r * fma(-q0, s, x) rounds to RN(x / s). One div_rn per
+        # k-channel instead of per element: the store runs ~1.5x faster on an H200 and stays bit-exact
+        # (checked on 4e8 random and near-tie cases against IEEE division, and by the GPU tests).
+        rcp = tl.broadcast_to(tl.math.div_rn(1.0, scale)[None, :], (BLOCK_V, BLOCK_K))
+        q0 = x * rcp
+        y = tl.fma(tl.fma(-q0, tl.broadcast_to(scale[None, :], (BLOCK_V, BLOCK_K)), x), rcp, q0)
+    else:
+        # The interpreter has no exact fma (numpy): divide.
+        y = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], (BLOCK_V, BLOCK_K)))
+    y = (y + 12582912.0) - 12582912.0
+    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    q_dst = q_ptr + layer * q_l + slot * q_s + h * q_h
+    q_dst = q_dst + offs_v[:, None] * q_v + offs_k[None, :] * q_k
+    s_dst = s_ptr + layer * c_l + slot * c_s + h * c_h + offs_k * c_k
+    if EVEN:
+        tl.store(q_dst, y.to(tl.int8))
+        tl.store(s_dst, scale.to(s_ptr.dtype.element_ty))
+    else:
+        tl.store(q_dst, y.to(tl.int8), mask=mask)
+        tl.store(s_dst, scale.to(s_ptr.dtype.element_ty), mask=mask_k)
+
+
+@triton.jit
+def _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_V, D_K,
+                            q_l, q_s, q_h, q_v, q_k,
+                            c_l, c_s, c_h, c_k,
+                            d_l, d_r, d_h, d_v, d_k,
+                            BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr, EVEN: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    h = pid % H
+    n = (pid // H) % N
+    layer = pid // (H * N)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    row = tl.load(rows_ptr + n).to(tl.int64)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < D_K
+    mask = (offs_v[:, None] < D_V) & mask_k[None, :]
+    q_src = q_ptr + layer * q_l + slot * q_s + h * q_h + offs_v[:, None] * q_v + offs_k[None, :] * q_k
+    s_src = s_ptr + layer * c_l + slot * c_s + h * c_h + offs_k * c_k
+    if EVEN:
+        q = tl.load(q_src).to(tl.float32)
+        scale = tl.load(s_src).to(tl.float32)
+    else:
+        q = tl.load(q_src, mask=mask, other=0).to(tl.float32)
+        scale = tl.load(s_src, mask=mask_k, other=0.0).to(tl.float32)
+    out = _round_to_dtype(q * tl.broadcast_to(scale[None, :], (BLOCK_V, BLOCK_K)), KIND)
+    out = out.to(dst_ptr.dtype.element_ty)
+    dst = dst_ptr + layer * d_l + row * d_r + h * d_h + offs_v[:, None] * d_v + offs_k[None, :] * d_k
+    if EVEN:
+        tl.store(dst, out)
+    else:
+        tl.store(dst, out, mask=mask)
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, N, C, s_l, s_r, d_l, d_r, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid % N
+    layer = pid // N
+    row = tl.load(rows_ptr + n).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    vals = tl.load(src_ptr + layer * s_l + row * s_r + offs, mask=mask)
+    tl.store(dst_ptr + layer * d_l + slot * d_r + offs, vals, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (no launch, no sync unless check_ids): the pool runs every check of a call before the
+# first write, so a bad argument leaves nothing half written.
+# ---------------------------------------------------------------------------------------------
+
+def _tensor(name: str, t: object, dim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != dim:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InvalidArgumentError(name, f"a {dim}-D tensor", got)
+    return t
+
+
+def _ids(name: str, ids: object, device: torch.device) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgumentError(name, "a 1-D int32/int64 tensor", getattr(ids, "dtype", type(ids).__name__))
+    if ids.device != device:
+        raise InvalidArgumentError(name, f"a tensor on {device}", ids.device)
+    return ids
+
+
+def _writable(name: str, t: torch.Tensor) -> None:
+    # A zero (or negative) stride on a dim of size > 1 makes programs race on one address.
+    if any(st <= 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        raise InvalidArgumentError(name, "a view with positive strides (no expanded dims)", t.stride())
+
+
+def check_id_values(name: str, ids: torch.Tensor, limit: int, unique: bool, low: int = 0) -> None:
+    """Ids in ``[low, limit)`` and, for destinations, distinct. Reads the ids back (a sync on CUDA)."""
+    if ids.numel() == 0:
+        return
+    host = ids.detach().to("cpu", torch.int64)
+    lo, hi = int(host.min()), int(host.max())
+    if lo < low or hi >= limit:
+        raise InvalidArgumentError(name, f"ids in [{low}, {limit})", (lo, hi))
+    if unique and torch.unique(host).numel() != host.numel():
+        raise InvalidArgumentError(name, "distinct destination ids", host.tolist())
+
+
+def _canonical(name: str, t: torch.Tensor, value_axis: int) -> torch.Tensor:
+    _tensor(name, t, 5)
+    if t.dtype not in STATE_DTYPES:
+        raise InvalidArgumentError(name, "float32, bfloat16 or float16", t.dtype)
+    return t.transpose(3, 4) if value_axis == 2 else t
+
+
+def _check_codes(state: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+    """qdata/scale shapes against a canonical ``[L, R, H, d_v, d_k]`` state view."""
+    L, _, H, dv, dk = state.shape
+    _tensor("qdata", qdata, 5)
+    _tensor("scale", scale, 5)
+    if qdata.dtype != torch.int8:
+        raise InvalidArgumentError("qdata", "int8", qdata.dtype)
+    if scale.dtype != state.dtype:
+        raise InvalidArgumentError("scale", f"the state dtype {state.dtype}", scale.dtype)
+    S = qdata.shape[1]
+    if tuple(qdata.shape) != (L, S, H, dv, dk):
+        raise InvalidArgumentError("qdata", f"shape [L={L}, S, H={H}, d_v={dv}, d_k={dk}]", tuple(qdata.shape))
+    if tuple(scale.shape) != (L, S, H, 1, dk):
+        raise InvalidArgumentError("scale", f"shape [{L}, {S}, {H}, 1, {dk}]", tuple(scale.shape))
+    for name, t in (("qdata", qdata), ("scale", scale)):
+        if t.device != state.device:
+            raise InvalidArgumentError(name, f"a tensor on {state.device}", t.device)
+
+
+def _check_pair(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    if a.numel() != b.numel():
+        raise InvalidArgumentError(b_name, f"{a.numel()} ids, as many as {a_name}", b.numel())
+
+
+def validate_quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor,
+                            scale: torch.Tensor, dst_slots: torch.Tensor, value_axis: int = 1,
+                            check_ids: bool = True) -> torch.Tensor:
+    """All checks of ``quantize_store``; returns the canonical ``[L, R, H, d_v, d_k]`` view of ``src``."""
+    if value_axis not in (1, 2):
+        raise InvalidArgumentError("value_axis", "1 or 2", value_axis)
+    state = _canonical("src", src, value_axis)
+    _check_codes(state, qdata, scale)
+    _writable("qdata", qdata)
+    _writable("scale", scale)
+    _ids("src_rows", src_rows, src.device)
+    _ids("dst_slots", dst_slots, src.device)
+    _check_pair("src_rows", src_rows, "dst_slots", dst_slots)
+    if check_ids:
+        check_id_values("src_rows", src_rows, src.shape[1], unique=False)
+        check_id_values("dst_slots", dst_slots, qdata.shape[1], unique=True)
+    return state
+
+
+def validate_dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor,
+                             dst: torch.Tensor, dst_rows: torch.Tensor, value_axis: int = 1,
+                             check_ids: bool = True) -> torch.Tensor:
+    """All checks of ``dequantize_load``; returns the canonical view of ``dst``."""
+    if value_axis not in (1, 2):
+        raise InvalidArgumentError("value_axis", "1 or 2", value_axis)
+    state = _canonical("dst", dst, value_axis)
+    _check_codes(state, qdata, scale)
+    _writable("dst", dst)
+    _ids("src_slots", src_slots, dst.device)
+    _ids("dst_rows", dst_rows, dst.device)
+    _check_pair("src_slots", src_slots, "dst_rows", dst_rows)
+    if check_ids:
+        check_id_values("src_slots", src_slots, qdata.shape[1], unique=False)
+        check_id_values("dst_rows", dst_rows, dst.shape[1], unique=True)
+    return state
+
+
+def validate_copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
+                       check_ids: bool = True, names: tuple[str, str] = ("src", "dst")) -> None:
+    """All checks of ``copy_rows``: ``[L, rows, *inner]`` tensors, same dtype and inner shape, inner contiguous."""
+    for name, t in zip(names, (src, dst)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 3:
+            raise InvalidArgumentError(name, "a tensor [L, rows, *inner]", getattr(t, "shape", type(t).__name__))
+        if t.device != src.device:
+            raise InvalidArgumentError(name, f"a tensor on {src.device}", t.device)
+        try:
+            t.view(t.shape[0], t.shape[1], -1)  # view() never copies: fails unless inner is contiguous
+        except RuntimeError:
+            raise InvalidArgumentError(name, "inner dims contiguous", t.stride()) from None
+    if dst.dtype != src.dtype:
+        raise InvalidArgumentError(names[1], f"dtype {src.dtype}", dst.dtype)
+    if dst.shape[0] != src.shape[0] or dst.shape[2:] != src.shape[2:]:
+        raise InvalidArgumentError(names[1], f"shape [{src.shape[0]}, rows, *{tuple(src.shape[2:])}]",
+                                   tuple(dst.shape))
+    _writable(names[1], dst)
+    _ids("src_rows", src_rows, src.device)
+    _ids("dst_rows", dst_rows, src.device)
+    _check_pair("src_rows", src_rows, "dst_rows", dst_rows)
+    if check_ids:
+        check_id_values("src_rows", src_rows, src.shape[1], unique=False)
+        check_id_values("dst_rows", dst_rows, dst.shape[1], unique=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch wrappers
+# ---------------------------------------------------------------------------------------------
+
+def _tile(d_v: int, d_k: int, device: torch.device, tile: int) -> tuple[int, int]:
+    block_v = triton.next_power_of_2(d_v)
+    if device.type == "cuda":
+        return block_v, max(1, min(triton.next_power_of_2(d_k), tile // block_v))
+    # Interpreter: each program instance costs milliseconds, so one program per (layer, state, head).
+    return block_v, triton.next_power_of_2(d_k)
+
+
+def _even(d_v: int, d_k: int, block_v: int, block_k: int) -> bool:
+    return d_v == block_v and d_k % block_k == 0
+
+
+def quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                   dst_slots: torch.Tensor, value_axis: int = 1, *, backend: str = "auto",
+                   check_ids: bool = True) -> None:
+    """Quantize states ``src[:, src_rows[i]]`` into ``qdata/scale[:, dst_slots[i]]``, all layers, one launch.
+
+    ``check_ids`` reads the ids back to range-check them (a sync on CUDA); callers that checked
+    them already pass ``False``.
+    """
+    state = validate_quantize_store(src, src_rows, qdata, scale, dst_slots, value_axis, check_ids)
+    n = src_rows.numel()
+    if n == 0:
+        return
+    if not use_triton(src.device, backend):
+        quantize_store_reference(src, src_rows, qdata, scale, dst_slots, value_axis)
+        return
+    L, _, H, dv, dk = state.shape
+    block_v, block_k = _tile(dv, dk, src.device, _STORE_TILE)
+    grid = (L * n * H, triton.cdiv(dk, block_k))
+    _quantize_store_kernel[grid](
+        state, src_rows, qdata, scale, dst_slots, n, H, dv, dk,
+        *state.stride(), *qdata.stride(),
+        scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4),
+        BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype),
+        FMA_DIV=src.device.type == "cuda", EVEN=_even(dv, dk, block_v, block_k), num_warps=_STORE_WARPS,
+    )
+
+
+def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
+                    dst_rows: torch.Tensor, value_axis: int = 1, *, backend: str = "auto",
+                    check_ids: bool = True) -> None:
+    """Dequantize ``qdata/scale[:, src_slots[i]]`` into ``dst[:, dst_rows[i]]`` (dtype of ``dst``), one launch."""
+    state = validate_dequantize_load(qdata, scale, src_slots, dst, dst_rows, value_axis, check_ids)
+    n = src_slots.numel()
+    if n == 0:
+        return
+    if not use_triton(dst.device, backend):
+        dequantize_load_reference(qdata, scale, src_slots, dst, dst_rows, value_axis)
+        return
+    L, _, H, dv, dk = state.shape
+    block_v, block_k = _tile(dv, dk, dst.device, _LOAD_TILE)
+    grid = (L * n * H, triton.cdiv(dk, block_k))
+    _dequantize_load_kernel[grid](
+        qdata, scale, src_slots, state, dst_rows, n, H, dv, dk,
+        *qdata.stride(), scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4),
+        *state.stride(),
+        BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[dst.dtype], EVEN=_even(dv, dk, block_v, block_k),
+        num_warps=_LOAD_WARPS,
+    )
+
+
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
+              backend: str = "auto", check_ids: bool = True) -> None:
+    """``dst[:, dst_rows[i]] = src[:, src_rows[i]]`` bit for bit, all layers, one launch.
+
+    For conv windows (and lossless states): ``[L, rows, *inner]`` with the inner dims contiguous.
+    Bytes per call: ``2 * L * n * inner_bytes``.
+    """
+    validate_copy_rows(src, src_rows, dst, dst_rows, check_ids)
+    n = src_rows.numel()
+    if n == 0:
+        return
+    if not use_triton(src.device, backend):
+        copy_rows_reference(src, src_rows, dst, dst_rows)
+        return
+    bits = _BITS[src.element_size()]
+    s = src.view(src.shape[0], src.shape[1], -1).view(bits)
+    d = dst.view(dst.shape[0], dst.shape[1], -1).view(bits)
+    c = s.shape[2]
+    block = min(_COPY_TILE if src.device.type == "cuda" else 1 << 16, triton.next_power_of_2(c))
+    grid = (s.shape[0] * n, triton.cdiv(c, block))
+    _copy_rows_kernel[grid](s, src_rows, d, dst_rows, n, c, s.stride(0), s.stride(1), d.stride(0), d.stride(1),
+                            BLOCK=block)

@@ -1,0 +1,117 @@
+"""``SlotAllocator``: fixed-size slots ``1..num_slots`` (0 is reserved), with a busy guard.
+
+Used where slots never move (host mirror regions): no virtual ids, no compaction. A slot that an
+in-flight transfer reads or writes is *busy*; freeing it raises ``SlotBusyError`` until the transfer
+completes, so it can never be handed out again while bytes are still moving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from tiered_cache.errors import InvalidArgumentError, SlotBusyError, SlotStateError
+
+IdsLike = Union[torch.Tensor, Sequence[int], np.ndarray]
+
+
+def id_list(arg: str, ids: IdsLike) -> list[int]:
+    """A 1-D integer tensor / sequence as a list of ints (typed error otherwise)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise InvalidArgumentError(arg, "a 1-D integer tensor", (tuple(ids.shape), ids.dtype))
+        return ids.tolist()
+    try:
+        out = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(arg, "a sequence of ints", ids) from None
+    if any(not float(i).is_integer() for i in ids):
+        raise InvalidArgumentError(arg, "integers", list(ids)[:16])
+    return out
+
+
+class SlotAllocator:
+    """Slots ``1..num_slots``; ``alloc`` gives the lowest free ids first on a fresh allocator."""
+
+    def __init__(self, num_slots: int, name: str = "slots") -> None:
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
+            raise InvalidArgumentError("num_slots", "an int >= 1", num_slots)
+        self.name = name
+        self.num_slots = num_slots
+        self._busy: dict[int, int] = {}
+        self.clear()
+
+    def clear(self) -> None:
+        if self._busy:
+            raise SlotBusyError(f"{self.name}: slots {sorted(self._busy)[:16]} are in flight")
+        self._allocated = np.zeros(self.num_slots + 1, dtype=bool)
+        self._free: list[int] = list(range(self.num_slots, 0, -1))
+
+    def alloc(self, n: int = 1) -> Optional[list[int]]:
+        """``n`` slot ids, or ``None`` when fewer are free (nothing changes)."""
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise InvalidArgumentError("n", "an int >= 0", n)
+        if n > len(self._free):
+            return None
+        ids = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        self._allocated[ids] = True
+        return ids
+
+    def check(self, arg: str, ids: IdsLike, *, unique: bool = True) -> list[int]:
+        """Validate allocated ids (typed errors); returns them as a list."""
+        lst = id_list(arg, ids)
+        bad = [i for i in lst if not 1 <= i <= self.num_slots or not self._allocated[i]]
+        if bad:
+            raise SlotStateError(arg, f"allocated {self.name} ids in [1, {self.num_slots}]", bad[:16])
+        if unique and len(set(lst)) != len(lst):
+            raise SlotStateError(arg, "distinct ids", lst[:16])
+        return lst
+
+    def free(self, ids: IdsLike) -> None:
+        """Return slots. Unknown, free, repeated or busy ids raise before anything changes."""
+        lst = self.check("ids", ids)
+        busy = [i for i in lst if i in self._busy]
+        if busy:
+            raise SlotBusyError(f"{self.name}: slots {busy[:16]} are read or written by a transfer in flight")
+        self._allocated[lst] = False
+        self._free.extend(reversed(lst))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def is_allocated(self, slot: int) -> bool:
+        return bool(0 < slot <= self.num_slots and self._allocated[slot])
+
+    def allocated_ids(self) -> list[int]:
+        return np.nonzero(self._allocated)[0].tolist()
+
+    # -------------------------------------------------------------------------------- busy
+    def mark_busy(self, ids: Iterable[int]) -> None:
+        for i in ids:
+            self._busy[i] = self._busy.get(i, 0) + 1
+
+    def unmark_busy(self, ids: Iterable[int]) -> None:
+        for i in ids:
+            left = self._busy[i] - 1
+            if left:
+                self._busy[i] = left
+            else:
+                del self._busy[i]
+
+    def is_busy(self, slot: int) -> bool:
+        return slot in self._busy
+
+    @property
+    def busy_ids(self) -> list[int]:
+        return sorted(self._busy)
+
+    def check_invariants(self) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), f"{self.name}: a slot is free twice"
+        assert free == set(range(1, self.num_slots + 1)) - set(self.allocated_ids()), f"{self.name}: free set wrong"
+        assert not self._allocated[0], f"{self.name}: the reserved slot 0 is allocated"
+        assert all(self._allocated[i] for i in self._busy), f"{self.name}: a free slot is busy"

@@ -1,0 +1,339 @@
+"""``TransferEngine``: moves slot bytes between the GPU tiers (T0, T1) and the host mirror (T2).
+
+Every move is submitted as a ``Ticket`` on the engine's own D2H or H2D stream, apart from compute.
+Before its copies, the transfer stream waits for the submitting (compute) stream, so it reads what
+compute wrote and writes where compute no longer reads. A ticket records one CUDA event at its end
+(and one per layer for layer-wise loads: compute waits on layer k's event while layer k+1 is still
+in flight). The tree changes where a node lives only when ``poll`` / ``wait`` report the ticket done.
+
+Nothing a pending ticket reads or writes may be freed: its slots are marked busy in their allocators
+(host regions, T1, T0 sides) and ``free`` raises ``SlotBusyError`` until the ticket completes. T0
+compaction, which would move a busy row, first makes the compute stream wait for such tickets.
+
+Integrity: a checksum of every slot is taken on the GPU before its bytes leave (``kernels/checksum``)
+and stored with the host slot when the demote completes; after a promote or load lands, the checksum
+of the landed bytes is compared on the GPU. A mismatch marks that item not ``ok`` (and is counted):
+the caller drops the entry; it is never served. Layer events of a load fire before the whole-ticket
+check, so an engine that overlaps compute with a load must check ``ticket.ok`` before using output.
+
+How scattered slots move (``method``): ``copy`` issues one ``cudaMemcpyAsync`` per contiguous run of
+host slots; ``staging`` gathers device rows into a device staging buffer with one gather kernel and
+copies each host run from it (or the reverse). ``bench_transfer.py`` measures both against a
+contiguous pinned copy; see the ``DEFAULT_METHOD`` comment for the choice. On CPU everything runs
+synchronously and a ticket is done when ``submit`` returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from tiered_cache import device as dev
+from tiered_cache.errors import InvalidArgumentError, TieredCacheError
+from tiered_cache.host_mirror import HostRegion
+from tiered_cache.kernels.checksum import row_checksums
+
+# Chosen from bench_transfer.py on the H200 (see benchmarks/results/transfer-h200.md): large
+# envelopes and runs reach the pinned-copy ceiling with plain per-run DMA copies, which use no SMs
+# and so leave concurrent compute alone.
+DEFAULT_METHOD = {"d2h": "copy", "h2d": "copy"}
+METHODS = ("copy", "staging")
+
+
+class TransferTimeoutError(TieredCacheError, TimeoutError):
+    """A wait on a ticket (or for room under the in-flight byte bound) ran out of time."""
+
+
+@dataclass
+class Ticket:
+    """One submitted move. ``ok[i]`` is whether item ``i`` arrived intact (known once ``done``)."""
+
+    id: int
+    direction: str  # "d2h" | "h2d"
+    kind: str
+    nbytes: int
+    host_slots: list[int]
+    event: Any = None
+    layer_events: list[Any] = field(default_factory=list)
+    done: bool = False
+    ok: list[bool] = field(default_factory=list)
+    # internal: what finishing does, and the busy marks to release
+    _finish: Optional[Callable[[Ticket], None]] = None
+    _release: list[Callable[[], None]] = field(default_factory=list)
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current one) wait until layer ``layer`` has landed."""
+        ev = self.layer_events[layer] if self.layer_events else self.event
+        if ev is not None and hasattr(ev, "wait"):
+            ev.wait(stream) if stream is not None else ev.wait()
+
+
+class TransferEngine:
+    """Moves rows of device ``uint8`` row views to and from host regions, many slots per call.
+
+    Args:
+        device: the GPU (or CPU).
+        max_inflight_bytes: back-pressure: a move waits for older tickets (or returns ``None``
+            with ``block=False``) rather than queue more than this; one larger move runs alone.
+        room_timeout_s: how long a blocking move waits for room (``TransferTimeoutError`` after).
+        method: per direction, ``copy`` or ``staging`` (default ``DEFAULT_METHOD``).
+        staging_bytes: size of the device staging buffer for ``staging``.
+    """
+
+    def __init__(self, device: dev.DeviceLike = None, *, max_inflight_bytes: int = 4 << 30,
+                 method: Optional[dict[str, str]] = None, staging_bytes: int = 256 << 20,
+                 backend: str = "auto", room_timeout_s: float = 60.0) -> None:
+        self.device = dev.resolve(device)
+        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
+            raise InvalidArgumentError("max_inflight_bytes", "a positive int", max_inflight_bytes)
+        self.method = dict(DEFAULT_METHOD, **(method or {}))
+        for d, m in self.method.items():
+            if d not in ("d2h", "h2d") or m not in METHODS:
+                raise InvalidArgumentError("method", f"{{'d2h'|'h2d': one of {METHODS}}}", method)
+        self.max_inflight_bytes = max_inflight_bytes
+        self.room_timeout_s = room_timeout_s  # how long a blocking submit waits for room
+        self.backend = backend
+        self.streams = {"d2h": dev.new_stream(self.device), "h2d": dev.new_stream(self.device)}
+        self._queues: dict[str, collections.deque[Ticket]] = {"d2h": collections.deque(), "h2d": collections.deque()}
+        self._finished: list[Ticket] = []
+        self._next_id = 1
+        self.inflight_bytes = 0
+        self._staging: Optional[torch.Tensor] = None
+        self._staging_bytes = staging_bytes
+        self.stats = collections.Counter()
+        # Benchmarks switch this off to measure what checksums cost; with it off nothing is verified.
+        self.checksums = True
+        self.corrupt_hook: Optional[Callable[[HostRegion, list[int]], None]] = None
+
+    # ------------------------------------------------------------------------------- moves
+    def demote(self, rows_view: torch.Tensor, rows: Sequence[int], region: HostRegion, host_slots: Sequence[int],
+               *, kind: str = "demote", busy: Sequence[Any] = (), block: bool = True) -> Optional[Ticket]:
+        """D2H: device rows ``rows_view[rows]`` -> host ``region`` slots; checksums taken first.
+
+        ``busy``: ``(allocator, ids)`` pairs marked busy until the ticket completes (the device side's
+        slots). The host slots are marked busy too.
+        """
+        rows_l, slots = self._check(rows_view, rows, region, host_slots, need_valid=False)
+        rows_t = torch.tensor(rows_l, dtype=torch.int64, device=self.device)
+        nbytes = len(rows_l) * region.slot_bytes
+        if not self._make_room(nbytes, block):
+            return None
+        t = self._ticket("d2h", kind, nbytes, slots)
+        stream = self.streams["d2h"]
+        stream.wait_stream(dev.current_stream(self.device))  # read what compute wrote
+        with dev.use_stream(stream):
+            sums = row_checksums(rows_view, rows_t, self.backend) if self.checksums else None
+            self._copy_rows("d2h", rows_view, rows_t, rows_l, region, slots)
+            t.event = stream.record_event(dev.new_event(self.device))
+
+        def finish(tk: Ticket) -> None:
+            if sums is not None:
+                region.checksums[slots] = sums.cpu().numpy()
+            region.valid[slots] = True
+            tk.ok = [True] * len(slots)
+
+        self._start(t, finish, [(region.allocator, slots), *busy], rows_view)
+        return t
+
+    def load(self, region: HostRegion, host_slots: Sequence[int], rows_view: torch.Tensor, rows: Sequence[int],
+             *, kind: str = "load", layer_ranges: Optional[Sequence[tuple[int, int]]] = None,
+             busy: Sequence[Any] = (), after: Optional[Callable[[], None]] = None,
+             block: bool = True) -> Optional[Ticket]:
+        """H2D: host ``region`` slots -> device rows ``rows_view[rows]``, then verify checksums.
+
+        ``layer_ranges``: ``(byte offset, nbytes)`` of each layer inside a slot; when given, each layer
+        is copied and recorded as its own event, in order. ``after``: launched on the H2D stream once
+        the bytes landed (e.g. a dequantize into a T0 slot), before the ticket's final event.
+        """
+        rows_l, slots = self._check(rows_view, rows, region, host_slots, need_valid=True)
+        if self.corrupt_hook is not None:
+            self.corrupt_hook(region, slots)
+        rows_t = torch.tensor(rows_l, dtype=torch.int64, device=self.device)
+        nbytes = len(rows_l) * region.slot_bytes
+        if not self._make_room(nbytes, block):
+            return None
+        t = self._ticket("h2d", kind, nbytes, slots)
+        stream = self.streams["h2d"]
+        stream.wait_stream(dev.current_stream(self.device))  # compute is done with the rows we overwrite
+        expected = torch.from_numpy(region.checksums[slots].copy()).to(self.device, non_blocking=True)
+        with dev.use_stream(stream):
+            if layer_ranges:
+                for off, n in layer_ranges:
+                    self._copy_rows("h2d", rows_view, rows_t, rows_l, region, slots, (off, n))
+                    t.layer_events.append(stream.record_event(dev.new_event(self.device)))
+            else:
+                self._copy_rows("h2d", rows_view, rows_t, rows_l, region, slots)
+            good = row_checksums(rows_view, rows_t, self.backend) == expected if self.checksums else None
+            if after is not None:
+                after()
+            t.event = stream.record_event(dev.new_event(self.device))
+
+        def finish(tk: Ticket) -> None:
+            tk.ok = good.cpu().tolist() if good is not None else [True] * len(rows_l)
+            bad = tk.ok.count(False)
+            if bad:
+                self.stats["checksum_failures"] += bad
+
+        self._start(t, finish, [(region.allocator, slots), *busy], rows_view)
+        return t
+
+    # ---------------------------------------------------------------------------- tickets
+    def poll(self) -> list[Ticket]:
+        """Tickets finished since the last call, in submission order per direction."""
+        self.poll_into_finished()
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, ticket: Ticket, timeout: Optional[float] = None) -> bool:
+        """Block until ``ticket`` is done (``True``) or ``timeout`` seconds pass (``False``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        q = self._queues[ticket.direction]
+        while not ticket.done:
+            if ticket.event.query():
+                # stream order: everything submitted before it in this direction is done too
+                while q and not ticket.done:
+                    self._complete(q.popleft())
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(5e-5)
+        return True
+
+    def wait_all(self, timeout: Optional[float] = None) -> list[Ticket]:
+        for q in list(self._queues.values()):
+            if q and not self.wait(q[-1], timeout):
+                raise TransferTimeoutError(f"transfers still in flight after {timeout} s")
+        return self.poll()
+
+    @property
+    def pending(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def pending_tickets(self) -> list[Ticket]:
+        return [t for q in self._queues.values() for t in q]
+
+    def fence(self) -> None:
+        """Make the current (compute) stream wait for every ticket in flight (used before compaction)."""
+        cur = dev.current_stream(self.device)
+        for q in self._queues.values():
+            for t in q:
+                cur.wait_event(t.event)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _check(self, rows_view, rows, region, host_slots, need_valid: bool):
+        if not isinstance(region, HostRegion):
+            raise InvalidArgumentError("region", "a HostRegion", type(region).__name__)
+        if (not isinstance(rows_view, torch.Tensor) or rows_view.dtype != torch.uint8 or rows_view.dim() != 2
+                or rows_view.stride(1) != 1):
+            raise InvalidArgumentError("rows_view", "a [rows, bytes] uint8 view with unit inner stride",
+                                       getattr(rows_view, "shape", type(rows_view)))
+        if rows_view.device != self.device:
+            raise InvalidArgumentError("rows_view", f"a tensor on {self.device}", rows_view.device)
+        if rows_view.shape[1] != region.slot_bytes:
+            raise InvalidArgumentError("rows_view", f"rows of {region.slot_bytes} bytes (region {region.name!r})",
+                                       rows_view.shape[1])
+        from tiered_cache.slots import id_list
+
+        rows_l = id_list("rows", rows)
+        # destinations must be distinct; a source may be read more than once
+        slots = region.allocator.check("host_slots", host_slots, unique=not need_valid)
+        if need_valid and len(set(rows_l)) != len(rows_l):
+            raise InvalidArgumentError("rows", "distinct destination rows", rows_l[:16])
+        if len(rows_l) != len(slots):
+            raise InvalidArgumentError("host_slots", f"{len(rows_l)} slots, one per row", len(slots))
+        bad = [r for r in rows_l if not 0 <= r < rows_view.shape[0]]
+        if bad:
+            raise InvalidArgumentError("rows", f"rows in [0, {rows_view.shape[0]})", bad[:16])
+        if need_valid:
+            missing = [s for s in slots if not region.valid[s]]
+            if missing:
+                raise InvalidArgumentError("host_slots", "slots whose demote has completed", missing[:16])
+        return rows_l, slots
+
+    def _copy_rows(self, direction, rows_view, rows_t, rows_l, region, slots, sub=None):
+        off, n = sub if sub is not None else (0, region.slot_bytes)
+        method = self.method[direction] if self.device.type == "cuda" else "copy"
+        if method == "staging" and sub is None:
+            staging = self._get_staging(len(rows_l) * region.slot_bytes)
+            if staging is not None:
+                stage = staging[: len(rows_l) * region.slot_bytes].view(len(rows_l), region.slot_bytes)
+                if direction == "d2h":
+                    torch.index_select(rows_view, 0, rows_t, out=stage)
+                for pos, s0, k in region.runs(slots):
+                    host = region.run_view(s0, k)
+                    dst, src = (host, stage[pos:pos + k].reshape(-1)) if direction == "d2h" else \
+                        (stage[pos:pos + k].reshape(-1), host)
+                    dst.copy_(src, non_blocking=True)
+                if direction == "h2d":
+                    rows_view.index_copy_(0, rows_t, stage)
+                return
+        for pos, s0, k in region.runs(slots):
+            for j in range(k):  # device rows are scattered: one copy per row
+                r = rows_l[pos + j]
+                host = region.run_view(s0 + j, 1)[off:off + n]
+                devrow = rows_view[r, off:off + n]
+                if direction == "d2h":
+                    host.copy_(devrow, non_blocking=True)
+                else:
+                    devrow.copy_(host, non_blocking=True)
+
+    def _get_staging(self, nbytes: int) -> Optional[torch.Tensor]:
+        if nbytes > self._staging_bytes:
+            return None
+        if self._staging is None:
+            self._staging = torch.empty(self._staging_bytes, dtype=torch.uint8, device=self.device)
+        return self._staging
+
+    def _ticket(self, direction, kind, nbytes, slots) -> Ticket:
+        t = Ticket(id=self._next_id, direction=direction, kind=kind, nbytes=nbytes, host_slots=list(slots))
+        self._next_id += 1
+        return t
+
+    def _start(self, t: Ticket, finish, busy, rows_view) -> None:
+        t._finish = finish
+        for alloc, ids in busy:
+            ids = list(dict.fromkeys(ids))  # one mark per slot, however often the ticket names it
+            alloc.mark_busy(ids)
+            t._release.append(lambda a=alloc, i=ids: a.unmark_busy(i))
+        self.inflight_bytes += t.nbytes
+        self.stats[f"{t.direction}_bytes"] += t.nbytes
+        self.stats[f"{t.kind}_tickets"] += 1
+        # On CPU the bytes have moved already, but the ticket (and its busy marks) end only at the next
+        # poll or wait, as on the GPU: callers see one behaviour.
+        self._queues[t.direction].append(t)
+        # keep the device rows alive while the copy reads or writes them
+        t._rows_view = rows_view  # type: ignore[attr-defined]
+
+    def poll_into_finished(self) -> None:
+        for q in self._queues.values():
+            while q and q[0].event.query():
+                self._complete(q.popleft())
+
+    def _complete(self, t: Ticket) -> None:
+        if t._finish is not None:
+            t._finish(t)
+        for release in t._release:
+            release()
+        t._release.clear()
+        t.done = True
+        self.inflight_bytes -= t.nbytes
+        self._finished.append(t)
+
+    def _make_room(self, nbytes: int, block: bool) -> bool:
+        timeout = self.room_timeout_s
+        if self.inflight_bytes + nbytes <= self.max_inflight_bytes or self.inflight_bytes == 0:
+            return True
+        if not block:
+            self.poll_into_finished()
+            return self.inflight_bytes + nbytes <= self.max_inflight_bytes or self.inflight_bytes == 0
+        deadline = time.monotonic() + timeout
+        while self.inflight_bytes + nbytes > self.max_inflight_bytes and self.inflight_bytes:
+            oldest = min((q[0] for q in self._queues.values() if q), key=lambda t: t.id)
+            if not self.wait(oldest, max(0.0, deadline - time.monotonic())):
+                raise TransferTimeoutError(f"no room for {nbytes} bytes within {timeout} s")
+        return True
