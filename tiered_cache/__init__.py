@@ -7,6 +7,7 @@ checkpoint pool, T2 pinned host mirror, and the HiMamba radix cache that drives 
 from __future__ import annotations
 
 from tiered_cache.allocator import MultiEndedAllocator
+from tiered_cache.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -15,12 +16,41 @@ from tiered_cache.errors import (
     SlotStateError,
     TieredCacheError,
 )
+from tiered_cache.host_mirror import HostMirror, RegionSpec
+from tiered_cache.radix import (
+    CacheReq,
+    EvictParams,
+    EvictResult,
+    HiMambaRadixCache,
+    InitLoadBackParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+    prefill_checkpoint_positions,
+)
 from tiered_cache.specs import KVSpec, StateSpec
+from tiered_cache.transfer import Ticket, TransferEngine
 from tiered_cache.unified_pool import SubPool, UnifiedPool
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheReq",
+    "EvictParams",
+    "EvictResult",
+    "HiMambaRadixCache",
+    "HostMirror",
+    "InitLoadBackParams",
+    "InsertParams",
+    "InsertResult",
+    "Int8CheckpointPool",
+    "MatchPrefixParams",
+    "MatchResult",
+    "RegionSpec",
+    "Ticket",
+    "TransferEngine",
+    "prefill_checkpoint_positions",
     "IntegrityError",
     "InvalidArgumentError",
     "KVSpec",

@@ -1,0 +1,116 @@
+"""Shared helpers of the radix tests: tiny real pools on CPU and content patterns derived from tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from tiered_cache.checkpoint_pool import Int8CheckpointPool
+from tiered_cache.radix import HiMambaRadixCache, InsertParams, RadixKey
+from tiered_cache.specs import KVSpec, StateSpec
+from tiered_cache.unified_pool import UnifiedPool
+
+KV_SPEC = KVSpec(num_layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
+STATE_SPEC = StateSpec(num_layers=2, temporal_shape=(2, 4, 4), temporal_dtype=torch.float32,
+                       conv_shapes=((4, 3),), conv_dtype=torch.float32)
+
+
+def make_cache(page_size: int = 1, kv_pages: int = 64, states: int = 8, t1_slots: int = 16,
+               codec: str = "lossless", **kw) -> HiMambaRadixCache:
+    pool = UnifiedPool(KV_SPEC, STATE_SPEC, low_slots=kv_pages, high_slots=states, page_size=page_size,
+                       device="cpu", check_memory=False, backend="torch")
+    ckpt = Int8CheckpointPool(STATE_SPEC, t1_slots, device="cpu", codec=codec, check_memory=False, backend="torch")
+    return HiMambaRadixCache(pool, ckpt, **kw)
+
+
+def prefix_hashes(toks: Sequence[int], salt: Optional[str] = None) -> list[int]:
+    """h[j]: a number derived from salt and toks[:j+1] (exact in fp32)."""
+    h = (hash(salt) % 9973) if salt is not None else 7
+    out = []
+    for t in toks:
+        h = (h * 1000003 + int(t) + 1) % (1 << 20)
+        out.append(h)
+    return out
+
+
+def write_kv(cache: HiMambaRadixCache, ids: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None) -> None:
+    """Token j's K (every layer) := its prefix hash + layer."""
+    if not len(toks):
+        return
+    ps = cache.page_size
+    phys = cache.kv.translate(ids[:len(toks)])
+    h = torch.tensor(prefix_hashes(toks, salt), dtype=torch.float32)
+    k = cache.kv.k_view_all()
+    for layer in range(k.shape[0]):
+        k[layer, phys // ps, phys % ps] = (h + layer)[:, None, None]
+
+
+def check_kv(cache: HiMambaRadixCache, ids: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None) -> None:
+    if not len(toks):
+        return
+    ps = cache.page_size
+    phys = cache.kv.translate(ids)
+    h = torch.tensor(prefix_hashes(toks, salt), dtype=torch.float32)
+    got = cache.kv.k_view_all()[:, phys // ps, phys % ps]  # [L, n, H, D]
+    want = (h[None, :] + torch.arange(got.shape[0])[:, None])[:, :, None, None].expand_as(got)
+    assert torch.equal(got, want), "KV content differs from what was inserted for these tokens"
+
+
+def state_pattern(toks: Sequence[int], salt: Optional[str] = None):
+    h = float(prefix_hashes(toks, salt)[-1]) if len(toks) else 0.0
+    s = STATE_SPEC
+    temporal = (torch.arange(s.num_layers * 2 * 4 * 4, dtype=torch.float32).view(s.num_layers, 2, 4, 4) * 0.25
+                - 3.0) * (1 + (h % 97) / 50) + (h % 13)
+    conv = torch.full((s.num_layers, 4, 3), h / 7.0, dtype=torch.float32)
+    return temporal, conv
+
+
+def write_state(cache: HiMambaRadixCache, slot: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None) -> None:
+    phys = cache.states.translate(slot.reshape(1))
+    temporal, conv = state_pattern(toks, salt)
+    cache.states.temporal_view_all()[:, phys] = temporal[:, None]
+    cache.states.conv_view_all(0)[:, phys] = conv[:, None]
+
+
+def read_state(cache: HiMambaRadixCache, slot: torch.Tensor):
+    phys = cache.states.translate(slot.reshape(1))
+    return cache.states.temporal_view_all()[:, phys[0]].clone(), cache.states.conv_view_all(0)[:, phys[0]].clone()
+
+
+def check_state(cache: HiMambaRadixCache, slot: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None) -> None:
+    temporal, conv = read_state(cache, slot)
+    want_t, want_c = state_pattern(toks, salt)
+    if cache.ckpt.codec == "lossless":
+        assert torch.equal(temporal, want_t) and torch.equal(conv, want_c), "state differs from the inserted one"
+    else:  # one int8 rounding: |err| <= scale / 2 = amax / 254 per (head, k-channel)
+        amax = want_t.abs().amax(dim=-1 - (2 - STATE_SPEC.value_axis), keepdim=True)
+        assert ((temporal - want_t).abs() <= amax / 254 * 1.001 + 1e-6).all(), "state off by more than one rounding"
+        assert torch.equal(conv, want_c)
+
+
+def alloc_kv(cache: HiMambaRadixCache, n_tokens: int) -> torch.Tensor:
+    ps = cache.page_size
+    ids = cache.kv.alloc(-(-n_tokens // ps) * ps)
+    assert ids is not None, "test pool too small"
+    return ids
+
+
+def insert_fresh(cache: HiMambaRadixCache, toks: list[int], salt: Optional[str] = None, prev: int = 0,
+                 keep_state: bool = False):
+    """Insert ``toks`` with fresh KV ids and a fresh T0 state (patterns written); free what the caller keeps."""
+    ids = alloc_kv(cache, len(toks))
+    write_kv(cache, ids, toks, salt)
+    slot = cache.states.alloc(1)
+    assert slot is not None
+    write_state(cache, slot, toks, salt)
+    res = cache.insert(InsertParams(key=RadixKey(toks, salt), value=ids[:len(toks)], mamba_value=slot,
+                                    prev_prefix_len=prev))
+    rest = ids[max(res.cached_len, prev):]
+    if rest.numel():
+        cache.kv.free(rest)
+    if not keep_state:
+        cache.states.free(slot)
+        slot = None
+    return res, slot

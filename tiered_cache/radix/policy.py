@@ -1,0 +1,119 @@
+"""Eviction policies: which cached node gives up a resource next.
+
+The tree tells the policy three things and asks one: a node was *used* (``touch``), a node became or
+stopped being a *candidate* for a resource (``add``/``discard``: the tree alone knows locks and
+leaves), a node left the tree (``forget``); and ``pop`` returns the best victim among the
+candidates. The policy never looks inside a node, and the tree never orders victims, so a
+cost-aware policy (bytes, recompute cost, hit counts) replaces ``LRUPolicy`` without touching the tree.
+
+Resources: ``"kv"`` (candidates: unlocked leaves, whose KV pages can go) and ``"state"``
+(candidates: nodes with an unlocked state). Issue 6 adds host-tier resources the same way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+RESOURCES = ("kv", "state")
+
+
+class EvictionPolicy(ABC):
+    @abstractmethod
+    def touch(self, resource: str, node: Any) -> None:
+        """``node``'s ``resource`` was used now (inserted, matched, stored)."""
+
+    @abstractmethod
+    def add(self, resource: str, node: Any) -> None:
+        """``node`` may now give up ``resource``."""
+
+    @abstractmethod
+    def discard(self, resource: str, node: Any) -> None:
+        """``node`` may no longer give up ``resource`` (locked, or got children). No-op if it could not."""
+
+    @abstractmethod
+    def forget(self, node: Any) -> None:
+        """``node`` left the tree: drop everything about it."""
+
+    @abstractmethod
+    def pop(self, resource: str) -> Optional[Any]:
+        """The best victim among the candidates, no longer a candidate; ``None`` when there is none."""
+
+    @abstractmethod
+    def candidates(self, resource: str) -> set[Any]:
+        """The current candidate set (for ``check_invariants``)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every node."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first, per resource.
+
+    A logical clock stamps each ``touch``. Candidates sit in a min-heap of ``(stamp, seq, node)``;
+    entries go stale when a node is touched again or stops being a candidate and are skipped when
+    popped (lazy deletion), so every operation is O(log n) and ``pop`` never walks past locked or
+    internal nodes. The heap is rebuilt when stale entries outnumber live ones.
+    """
+
+    def __init__(self) -> None:
+        self._clock = itertools.count(1)
+        self._seq = itertools.count()
+        self.clear()
+
+    def clear(self) -> None:
+        self._stamp: dict[str, dict[Any, int]] = {r: {} for r in RESOURCES}
+        self._cand: dict[str, set[Any]] = {r: set() for r in RESOURCES}
+        self._heap: dict[str, list[tuple[int, int, Any]]] = {r: [] for r in RESOURCES}
+
+    def touch(self, resource: str, node: Any) -> None:
+        t = next(self._clock)
+        self._stamp[resource][node] = t
+        if node in self._cand[resource]:
+            self._push(resource, t, node)
+
+    def add(self, resource: str, node: Any) -> None:
+        cand = self._cand[resource]
+        if node in cand:
+            return
+        cand.add(node)
+        stamps = self._stamp[resource]
+        t = stamps.get(node)
+        if t is None:
+            t = stamps[node] = next(self._clock)
+        self._push(resource, t, node)
+
+    def discard(self, resource: str, node: Any) -> None:
+        self._cand[resource].discard(node)
+
+    def forget(self, node: Any) -> None:
+        for r in RESOURCES:
+            self._cand[r].discard(node)
+            self._stamp[r].pop(node, None)
+
+    def pop(self, resource: str) -> Optional[Any]:
+        heap, cand, stamps = self._heap[resource], self._cand[resource], self._stamp[resource]
+        while heap:
+            t, _, node = heapq.heappop(heap)
+            if node in cand and stamps.get(node) == t:
+                cand.discard(node)
+                return node
+        return None
+
+    def candidates(self, resource: str) -> set[Any]:
+        return set(self._cand[resource])
+
+    def stamp(self, resource: str, node: Any) -> Optional[int]:
+        """The node's last-use stamp (tests pin orders with it)."""
+        return self._stamp[resource].get(node)
+
+    def _push(self, resource: str, t: int, node: Any) -> None:
+        heap = self._heap[resource]
+        heapq.heappush(heap, (t, next(self._seq), node))
+        if len(heap) > 64 and len(heap) > 3 * len(self._cand[resource]):
+            stamps = self._stamp[resource]
+            self._heap[resource] = [(stamps[n], next(self._seq), n) for n in self._cand[resource]]
+            heapq.heapify(self._heap[resource])

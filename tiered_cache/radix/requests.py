@@ -1,0 +1,78 @@
+"""The request flows of ``HiMambaRadixCache``: ``cache_finished_req`` and ``cache_unfinished_req``.
+
+The request carries what SGLang reads from ``Req`` and its ``req_to_token_pool`` row (see
+``params.CacheReq``): ``token_ids``, ``kv_indices`` (whole pages; ``[:cache_protected_len]`` are the
+tree's), ``mamba_pool_idx`` (its T0 state slot, the state at ``len(token_ids)``), ``last_node``
+(locked), ``cache_protected_len`` and ``extra_key``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.radix.checks import check_node, desc, state_slot
+from tiered_cache.radix.node import TreeNode
+from tiered_cache.radix.params import InsertParams, RadixKey
+
+
+def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
+    """A request finished: cache its tokens (``is_insert``), free the KV ids and the T0 state slot it
+    still owns, release its lock."""
+    toks, kv, prev = req_fields(cache, req)
+    keep = prev
+    if is_insert:
+        res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
+                                       mamba_value=req.mamba_pool_idx, prev_prefix_len=prev))
+        keep = max(res.cached_len, prev)
+    if keep < kv.numel():
+        cache.kv.free(kv[keep:])
+    if req.mamba_pool_idx is not None:
+        cache.states.free(state_slot(cache, "req.mamba_pool_idx", req.mamba_pool_idx))
+        req.mamba_pool_idx = None
+    if req.last_node is not None:
+        cache.dec_lock_ref(req.last_node)
+        req.last_node = None
+    req.cache_protected_len = 0
+
+
+def cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
+    """A chunk of a prefill is done: cache what it wrote, point the request's prefix at the tree's
+    ids, move its lock to the new end. The request keeps its T0 state slot."""
+    toks, kv, prev = req_fields(cache, req)
+    res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
+                                   mamba_value=req.mamba_pool_idx, prev_prefix_len=prev, chunked=chunked))
+    if res.cached_len <= prev:
+        req.prefix_indices = kv[:len(toks)]
+        return
+    node = res.last_device_node
+    tree_ids = path_values(cache, node)
+    req.kv_indices = torch.cat([tree_ids, kv[res.cached_len:]])
+    req.prefix_indices = req.kv_indices[:len(toks)]
+    cache._lock(node)
+    if req.last_node is not None:
+        cache.dec_lock_ref(req.last_node)
+    req.last_node = node
+    req.cache_protected_len = res.cached_len
+
+
+def req_fields(cache, req: Any) -> tuple[list[int], torch.Tensor, int]:
+    toks = req.token_ids.tolist() if isinstance(req.token_ids, torch.Tensor) else list(req.token_ids)
+    kv = req.kv_indices
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 1 or kv.dtype != torch.int64 or kv.device != cache.device:
+        raise InvalidArgumentError("req.kv_indices", f"a 1-D int64 tensor on {cache.device}", desc(kv))
+    if kv.numel() < len(toks) or kv.numel() % cache.page_size:
+        raise InvalidArgumentError("req.kv_indices", f"whole pages covering {len(toks)} tokens", kv.numel())
+    if req.last_node is not None:
+        check_node(cache, req.last_node)
+    return toks, kv, int(req.cache_protected_len)
+
+
+def path_values(cache, node: TreeNode) -> torch.Tensor:
+    vals = []
+    while node is not cache.root:
+        vals.append(node.value)
+        node = node.parent
+    return torch.cat(vals[::-1]) if vals else cache._empty
