@@ -9,13 +9,15 @@ OUT=${OUT:-/tmp/tiered-cache-out}
 mkdir -p "$OUT/results"
 LOG=$OUT/log.txt
 benches=${*:-pool kernels transfer}
+TESTS=${TESTS:-tests}  # which test paths to run (default: all)
 {
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   echo "== pytest -m gpu"
-  python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -40
+  python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS 2>&1 | tail -40
   echo "== pytest -m gpu under TORCH_CUDA_SANITIZER=1 (transfer tests)"
-  TORCH_CUDA_SANITIZER=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_transfer.py 2>&1 | tail -15
+  TORCH_CUDA_SANITIZER=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_transfer.py > "$OUT/sanitizer.txt" 2>&1
+  grep -E "CSAN|passed|failed" "$OUT/sanitizer.txt" | head -20
   for b in $benches; do
     echo "== bench_$b"
     timeout 240 python3 "benchmarks/bench_$b.py" --out "$OUT/results" 2>&1 | tail -40

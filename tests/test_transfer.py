@@ -239,8 +239,28 @@ def test_host_mirror_budget_and_chunks():
     assert r.runs([1, 2, 3, 7, 6]) == [(0, 1, 1), (1, 2, 2), (3, 7, 1), (4, 6, 1)]
 
 
+@pytest.mark.parametrize("method", ["kernel", "staging"])
+def test_kv_round_trip_through_other_methods(method):
+    """The mapped-memory kernel (interpreter on CPU) and the staging path move the same bytes."""
+    pool, t1, mirror, _ = setup()
+    eng = TransferEngine("cpu", method={"d2h": method, "h2d": method}, backend="triton")
+    full, region = pool.side("full"), mirror.region("full")
+    toks = full.alloc(16)
+    fill_random(full.rows_bytes(), 9)
+    saved = full.rows_bytes()[full.translate(toks[::4]) // 4].clone()
+    hs = region.alloc(6)
+    hs = [hs[4], hs[0], hs[1], hs[5]]  # a run of two, and two strays
+    eng.wait(demote_kv(eng, full, toks, region, hs))
+    for h, row in zip(hs, saved):
+        assert torch.equal(region.slot(h), row)
+    full.rows_bytes()[full.translate(toks[::4]) // 4] = 0
+    t = load_kv(eng, region, hs[::-1], full, toks, layerwise=method == "kernel")
+    assert eng.wait(t) and t.ok == [True] * 4
+    assert torch.equal(full.rows_bytes()[full.translate(toks[::4]) // 4], saved.flip(0))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["copy", "staging"])
+@pytest.mark.parametrize("method", ["copy", "staging", "kernel", "auto"])
 def test_round_trips_on_cuda(method):
     pool, t1, mirror, _ = setup("cuda")
     eng = TransferEngine("cuda", method={"d2h": method, "h2d": method})

@@ -16,10 +16,11 @@ of the landed bytes is compared on the GPU. A mismatch marks that item not ``ok`
 the caller drops the entry; it is never served. Layer events of a load fire before the whole-ticket
 check, so an engine that overlaps compute with a load must check ``ticket.ok`` before using output.
 
-How scattered slots move (``method``): ``copy`` issues one ``cudaMemcpyAsync`` per contiguous run of
-host slots; ``staging`` gathers device rows into a device staging buffer with one gather kernel and
-copies each host run from it (or the reverse). ``bench_transfer.py`` measures both against a
-contiguous pinned copy; see the ``DEFAULT_METHOD`` comment for the choice. On CPU everything runs
+How scattered slots move (``method``): ``copy`` issues one ``cudaMemcpyAsync`` per row; ``staging``
+gathers device rows into a device staging buffer with one gather kernel and copies each run of
+consecutive host slots from it (or the reverse); ``kernel`` launches a few programs that read or write
+the mapped pinned host memory directly (``kernels/hostcopy.py``). ``bench_transfer.py`` measures all
+three against a contiguous pinned copy; ``DEFAULT_METHOD``'s comment gives the choice. On CPU everything runs
 synchronously and a ticket is done when ``submit`` returns.
 """
 
@@ -36,13 +37,18 @@ import torch
 from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError, TieredCacheError
 from tiered_cache.host_mirror import HostRegion
+from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.checksum import row_checksums
+from tiered_cache.kernels.hostcopy import copy_items, words_of
 
-# Chosen from bench_transfer.py on the H200 (see benchmarks/results/transfer-h200.md): large
-# envelopes and runs reach the pinned-copy ceiling with plain per-run DMA copies, which use no SMs
-# and so leave concurrent compute alone.
-DEFAULT_METHOD = {"d2h": "copy", "h2d": "copy"}
-METHODS = ("copy", "staging")
+# ``auto`` picks by row size, from bench_transfer.py on the H200 (benchmarks/results/transfer-h200.md):
+# rows of AUTO_COPY_MIN_BYTES or more (state envelopes, ~21 MB for Qwen3-Next-80B) go as one DMA copy
+# each: they reach ~0.95 of a contiguous pinned copy and use no SMs. Smaller rows (KV pages, ~384 KiB)
+# pay a fixed cost per copy call (~14 GB/s per-page copies, ~19 through a staging buffer when host
+# slots are scattered), so they go through the few-program mapped-memory kernel.
+DEFAULT_METHOD = {"d2h": "auto", "h2d": "auto"}
+METHODS = ("auto", "copy", "staging", "kernel")
+AUTO_COPY_MIN_BYTES = 2 << 20
 
 
 class TransferTimeoutError(TieredCacheError, TimeoutError):
@@ -81,7 +87,7 @@ class TransferEngine:
         max_inflight_bytes: back-pressure: a move waits for older tickets (or returns ``None``
             with ``block=False``) rather than queue more than this; one larger move runs alone.
         room_timeout_s: how long a blocking move waits for room (``TransferTimeoutError`` after).
-        method: per direction, ``copy`` or ``staging`` (default ``DEFAULT_METHOD``).
+        method: per direction, ``auto``, ``copy``, ``staging`` or ``kernel`` (default ``DEFAULT_METHOD``).
         staging_bytes: size of the device staging buffer for ``staging``.
     """
 
@@ -97,6 +103,7 @@ class TransferEngine:
                 raise InvalidArgumentError("method", f"{{'d2h'|'h2d': one of {METHODS}}}", method)
         self.max_inflight_bytes = max_inflight_bytes
         self.room_timeout_s = room_timeout_s  # how long a blocking submit waits for room
+        self.kernel_programs = 16  # programs of the mapped-memory copy kernel (few: leave SMs to compute)
         self.backend = backend
         self.streams = {"d2h": dev.new_stream(self.device), "h2d": dev.new_stream(self.device)}
         self._queues: dict[str, collections.deque[Ticket]] = {"d2h": collections.deque(), "h2d": collections.deque()}
@@ -137,7 +144,7 @@ class TransferEngine:
             region.valid[slots] = True
             tk.ok = [True] * len(slots)
 
-        self._start(t, finish, [(region.allocator, slots), *busy], rows_view)
+        self._start(t, finish, [(region.allocator, slots), *busy], [rows_view, rows_t, sums])
         return t
 
     def load(self, region: HostRegion, host_slots: Sequence[int], rows_view: torch.Tensor, rows: Sequence[int],
@@ -159,8 +166,9 @@ class TransferEngine:
             return None
         t = self._ticket("h2d", kind, nbytes, slots)
         stream = self.streams["h2d"]
+        # enqueued on the compute stream before the wait below, so the H2D stream sees it
+        expected = torch.from_numpy(region.checksums[slots].copy()).to(self.device)
         stream.wait_stream(dev.current_stream(self.device))  # compute is done with the rows we overwrite
-        expected = torch.from_numpy(region.checksums[slots].copy()).to(self.device, non_blocking=True)
         with dev.use_stream(stream):
             if layer_ranges:
                 for off, n in layer_ranges:
@@ -179,7 +187,7 @@ class TransferEngine:
             if bad:
                 self.stats["checksum_failures"] += bad
 
-        self._start(t, finish, [(region.allocator, slots), *busy], rows_view)
+        self._start(t, finish, [(region.allocator, slots), *busy], [rows_view, rows_t, expected, good])
         return t
 
     # ---------------------------------------------------------------------------- tickets
@@ -255,9 +263,22 @@ class TransferEngine:
                 raise InvalidArgumentError("host_slots", "slots whose demote has completed", missing[:16])
         return rows_l, slots
 
+    def _pick(self, direction: str, row_bytes: int) -> str:
+        method = self.method[direction]
+        if method == "auto":
+            if self.device.type != "cuda":
+                return "copy"
+            return "copy" if row_bytes >= AUTO_COPY_MIN_BYTES else "kernel"
+        if method == "kernel" and not use_triton(self.device, self.backend):
+            return "copy"  # CPU without the interpreter: the kernel cannot run here
+        return method
+
     def _copy_rows(self, direction, rows_view, rows_t, rows_l, region, slots, sub=None):
         off, n = sub if sub is not None else (0, region.slot_bytes)
-        method = self.method[direction] if self.device.type == "cuda" else "copy"
+        method = self._pick(direction, region.slot_bytes)
+        if method == "kernel":
+            self._copy_rows_kernel(direction, rows_view, rows_l, region, slots, off, n)
+            return
         if method == "staging" and sub is None:
             staging = self._get_staging(len(rows_l) * region.slot_bytes)
             if staging is not None:
@@ -282,6 +303,25 @@ class TransferEngine:
                 else:
                     devrow.copy_(host, non_blocking=True)
 
+    def _copy_rows_kernel(self, direction, rows_view, rows_l, region, slots, off, n):
+        """One few-program launch per host chunk touched (``kernels/hostcopy.py``)."""
+        dev_words, dev_base = words_of(rows_view)
+        stride_w = rows_view.stride(0) // 4
+        by_chunk: dict[int, tuple[list[int], list[int]]] = {}
+        for r, s in zip(rows_l, slots):
+            c, k = divmod(s, region.per_chunk)
+            d_off, h_off = by_chunk.setdefault(c, ([], []))
+            d_off.append(dev_base + r * stride_w + off // 4)
+            h_off.append((k * region.slot_bytes + off) // 4)
+        for c, (d_off, h_off) in by_chunk.items():
+            host_words = region.chunks[c].view(torch.int32)
+            d_t = torch.tensor(d_off, dtype=torch.int64, device=self.device)
+            h_t = torch.tensor(h_off, dtype=torch.int64, device=self.device)
+            if direction == "d2h":
+                copy_items(dev_words, d_t, host_words, h_t, n // 4, self.kernel_programs)
+            else:
+                copy_items(host_words, h_t, dev_words, d_t, n // 4, self.kernel_programs)
+
     def _get_staging(self, nbytes: int) -> Optional[torch.Tensor]:
         if nbytes > self._staging_bytes:
             return None
@@ -294,7 +334,7 @@ class TransferEngine:
         self._next_id += 1
         return t
 
-    def _start(self, t: Ticket, finish, busy, rows_view) -> None:
+    def _start(self, t: Ticket, finish, busy, keep: list) -> None:
         t._finish = finish
         for alloc, ids in busy:
             ids = list(dict.fromkeys(ids))  # one mark per slot, however often the ticket names it
@@ -306,8 +346,9 @@ class TransferEngine:
         # On CPU the bytes have moved already, but the ticket (and its busy marks) end only at the next
         # poll or wait, as on the GPU: callers see one behaviour.
         self._queues[t.direction].append(t)
-        # keep the device rows alive while the copy reads or writes them
-        t._rows_view = rows_view  # type: ignore[attr-defined]
+        # Hold every tensor the side stream uses until the ticket completes, so the caching allocator
+        # cannot hand their memory to the compute stream while the copy still reads or writes it.
+        t._keep = keep  # type: ignore[attr-defined]
 
     def poll_into_finished(self) -> None:
         for q in self._queues.values():
@@ -315,11 +356,15 @@ class TransferEngine:
                 self._complete(q.popleft())
 
     def _complete(self, t: Ticket) -> None:
+        # The event has fired; waiting on it orders the compute stream after the copy (free on the
+        # device) before anyone reads what it wrote: checksums here, the landed slots in the caller.
+        dev.current_stream(self.device).wait_event(t.event)
         if t._finish is not None:
             t._finish(t)
         for release in t._release:
             release()
         t._release.clear()
+        t._keep = None  # type: ignore[attr-defined]
         t.done = True
         self.inflight_bytes -= t.nbytes
         self._finished.append(t)

@@ -1,11 +1,12 @@
 """Per-row checksums of slot envelopes, computed on the device where the bytes are.
 
 Twin: ``reference.row_checksums_reference``. A row of ``E`` bytes is read as ``E/4`` 32-bit words
-``w_i`` (unsigned) and summed as ``sum_i w_i * (2i + 1) mod 2**64``. Every weight is odd, so flipping
-any single bit of any word changes the sum by ``+-2**b * (2i + 1)``, which is never 0 mod 2**64: a
-one-bit flip is always detected; swapped words are detected unless their weights collide mod 2**64,
-and the position weight also catches most multi-bit damage. Addition mod 2**64 is associative, so
-the kernel's block-wise partial sums equal the reference's whole-row sum exactly.
+``w_i`` and reduced to two 32-bit lanes, packed into one int64: ``hi = sum_i w_i * (2i + 1)`` and
+``lo = sum_i w_i``, both mod 2**32. Every weight is odd, so flipping any single bit of any word
+changes ``hi`` by ``+-2**b * (2i + 1)``, never 0 mod 2**32: a one-bit flip is always detected; the
+position weight also catches swapped words and most multi-bit damage. 32-bit lanes keep the kernel
+on the integer ALUs' fast path (64-bit multiplies are emulated) so it runs at memory speed. Addition
+mod 2**32 is associative, so block-wise partial sums equal the reference's whole-row sums exactly.
 
 Bytes moved: each row read once (``len(rows) * E``), 8 bytes written per (row, block).
 """
@@ -28,13 +29,16 @@ def _checksum_kernel(words_ptr, rows_ptr, out_ptr, row_stride_words, row_words, 
     part = tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64)
     base = words_ptr + row * row_stride_words
-    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    acc_hi = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_lo = tl.zeros([BLOCK], dtype=tl.int32)
     for it in range(ITERS):
-        offs = (part * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = (part * ITERS + it) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_words
-        w = tl.load(base + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-        acc += w * (2 * offs + 1)
-    tl.store(out_ptr + i * n_blocks + part, tl.sum(acc, axis=0))
+        w = tl.load(base + offs, mask=mask, other=0)
+        acc_hi += w * (2 * offs + 1)  # int32 arithmetic wraps mod 2**32
+        acc_lo += w
+    tl.store(out_ptr + (i * n_blocks + part) * 2, tl.sum(acc_hi, axis=0))
+    tl.store(out_ptr + (i * n_blocks + part) * 2 + 1, tl.sum(acc_lo, axis=0))
 
 
 def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -64,11 +68,12 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     # chip; in the interpreter, one program per row.
     iters = max(1, min(8, triton.cdiv(row_words, block))) if rows_view.is_cuda else triton.cdiv(row_words, block)
     n_blocks = triton.cdiv(row_words, block * iters)
-    out = torch.empty(rows.numel(), n_blocks, dtype=torch.int64, device=rows_view.device)
+    out = torch.empty(rows.numel(), n_blocks, 2, dtype=torch.int32, device=rows_view.device)
     words = _word_view(rows_view)
     _checksum_kernel[(rows.numel(), n_blocks)](words, rows, out, rows_view.stride(0) // 4, row_words, n_blocks,
                                                 BLOCK=block, ITERS=iters)
-    return out.sum(dim=1) if n_blocks > 1 else out[:, 0]
+    lanes = out.to(torch.int64).sum(dim=1) & 0xFFFFFFFF  # [rows, 2]: (hi, lo) mod 2**32
+    return (lanes[:, 0] << 32) | lanes[:, 1]
 
 
 def _word_view(rows_view: torch.Tensor) -> torch.Tensor:

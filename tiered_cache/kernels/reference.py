@@ -20,11 +20,20 @@ def move_rows_reference(buf: torch.Tensor, base: int, entry_bytes: int, num_rows
 
 
 def row_checksums_reference(rows_view: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Twin of ``kernels.checksum.row_checksums``: ``sum_i w_i * (2i + 1) mod 2**64`` per row, where
-    ``w_i`` are the row's bytes read as unsigned 32-bit words."""
-    data = rows_view[rows].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    """Twin of ``kernels.checksum.row_checksums``: ``(hi << 32) | lo`` with ``hi = sum_i w_i * (2i + 1)``
+    and ``lo = sum_i w_i`` mod 2**32, ``w_i`` the row's bytes read as 32-bit words."""
+    data = rows_view[rows].contiguous().view(torch.int32).to(torch.int64)
     weights = torch.arange(data.shape[1], dtype=torch.int64, device=data.device) * 2 + 1
-    return (data * weights).sum(dim=1)
+    hi = (data * weights).sum(dim=1) & 0xFFFFFFFF
+    lo = data.sum(dim=1) & 0xFFFFFFFF
+    return (hi << 32) | lo
+
+
+def copy_items_reference(src_words: torch.Tensor, src_offsets: torch.Tensor, dst_words: torch.Tensor,
+                         dst_offsets: torch.Tensor, n_words: int) -> None:
+    """Twin of ``kernels.hostcopy.copy_items``: copy ``n_words`` int32 words per item."""
+    for s, d in zip(src_offsets.tolist(), dst_offsets.tolist()):
+        dst_words[d: d + n_words].copy_(src_words[s: s + n_words])
 
 
 # --- int8 checkpoint (T1) twins: defined in _ref_quant.py (kept apart so two authors never clobber) ---
