@@ -105,7 +105,7 @@ class TransferEngine:
         self.room_timeout_s = room_timeout_s  # how long a blocking submit waits for room
         self.kernel_programs = 16  # programs of the mapped-memory copy kernel (few: leave SMs to compute)
         self.backend = backend
-        self.streams = {"d2h": dev.new_stream(self.device), "h2d": dev.new_stream(self.device)}
+        self.streams = {name: dev.new_stream(self.device) for name in ("d2h", "h2d", "cs_d2h", "cs_h2d")}
         self._queues: dict[str, collections.deque[Ticket]] = {"d2h": collections.deque(), "h2d": collections.deque()}
         self._finished: list[Ticket] = []
         self._next_id = 1
@@ -131,11 +131,19 @@ class TransferEngine:
         if not self._make_room(nbytes, block):
             return None
         t = self._ticket("d2h", kind, nbytes, slots)
-        stream = self.streams["d2h"]
-        stream.wait_stream(dev.current_stream(self.device))  # read what compute wrote
+        stream, cs = self.streams["d2h"], self.streams["cs_d2h"]
+        cur = dev.current_stream(self.device)
+        stream.wait_stream(cur)  # read what compute wrote
+        sums = None
+        if self.checksums:
+            # The checksum and the copy only read the rows: they run side by side, and the ticket's
+            # event waits for both.
+            cs.wait_stream(cur)
+            with dev.use_stream(cs):
+                sums = row_checksums(rows_view, rows_t, self.backend)
         with dev.use_stream(stream):
-            sums = row_checksums(rows_view, rows_t, self.backend) if self.checksums else None
             self._copy_rows("d2h", rows_view, rows_t, rows_l, region, slots)
+            stream.wait_stream(cs)
             t.event = stream.record_event(dev.new_event(self.device))
 
         def finish(tk: Ticket) -> None:
@@ -169,25 +177,39 @@ class TransferEngine:
         # enqueued on the compute stream before the wait below, so the H2D stream sees it
         expected = torch.from_numpy(region.checksums[slots].copy()).to(self.device)
         stream.wait_stream(dev.current_stream(self.device))  # compute is done with the rows we overwrite
+        cs = self.streams["cs_h2d"]
+        goods: list[torch.Tensor] = []
         with dev.use_stream(stream):
             if layer_ranges:
                 for off, n in layer_ranges:
                     self._copy_rows("h2d", rows_view, rows_t, rows_l, region, slots, (off, n))
                     t.layer_events.append(stream.record_event(dev.new_event(self.device)))
+                if self.checksums:
+                    goods.append(row_checksums(rows_view, rows_t, self.backend) == expected)
             else:
-                self._copy_rows("h2d", rows_view, rows_t, rows_l, region, slots)
-            good = row_checksums(rows_view, rows_t, self.backend) == expected if self.checksums else None
+                # Verify group g on the checksum stream while group g+1 is still copying.
+                n_rows = len(rows_l)
+                step = max(1, -(-n_rows // 4))
+                for g0 in range(0, n_rows, step):
+                    g1 = min(n_rows, g0 + step)
+                    self._copy_rows("h2d", rows_view, rows_t[g0:g1], rows_l[g0:g1], region, slots[g0:g1])
+                    if self.checksums:
+                        cs.wait_stream(stream)
+                        with dev.use_stream(cs):
+                            goods.append(row_checksums(rows_view, rows_t[g0:g1], self.backend) == expected[g0:g1])
+                stream.wait_stream(cs)
             if after is not None:
                 after()
             t.event = stream.record_event(dev.new_event(self.device))
 
         def finish(tk: Ticket) -> None:
+            good = torch.cat(goods) if goods else None
             tk.ok = good.cpu().tolist() if good is not None else [True] * len(rows_l)
             bad = tk.ok.count(False)
             if bad:
                 self.stats["checksum_failures"] += bad
 
-        self._start(t, finish, [(region.allocator, slots), *busy], [rows_view, rows_t, expected, good])
+        self._start(t, finish, [(region.allocator, slots), *busy], [rows_view, rows_t, expected, goods])
         return t
 
     # ---------------------------------------------------------------------------- tickets
