@@ -39,7 +39,7 @@ from tiered_cache.errors import InvalidArgumentError, TieredCacheError
 from tiered_cache.host_mirror import HostRegion
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.checksum import row_checksums
-from tiered_cache.kernels.hostcopy import copy_items, words_of
+from tiered_cache.kernels.hostcopy import copy_items
 
 # ``auto`` picks by row size, from bench_transfer.py on the H200 (benchmarks/results/transfer-h200.md):
 # rows of AUTO_COPY_MIN_BYTES or more (state envelopes, ~21 MB for Qwen3-Next-80B) go as one DMA copy
@@ -327,8 +327,9 @@ class TransferEngine:
 
     def _copy_rows_kernel(self, direction, rows_view, rows_l, region, slots, off, n):
         """One few-program launch per host chunk touched (``kernels/hostcopy.py``)."""
-        dev_words, dev_base = words_of(rows_view)
-        stride_w = rows_view.stride(0) // 4
+        # Plain dtype views: offsets count int32 words from the view's first byte.
+        dev_words = rows_view.view(torch.int32)
+        dev_base, stride_w = 0, dev_words.stride(0)
         by_chunk: dict[int, tuple[list[int], list[int]]] = {}
         for r, s in zip(rows_l, slots):
             c, k = divmod(s, region.per_chunk)

@@ -34,16 +34,6 @@ def _copy_items_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, n_items, n_wo
             tl.store(dst_ptr + d + offs, vals, mask=mask)
 
 
-def words_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(int32 view of ``t``'s whole storage, word offset of ``t``'s first byte)."""
-    storage = t.untyped_storage()
-    base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes() // 4 * 4,))
-    off = t.storage_offset() * t.element_size()
-    if off % 4:
-        raise InvalidArgumentError("tensor", "a 4-byte aligned start", off)
-    return base.view(torch.int32), off // 4
-
-
 def copy_items(src_words: torch.Tensor, src_offsets: torch.Tensor, dst_words: torch.Tensor,
                dst_offsets: torch.Tensor, n_words: int, num_programs: int = 16) -> None:
     """For each item ``i``: ``dst_words[dst_offsets[i] : +n_words] = src_words[src_offsets[i] : +n_words]``.
