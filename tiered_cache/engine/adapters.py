@@ -1,0 +1,301 @@
+"""Move one request's KV and recurrent states between a ``transformers`` cache and the pools.
+
+One request per cache: every tensor of a ``DynamicCache`` here has batch size 1 (the engine batches
+requests through the pools, not through the model's cache objects). The adapter translates; it
+holds no policy: which tokens, slots and positions to move is the caller's decision.
+
+Per kind of layer (``config.layer_types``), the cache layer and the pool side that holds it::
+
+    linear_attention   LinearAttentionLayer       conv_states[0] [1, conv_dim, K]   -> state side conv_view_all(0)
+                                                   recurrent_states[0] [1, H, dk, dv] -> state side temporal_view_all()
+    full_attention     DynamicLayer               keys/values [1, kv_heads, T, D]   -> full KV side, every token
+    sliding_attention  DynamicSlidingWindowLayer  keys/values, only the last ``sliding_window - 1`` tokens
+                                                   after a forward (``cumulative_length`` counts all) -> swa KV side
+
+Token ids are virtual ids of a KV side, one per position: ``token_ids[p]`` holds position ``p``.
+A state slot holds the state after a fixed number of tokens; the caller knows which.
+
+Continuing on a restored cache always passes ``position_ids`` (``forward_chunk``): some models derive
+positions from the cache length otherwise, which a restored cache may not report as the caller means.
+
+transformers versions: tested on 5.24 and 5.17 (CPU). They differ in the cache keyword of
+``forward`` (``cache`` in 5.24, where ``past_key_values`` is deprecated; ``past_key_values`` in 5.17)
+and in how Qwen3-Next asks whether a layer has a state (``Cache.has_previous_state`` in 5.17, the
+layer's ``has_previous_state`` dict through ``get_conv_state`` in 5.24); filling fresh layers through
+their own ``update*`` methods, as below, sets both.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+
+from tiered_cache.engine.models import FULL, LINEAR, SLIDING, ModelSpecs, layer_kinds, spec_for
+from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.specs import KVSpec
+from tiered_cache.unified_pool import SubPool
+
+IdsLike = Union[torch.Tensor, Sequence[int]]
+
+
+def new_cache(model):
+    """A fresh ``DynamicCache(config=...)``: one layer object per model layer, of the kind it needs."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _cache_kwarg(model) -> str:
+    """``cache`` (5.24+) or ``past_key_values`` (5.17): the name ``forward`` takes the cache under."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def forward_chunk(model, cache, input_ids: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, object]:
+    """Run tokens at positions ``[start_pos, start_pos + T)`` on ``cache`` (batch 1), with explicit positions.
+
+    ``input_ids``: ``[T]`` or ``[1, T]``. Returns ``(logits [T, vocab], cache)``; ``cache`` is updated
+    in place. Raises if ``start_pos`` disagrees with the tokens the cache holds, or if the cache has
+    attention KV but a linear layer has no state (a continuation would silently restart the recurrence).
+    """
+    ids = input_ids if input_ids.dim() == 2 else input_ids.reshape(1, -1)
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise InvalidArgumentError("input_ids", "a non-empty [T] or [1, T] tensor (batch 1)", tuple(input_ids.shape))
+    if not isinstance(start_pos, int) or isinstance(start_pos, bool) or start_pos < 0:
+        raise InvalidArgumentError("start_pos", "an int >= 0", start_pos)
+    seen = _seen_tokens(cache)
+    if seen is not None and seen != start_pos:
+        raise InvalidArgumentError("start_pos", f"{seen}, the tokens the cache holds", start_pos)
+    if start_pos > 0:
+        for i, layer in enumerate(cache.layers):
+            if hasattr(layer, "recurrent_states") and not all(layer.has_previous_state.values()):
+                raise InvalidArgumentError("cache", f"a state in linear layer {i} to continue from", "none")
+    ids = ids.to(model.device)
+    pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
+    out = model(input_ids=ids, position_ids=pos, use_cache=True, **{_cache_kwarg(model): cache})
+    return out.logits[0], cache
+
+
+def _seen_tokens(cache) -> Optional[int]:
+    try:
+        return int(cache.get_seq_length())
+    except ValueError:  # a cache of linear layers only tracks no length
+        return None
+
+
+def _ids(name: str, ids: IdsLike, device: torch.device) -> torch.Tensor:
+    t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(list(ids), dtype=torch.int64)
+    if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgumentError(name, "a 1-D int tensor or sequence of ints", (t.dtype, tuple(t.shape)))
+    return t.to(device=device, dtype=torch.int64)
+
+
+def _slot(slot: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(slot, dtype=torch.int64).reshape(-1)
+    if t.numel() != 1:
+        raise InvalidArgumentError("slot", "one virtual slot id", slot)
+    return t.to(device)
+
+
+def _physical(side: SubPool, name: str, ids: torch.Tensor) -> torch.Tensor:
+    """``side.translate`` that refuses free or unknown ids: they map to -1, which would index the last row.
+    Costs one host sync; the reference engine moves whole chunks per call, so it is paid once per chunk."""
+    try:
+        phys = side.translate(ids)
+    except (IndexError, RuntimeError):
+        phys = None
+    if phys is None or (phys.numel() and int(phys.min()) < 0):
+        raise InvalidArgumentError(name, f"live virtual ids of side {side.name!r}", ids.tolist())
+    return phys
+
+
+def _to_store(x: torch.Tensor, spec: KVSpec) -> torch.Tensor:
+    x = x.to(spec.dtype)
+    return x.view(spec.store_dtype) if spec.store_dtype != spec.dtype else x  # fp8 travels as bytes
+
+
+def _from_store(x: torch.Tensor, spec: KVSpec) -> torch.Tensor:
+    return x.view(spec.dtype) if spec.store_dtype != spec.dtype else x
+
+
+class HybridCacheAdapter:
+    """Moves one request's cache contents to and from ``UnifiedPool`` sides, for one model.
+
+    ``specs``: from ``spec_for(model, page_size)`` (computed if omitted). A side is recognised by its
+    spec: ``specs.full`` (full-attention layers), ``specs.swa`` (sliding layers), ``specs.state``.
+    """
+
+    def __init__(self, model, specs: Optional[ModelSpecs] = None, page_size: int = 16) -> None:
+        self.model = model
+        self.specs = specs if specs is not None else spec_for(model, page_size)
+        self.kinds = layer_kinds(model.config)
+        self.dtype = next(model.parameters()).dtype
+
+    def new_cache(self):
+        return new_cache(self.model)
+
+    # --------------------------------------------------------------------------- states
+    def export_state(self, cache, side: SubPool, slot: Union[int, torch.Tensor]) -> None:
+        """Write every linear layer's recurrent state and conv window into state slot ``slot`` (virtual)."""
+        spec = self._state_side(side)
+        layers = [cache.layers[i] for i in self.specs.linear_layers]
+        for i, layer in zip(self.specs.linear_layers, layers):
+            if not all(layer.has_previous_state.values()):
+                raise InvalidArgumentError("cache", f"a state in linear layer {i}", "none (run a chunk first)")
+        k = spec.conv_shapes[0][-1]
+        # record_past keeps more than the window in conv_states; the last K columns are the state.
+        conv = torch.stack([lay.conv_states[0][..., -k:] for lay in layers])
+        rec = torch.stack([lay.recurrent_states[0] for lay in layers])
+        want = ((len(layers), 1, *spec.temporal_shape), (len(layers), 1, *spec.conv_shapes[0]))
+        if (tuple(rec.shape), tuple(conv.shape)) != want:
+            raise InvalidArgumentError("cache", f"batch 1 states of shapes {want} (the side's spec)",
+                                       (tuple(rec.shape), tuple(conv.shape)))
+        row = _physical(side, "slot", _slot(slot, side.device))
+        side.temporal_view_all()[:, row] = rec.to(side.device, spec.temporal_dtype)
+        side.conv_view_all(0)[:, row] = conv.to(side.device, spec.conv_dtype)
+
+    def import_state(self, side: SubPool, slot: Union[int, torch.Tensor], cache=None):
+        """Load state slot ``slot`` into the linear layers of ``cache`` (a fresh one if None); returns it.
+
+        A layer that already has a state is overwritten in place (its tensors keep their address).
+        """
+        spec = self._state_side(side)
+        cache = self.new_cache() if cache is None else cache
+        row = _physical(side, "slot", _slot(slot, side.device))
+        rec_all = side.temporal_view_all()[:, row]  # [L, 1, H, a, b]
+        conv_all = side.conv_view_all(0)[:, row]
+        k = spec.conv_shapes[0][-1]
+        for j, i in enumerate(self.specs.linear_layers):
+            layer = cache.layers[i]
+            dev_ = layer.device if layer.device is not None else self.model.device
+            conv = conv_all[j].to(dev_, spec.conv_dtype)
+            rec = rec_all[j].to(dev_, spec.temporal_dtype)
+            if layer.is_conv_states_initialized[0] and layer.conv_states[0].shape[-1] == k:
+                layer.conv_states[0].copy_(conv)
+                layer.has_previous_state[0] = True
+            else:
+                layer.is_conv_states_initialized[0] = False
+                layer.has_previous_state[0] = False
+                # A fresh layer takes a full window as its prefill: stored as given, marked as a state.
+                layer.update_conv_state(conv.clone(), 0, conv_kernel_size=k)
+            if layer.is_recurrent_states_initialized[0]:
+                layer.recurrent_states[0].copy_(rec)
+            else:
+                layer.update_recurrent_state(rec.clone(), 0)
+        return cache
+
+    # ------------------------------------------------------------------------------ KV
+    def export_kv(self, cache, side: SubPool, token_ids: IdsLike, start: int, end: int) -> tuple[int, int]:
+        """Write K/V of positions ``[start, end)`` of the side's layers into its pages.
+
+        Full side: every position must be in the cache. SWA side: only the positions the sliding
+        layers still hold are written (the last ``sliding_window - 1`` after a forward, unless past
+        recording is on): export a chunk's SWA KV right after it runs. Returns the range written.
+        """
+        spec, model_layers = self._kv_side(side)
+        layers = [cache.layers[i] for i in model_layers]
+        held = {self._held(lay) for lay in layers}
+        if len(held) != 1:
+            raise InvalidArgumentError("cache", "the same tokens in every layer of a kind", held)
+        lo, hi = held.pop()
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
+            raise InvalidArgumentError("start, end", "ints with 0 <= start <= end", (start, end))
+        if end > hi or (spec.window == 0 and start < lo):
+            raise InvalidArgumentError("end" if end > hi else "start",
+                                       f"a range inside [{lo}, {hi}), held by the cache", (start, end))
+        ids = _ids("token_ids", token_ids, side.device)
+        if ids.numel() < end:
+            raise InvalidArgumentError("token_ids", f">= {end} ids (one per position)", ids.numel())
+        start = max(start, lo)
+        if start >= end:
+            return end, end
+        phys = _physical(side, "token_ids", ids[start:end])
+        pages, offs = phys // side.page_size, phys % side.page_size
+        k = torch.stack([lay.keys[0, :, start - lo: end - lo].transpose(0, 1) for lay in layers])  # [L, T, H, D]
+        v = torch.stack([lay.values[0, :, start - lo: end - lo].transpose(0, 1) for lay in layers])
+        n = end - start
+        want = ((len(layers), n, spec.kv_heads, spec.head_dim), (len(layers), n, spec.kv_heads, spec.v_head_dim))
+        if (tuple(k.shape), tuple(v.shape)) != want or layers[0].keys.shape[0] != 1:
+            raise InvalidArgumentError("cache", f"batch 1 K/V of shapes {want} (the side's spec)",
+                                       (tuple(layers[0].keys.shape), tuple(k.shape), tuple(v.shape)))
+        side.k_view_all()[:, pages, offs] = _to_store(k, spec).to(side.device)
+        side.v_view_all()[:, pages, offs] = _to_store(v, spec).to(side.device)
+        return start, end
+
+    def import_kv(self, cache, side: SubPool, token_ids: IdsLike, n_tokens: int) -> None:
+        """Fill the side's (empty) layers of ``cache`` with positions ``[0, n_tokens)`` from the pages;
+        sliding layers take only the last ``spec.window`` of them and count all ``n_tokens``."""
+        spec, model_layers = self._kv_side(side)
+        ids = _ids("token_ids", token_ids, side.device)
+        if not isinstance(n_tokens, int) or not 0 <= n_tokens <= ids.numel():
+            raise InvalidArgumentError("n_tokens", f"an int in [0, {ids.numel()}] (len(token_ids))", n_tokens)
+        start = max(0, n_tokens - spec.window) if spec.window else 0
+        for i in model_layers:
+            if cache.layers[i].get_seq_length() != 0:
+                raise InvalidArgumentError("cache", f"an empty layer {i}", cache.layers[i].get_seq_length())
+        if n_tokens == 0:
+            return
+        phys = _physical(side, "token_ids", ids[start:n_tokens])
+        pages, offs = phys // side.page_size, phys % side.page_size
+        k = _from_store(side.k_view_all()[:, pages, offs], spec)  # [L, T, H, D]
+        v = _from_store(side.v_view_all()[:, pages, offs], spec)
+        for j, i in enumerate(model_layers):
+            layer = cache.layers[i]
+            layer.update(k[j].transpose(0, 1).unsqueeze(0).to(self.model.device, self.dtype),
+                         v[j].transpose(0, 1).unsqueeze(0).to(self.model.device, self.dtype))
+            if spec.window:
+                layer.cumulative_length = n_tokens  # the positions it has seen, not the ones it keeps
+
+    def build_cache(self, kv_side: SubPool, token_ids: IdsLike, state_side: Optional[SubPool] = None,
+                    slot: Union[int, torch.Tensor, None] = None, *, swa_side: Optional[SubPool] = None,
+                    swa_token_ids: Optional[IdsLike] = None, n_tokens: Optional[int] = None):
+        """A fresh cache holding positions ``[0, n_tokens)`` (default ``len(token_ids)``) from the pools.
+
+        ``state_side``/``slot``: the recurrent state after those tokens (models with linear layers).
+        ``swa_side``/``swa_token_ids``: the sliding layers' KV (models with sliding layers).
+        Continue with ``forward_chunk(model, cache, ids, n_tokens)``.
+        """
+        n = len(token_ids) if n_tokens is None else n_tokens
+        if self.specs.linear_layers and (state_side is None or slot is None):
+            raise InvalidArgumentError("state_side, slot", "a state slot (the model has linear layers)", None)
+        if self.specs.swa_layers and (swa_side is None or swa_token_ids is None):
+            raise InvalidArgumentError("swa_side, swa_token_ids", "SWA pages (the model has sliding layers)", None)
+        cache = self.new_cache()
+        self.import_kv(cache, kv_side, token_ids, n)
+        if self.specs.swa_layers:
+            self.import_kv(cache, swa_side, swa_token_ids, n)
+        if self.specs.linear_layers:
+            self.import_state(state_side, slot, cache)
+        return cache
+
+    # --------------------------------------------------------------------------- checks
+    @staticmethod
+    def _held(layer) -> tuple[int, int]:
+        """Positions ``[lo, hi)`` a KV layer holds."""
+        if layer.keys is None or not layer.is_initialized:
+            return 0, 0
+        n = layer.keys.shape[-2]
+        hi = getattr(layer, "cumulative_length", n) if getattr(layer, "is_sliding", False) else n
+        return hi - n, hi
+
+    def _kv_side(self, side: SubPool) -> tuple[KVSpec, tuple[int, ...]]:
+        spec = getattr(side, "spec", None)
+        if spec == self.specs.full:
+            return spec, self.specs.full_layers
+        if self.specs.swa is not None and spec == self.specs.swa:
+            return spec, self.specs.swa_layers
+        want = [self.specs.full] + ([self.specs.swa] if self.specs.swa is not None else [])
+        raise InvalidArgumentError("side", f"a KV side whose spec is one of {want}", spec)
+
+    def _state_side(self, side: SubPool):
+        spec = getattr(side, "spec", None)
+        if self.specs.state is None or spec != self.specs.state:
+            raise InvalidArgumentError("side", f"a state side whose spec is {self.specs.state}", spec)
+        return spec
+
+
+__all__ = ["FULL", "LINEAR", "SLIDING", "HybridCacheAdapter", "forward_chunk", "new_cache"]
