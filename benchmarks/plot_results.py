@@ -1,0 +1,82 @@
+"""Charts for benchmarks/results/: one PNG per result file that has something to draw.
+
+    python benchmarks/plot_results.py        # reads *.json in benchmarks/results, writes *.png beside them
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _bars(ax, labels, series: dict, ylabel: str, title: str) -> None:
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series.items()):
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, vals, width, label=name)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(labels))], labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+
+
+def plot_kernels(rec: dict, path: str) -> None:
+    m = rec["metrics"]
+    labels, ours, torch_, copy = [], [], [], []
+    for op in ("store", "load"):
+        for dt in ("fp32", "bf16"):
+            for n in (16, 64):
+                key = f"{op}_{dt}_{n}"
+                if f"{key}_GBps" in m:
+                    labels.append(f"{op}\n{dt} x{n}")
+                    ours.append(m[f"{key}_GBps"])
+                    torch_.append(m[f"{key}_torch_GBps"])
+                    copy.append(m[f"copy_{dt}_{n}_GBps"])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    _bars(ax, labels, {"Triton kernel": ours, "torch reference": torch_, "device copy": copy}, "GB/s (read + write)",
+          f"int8 checkpoint kernels, {rec['device']}, {rec['date']}, {rec['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_transfer(rec: dict, path: str) -> None:
+    rows = rec.get("rows", [])
+    methods = sorted({r["method"] for r in rows}, key=["copy", "staging", "kernel", "auto"].index)
+    labels = [f"{d}\n{k}" for k in ("state", "kv") for d in ("d2h", "h2d", "bidir")]
+    got = {(r["method"], r["data"], r["direction"]): r["GBps"] for r in rows}
+    series = {meth: [got.get((meth, k, d), 0.0) for k in ("state", "kv") for d in ("d2h", "h2d", "bidir")]
+              for meth in methods}
+    m = rec["metrics"]
+    series["contiguous pinned copy"] = [m.get(f"contig_{k}_{d}_GBps", 0.0) for k in ("state", "kv")
+                                        for d in ("d2h", "h2d", "bidir")]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    _bars(ax, labels, series, "GB/s over PCIe", f"T2 transfers, {rec['device']}, {rec['date']}, {rec['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTTERS = {"kernels": plot_kernels, "transfer": plot_transfer}
+
+
+def main() -> None:
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        with open(path) as f:
+            rec = json.load(f)
+        fn = PLOTTERS.get(rec.get("bench"))
+        if fn is not None:
+            fn(rec, path[:-5] + ".png")
+            print("wrote", path[:-5] + ".png")
+
+
+if __name__ == "__main__":
+    main()
