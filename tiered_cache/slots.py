@@ -7,6 +7,7 @@ completes, so it can never be handed out again while bytes are still moving.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from typing import Optional, Union
 
@@ -34,7 +35,8 @@ def id_list(arg: str, ids: IdsLike) -> list[int]:
 
 
 class SlotAllocator:
-    """Slots ``1..num_slots``; ``alloc`` gives the lowest free ids first on a fresh allocator."""
+    """Slots ``1..num_slots``; ``alloc`` always gives the lowest free ids (a min-heap), so the slots
+    of one call tend to be consecutive: a host region then moves them as one contiguous copy."""
 
     def __init__(self, num_slots: int, name: str = "slots") -> None:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
@@ -48,7 +50,7 @@ class SlotAllocator:
         if self._busy:
             raise SlotBusyError(f"{self.name}: slots {sorted(self._busy)[:16]} are in flight")
         self._allocated = np.zeros(self.num_slots + 1, dtype=bool)
-        self._free: list[int] = list(range(self.num_slots, 0, -1))
+        self._free: list[int] = list(range(1, self.num_slots + 1))  # a sorted list is a valid heap
 
     def alloc(self, n: int = 1) -> Optional[list[int]]:
         """``n`` slot ids, or ``None`` when fewer are free (nothing changes)."""
@@ -56,8 +58,7 @@ class SlotAllocator:
             raise InvalidArgumentError("n", "an int >= 0", n)
         if n > len(self._free):
             return None
-        ids = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
+        ids = [heapq.heappop(self._free) for _ in range(n)]
         self._allocated[ids] = True
         return ids
 
@@ -78,7 +79,8 @@ class SlotAllocator:
         if busy:
             raise SlotBusyError(f"{self.name}: slots {busy[:16]} are read or written by a transfer in flight")
         self._allocated[lst] = False
-        self._free.extend(reversed(lst))
+        for i in lst:
+            heapq.heappush(self._free, i)
 
     def available_size(self) -> int:
         return len(self._free)

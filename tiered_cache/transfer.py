@@ -110,7 +110,7 @@ class TransferEngine:
         self._finished: list[Ticket] = []
         self._next_id = 1
         self.inflight_bytes = 0
-        self._staging: Optional[torch.Tensor] = None
+        self._staging: dict[str, torch.Tensor] = {}
         self._staging_bytes = staging_bytes
         self.stats = collections.Counter()
         # Benchmarks switch this off to measure what checksums cost; with it off nothing is verified.
@@ -285,37 +285,32 @@ class TransferEngine:
                 raise InvalidArgumentError("host_slots", "slots whose demote has completed", missing[:16])
         return rows_l, slots
 
-    def _pick(self, direction: str, row_bytes: int) -> str:
+    def _pick(self, direction: str, row_bytes: int, runs: list, sub: bool) -> str:
         method = self.method[direction]
         if method == "auto":
-            if self.device.type != "cuda":
+            if self.device.type != "cuda" or row_bytes >= AUTO_COPY_MIN_BYTES:
                 return "copy"
-            return "copy" if row_bytes >= AUTO_COPY_MIN_BYTES else "kernel"
+            # Small rows: consecutive host slots go as one DMA copy per run through the staging
+            # buffer when runs are long; scattered ones through the few-program kernel.
+            run_bytes = row_bytes * sum(k for _, _, k in runs) / max(1, len(runs))
+            method = "staging" if run_bytes >= AUTO_COPY_MIN_BYTES and not sub else "kernel"
+        if method == "staging" and sub:
+            method = "kernel"  # a layer's sub-range of each row has no contiguous staging form
         if method == "kernel" and not use_triton(self.device, self.backend):
             return "copy"  # CPU without the interpreter: the kernel cannot run here
         return method
 
     def _copy_rows(self, direction, rows_view, rows_t, rows_l, region, slots, sub=None):
         off, n = sub if sub is not None else (0, region.slot_bytes)
-        method = self._pick(direction, region.slot_bytes)
+        runs = region.runs(slots)
+        method = self._pick(direction, region.slot_bytes, runs, sub is not None)
         if method == "kernel":
             self._copy_rows_kernel(direction, rows_view, rows_l, region, slots, off, n)
             return
-        if method == "staging" and sub is None:
-            staging = self._get_staging(len(rows_l) * region.slot_bytes)
-            if staging is not None:
-                stage = staging[: len(rows_l) * region.slot_bytes].view(len(rows_l), region.slot_bytes)
-                if direction == "d2h":
-                    torch.index_select(rows_view, 0, rows_t, out=stage)
-                for pos, s0, k in region.runs(slots):
-                    host = region.run_view(s0, k)
-                    dst, src = (host, stage[pos:pos + k].reshape(-1)) if direction == "d2h" else \
-                        (stage[pos:pos + k].reshape(-1), host)
-                    dst.copy_(src, non_blocking=True)
-                if direction == "h2d":
-                    rows_view.index_copy_(0, rows_t, stage)
-                return
-        for pos, s0, k in region.runs(slots):
+        if method == "staging":
+            self._copy_rows_staging(direction, rows_view, rows_t, region, slots)
+            return
+        for pos, s0, k in runs:
             for j in range(k):  # device rows are scattered: one copy per row
                 r = rows_l[pos + j]
                 host = region.run_view(s0 + j, 1)[off:off + n]
@@ -324,6 +319,26 @@ class TransferEngine:
                     host.copy_(devrow, non_blocking=True)
                 else:
                     devrow.copy_(host, non_blocking=True)
+
+    def _copy_rows_staging(self, direction, rows_view, rows_t, region, slots):
+        """Gather device rows into a staging buffer (one kernel), then one DMA copy per run of
+        consecutive host slots (or the reverse), in groups that fit the buffer."""
+        e = region.slot_bytes
+        staging = self._get_staging(direction, e)
+        per = staging.numel() // e
+        for g0 in range(0, len(slots), per):
+            g1 = min(len(slots), g0 + per)
+            stage = staging[: (g1 - g0) * e].view(g1 - g0, e)
+            if direction == "d2h":
+                torch.index_select(rows_view, 0, rows_t[g0:g1], out=stage)
+            for pos, s0, k in region.runs(slots[g0:g1]):
+                host, dev_part = region.run_view(s0, k), stage[pos:pos + k].reshape(-1)
+                if direction == "d2h":
+                    host.copy_(dev_part, non_blocking=True)
+                else:
+                    dev_part.copy_(host, non_blocking=True)
+            if direction == "h2d":
+                rows_view.index_copy_(0, rows_t[g0:g1], stage)
 
     def _copy_rows_kernel(self, direction, rows_view, rows_l, region, slots, off, n):
         """One few-program launch per host chunk touched (``kernels/hostcopy.py``)."""
@@ -345,12 +360,13 @@ class TransferEngine:
             else:
                 copy_items(host_words, h_t, dev_words, d_t, n // 4, self.kernel_programs)
 
-    def _get_staging(self, nbytes: int) -> Optional[torch.Tensor]:
-        if nbytes > self._staging_bytes:
-            return None
-        if self._staging is None:
-            self._staging = torch.empty(self._staging_bytes, dtype=torch.uint8, device=self.device)
-        return self._staging
+    def _get_staging(self, direction: str, row_bytes: int) -> torch.Tensor:
+        """The direction's staging buffer (one per direction: D2H and H2D run at the same time)."""
+        buf = self._staging.get(direction)
+        if buf is None:
+            buf = torch.empty(max(self._staging_bytes, row_bytes), dtype=torch.uint8, device=self.device)
+            self._staging[direction] = buf
+        return buf
 
     def _ticket(self, direction, kind, nbytes, slots) -> Ticket:
         t = Ticket(id=self._next_id, direction=direction, kind=kind, nbytes=nbytes, host_slots=list(slots))
