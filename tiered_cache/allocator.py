@@ -31,11 +31,12 @@ import numpy as np
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, SlotBusyError, SlotStateError
+from tiered_cache.slots import BusyMarks
 
 Mover = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-class MultiEndedAllocator:
+class MultiEndedAllocator(BusyMarks):
     """Virtual-id allocator for one side of a shared byte buffer.
 
     Args:
@@ -70,6 +71,7 @@ class MultiEndedAllocator:
             raise InvalidArgumentError(
                 "total_bytes", f"room for the sink and one slot of {entry_bytes} bytes", total_bytes
             )
+        super().__init__()  # busy marks: virtual slot ids under a transfer in flight
         self.name = name
         self.entry_bytes = int(entry_bytes)
         self.total_bytes = int(total_bytes)
@@ -82,7 +84,6 @@ class MultiEndedAllocator:
         self.peer: Optional[MultiEndedAllocator] = None
         # Called before compaction moves data: a transfer engine makes compute wait for its copies.
         self.fences: list[Callable[[], None]] = []
-        self._busy: dict[int, int] = {}  # virtual slot id -> transfers in flight on it
         self.num_moves = 0  # slots moved by compaction, for stats and tests
         # The device table is what kernels gather from; on CPU it shares memory with the host copy.
         self._v2p = np.full(self.capacity, -1, dtype=np.int64)
@@ -261,18 +262,6 @@ class MultiEndedAllocator:
         if any(r < 0 for r in rows):
             raise SlotStateError("vids", f"allocated ids of side {self.name!r}", vids[:16])
         return rows
-
-    def mark_busy(self, vids) -> None:
-        for v in vids:
-            self._busy[v] = self._busy.get(v, 0) + 1
-
-    def unmark_busy(self, vids) -> None:
-        for v in vids:
-            left = self._busy[v] - 1
-            if left:
-                self._busy[v] = left
-            else:
-                del self._busy[v]
 
     # -------------------------------------------------------------------------------- translate
 

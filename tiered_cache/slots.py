@@ -34,16 +34,42 @@ def id_list(arg: str, ids: IdsLike) -> list[int]:
     return out
 
 
-class SlotAllocator:
+class BusyMarks:
+    """Counts the transfers in flight on each slot id; a busy slot may not be freed."""
+
+    def __init__(self) -> None:
+        self._busy: dict[int, int] = {}
+
+    def mark_busy(self, ids: Iterable[int]) -> None:
+        for i in ids:
+            self._busy[i] = self._busy.get(i, 0) + 1
+
+    def unmark_busy(self, ids: Iterable[int]) -> None:
+        for i in ids:
+            left = self._busy[i] - 1
+            if left:
+                self._busy[i] = left
+            else:
+                del self._busy[i]
+
+    def is_busy(self, slot: int) -> bool:
+        return slot in self._busy
+
+    @property
+    def busy_ids(self) -> list[int]:
+        return sorted(self._busy)
+
+
+class SlotAllocator(BusyMarks):
     """Slots ``1..num_slots``; ``alloc`` always gives the lowest free ids (a min-heap), so the slots
     of one call tend to be consecutive: a host region then moves them as one contiguous copy."""
 
     def __init__(self, num_slots: int, name: str = "slots") -> None:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
             raise InvalidArgumentError("num_slots", "an int >= 1", num_slots)
+        super().__init__()
         self.name = name
         self.num_slots = num_slots
-        self._busy: dict[int, int] = {}
         self.clear()
 
     def clear(self) -> None:
@@ -90,26 +116,6 @@ class SlotAllocator:
 
     def allocated_ids(self) -> list[int]:
         return np.nonzero(self._allocated)[0].tolist()
-
-    # -------------------------------------------------------------------------------- busy
-    def mark_busy(self, ids: Iterable[int]) -> None:
-        for i in ids:
-            self._busy[i] = self._busy.get(i, 0) + 1
-
-    def unmark_busy(self, ids: Iterable[int]) -> None:
-        for i in ids:
-            left = self._busy[i] - 1
-            if left:
-                self._busy[i] = left
-            else:
-                del self._busy[i]
-
-    def is_busy(self, slot: int) -> bool:
-        return slot in self._busy
-
-    @property
-    def busy_ids(self) -> list[int]:
-        return sorted(self._busy)
 
     def check_invariants(self) -> None:
         free = set(self._free)
