@@ -53,6 +53,35 @@ class IntegrityError(TieredCacheError):
     """Bytes read back do not match the checksum taken when they were written."""
 
 
+class StorageError(TieredCacheError):
+    """T3 storage (``tiered_cache.storage``) failed. The storage tier turns these into counted misses;
+    they reach a caller only from the low-level backend and format calls."""
+
+
+class StorageUnavailableError(StorageError, ConnectionError):
+    """A storage backend could not be reached or gave up (connection refused or lost, socket timeout,
+    I/O error). ``backend`` names it."""
+
+    def __init__(self, backend: str, cause: Any):
+        self.backend = backend
+        self.cause = cause
+        super().__init__(f"{backend}: {_short(cause)}")
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A wait on a storage operation ran out of time."""
+
+
+class StorageFormatError(StorageError, IntegrityError):
+    """A stored value is not a valid entry for what was asked: truncated, damaged, of another version
+    or of another fingerprint. ``reason`` is one short word (``truncated``, ``magic``, ``checksum``,
+    ``foreign`` ...), the key the storage tier counts misses under."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
 def _short(value: Any, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,109 @@
+"""Shared by the storage tests: real redis-server processes on free loopback ports, T2 regions, patterns.
+
+The fixtures skip (with the reason) only when the ``redis-server`` binary is absent; ``.ci/run``
+installs it, so CI always runs them. Every server runs in its own temp dir, without persistence,
+and is stopped when its fixture ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tiered_cache.host_mirror import HostMirror, HostRegion, RegionSpec
+from tiered_cache.storage import StorageFingerprint
+from tiered_cache.storage.local_redis import REDIS_BIN, LocalRedis, free_cluster_port
+
+NO_REDIS = "redis-server binary not found (apt-get install -y redis-server; .ci/run installs it)"
+
+FP = StorageFingerprint("test/tiny-qwen3-next", (0, 4), ("kv=bfloat16", "state=int8"), "int8", 4)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One server for the session's Redis tests (each test uses its own key prefix)."""
+    if REDIS_BIN is None:
+        pytest.skip(NO_REDIS)
+    srv = LocalRedis(str(tmp_path_factory.mktemp("redis"))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A server of this test's own, which it may kill."""
+    if REDIS_BIN is None:
+        pytest.skip(NO_REDIS)
+    srv = LocalRedis(str(tmp_path / "redis")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A three-master Redis Cluster (no replicas); yields its ``[(host, port)]``."""
+    if REDIS_BIN is None:
+        pytest.skip(NO_REDIS)
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        pytest.skip("redis-cli not found (it comes with redis-server's package, redis-tools)")
+    base = tmp_path_factory.mktemp("redis-cluster")
+    servers = []
+    try:
+        for i in range(3):
+            d = str(base / f"n{i}")
+            servers.append(LocalRedis(d, free_cluster_port(), "--cluster-enabled", "yes", "--cluster-config-file",
+                                       os.path.join(d, "nodes.conf"), "--cluster-node-timeout", "2000").start())
+        nodes = [("127.0.0.1", s.port) for s in servers]
+        subprocess.run([cli, "--cluster", "create", *[f"{h}:{p}" for h, p in nodes], "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # wait until every node agrees the slots are covered
+            states = [subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True,
+                                     timeout=5).stdout for _, p in nodes]
+            if all("cluster_state:ok" in s for s in states):
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("redis cluster did not reach cluster_state:ok")
+        yield nodes
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def make_region(slot_bytes: int, num_slots: int, name: str = "full") -> HostRegion:
+    """A T2 region in ordinary host memory (no CUDA here)."""
+    return HostMirror([RegionSpec(name, slot_bytes, num_slots)], check_memory=False).region(name)
+
+
+def pattern(key: bytes, nbytes: int) -> np.ndarray:
+    """Bytes derived from a key: every entry has its own content, and a test can recompute it anywhere."""
+    seed = int.from_bytes(key[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def fill_slots(region: HostRegion, slots, keys) -> None:
+    """Fill ``slots`` with each key's pattern, as a completed demote would (bytes, checksum, valid)."""
+    for s, k in zip(slots, keys):
+        region.slot(s).copy_(torch.from_numpy(pattern(k, region.slot_bytes)))
+        region.checksums[s] = int.from_bytes(k[8:16], "little", signed=True)
+        region.valid[s] = True
+
+
+def check_slots(region: HostRegion, slots, keys) -> None:
+    for s, k in zip(slots, keys):
+        assert region.valid[s]
+        assert np.array_equal(region.slot(s).numpy(), pattern(k, region.slot_bytes)), f"slot {s} bytes differ"
+        assert region.checksums[s] == int.from_bytes(k[8:16], "little", signed=True)
+
+
+def wait_done(tier, op, timeout_s: float = 30.0):
+    assert tier.wait(op, timeout_s), f"{op.op} not done in {timeout_s} s"
+    return op

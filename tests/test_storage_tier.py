@@ -1,0 +1,294 @@
+"""StorageTier over both backends: T2 -> T3 -> T2 byte-exact, faults are counted misses, ops never block
+the caller, cancel and timeouts release slots, misuse is a typed error with nothing changed."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import storage_util
+from storage_util import FP, check_slots, fill_slots, make_region, wait_done
+
+from tiered_cache.errors import InvalidArgumentError, SlotBusyError
+from tiered_cache.storage import FileStore, Kind, RedisStore, StorageTier
+from tiered_cache.storage.backend import StorageBackend
+
+redis_server = storage_util.redis_server  # the fixture (by name, through request.getfixturevalue)
+SLOT = 20_016  # three Redis chunks of 8 KiB: the chunked path runs in every test
+TOKENS = list(range(40))  # 10 pages of 4
+
+
+@pytest.fixture(params=["file", "redis"])
+def backend(request, tmp_path):
+    if request.param == "file":
+        b = FileStore(str(tmp_path / "t3"))
+    else:
+        srv = request.getfixturevalue("redis_server")
+        b = RedisStore("127.0.0.1", srv.port, prefix=f"t{uuid.uuid4().hex[:8]}:", chunk_bytes=8192)
+    yield b
+    b.close()
+
+
+def written(tier, region, keys, kind=Kind.KV):
+    slots = region.alloc(len(keys))
+    fill_slots(region, slots, keys)
+    op = wait_done(tier, tier.write(keys, kind, region, slots))
+    assert all(op.hits)
+    return slots
+
+
+def test_write_then_prefetch_is_byte_exact_with_checksums(backend):
+    tier = StorageTier(backend, FP, salt="s")
+    region = make_region(SLOT, 24)
+    keys = tier.keys(TOKENS)
+    written(tier, region, keys)
+    assert tier.stats["written"] == 10
+    dst = region.alloc(10)
+    op = tier.prefetch(keys, Kind.KV, region, dst)
+    assert region.allocator.is_busy(dst[0]) and not region.valid[dst].any()
+    wait_done(tier, op)
+    assert op.hits == [True] * 10 and op.hit_prefix == 10
+    check_slots(region, dst, keys)
+    assert not region.allocator.busy_ids and tier.pending() == 0
+    assert tier.stats["hit"] == 10
+    region.check_invariants()
+    tier.close()
+
+
+def test_misses_and_hit_prefix_and_kinds(backend):
+    tier = StorageTier(backend, FP)
+    region = make_region(SLOT, 24)
+    keys = tier.keys(TOKENS)
+    written(tier, region, [keys[i] for i in (0, 1, 2, 5)])
+    written(tier, region, [keys[3]], Kind.STATE)  # a state at page 3's end is not a KV page
+    dst = region.alloc(10)
+    op = wait_done(tier, tier.prefetch(keys, Kind.KV, region, dst))
+    assert op.hits == [True, True, True, False, False, True, False, False, False, False]
+    assert op.hit_prefix == 3
+    assert region.valid[dst].tolist() == op.hits
+    assert tier.stats["absent"] == 6 and tier.stats["hit"] == 4
+    st = wait_done(tier, tier.lookup(keys[3:4], Kind.STATE))
+    assert st.hits == [True]
+    tier.close()
+
+
+def test_write_skips_what_the_store_has(backend):
+    tier = StorageTier(backend, FP)
+    region = make_region(SLOT, 24)
+    keys = tier.keys(TOKENS)
+    written(tier, region, keys[:4])
+    written(tier, region, keys[:6])
+    assert tier.stats["written"] == 6 and tier.stats["write_skipped"] == 4
+    tier.close()
+
+
+def test_bytes_get_put(backend):
+    tier = StorageTier(backend, FP)
+    keys = tier.keys(TOKENS[:8])
+    payloads = [b"", np.arange(50_000, dtype=np.uint8).tobytes()]
+    assert wait_done(tier, tier.put(keys, Kind.BLOB, payloads)).hits == [True, True]
+    op = wait_done(tier, tier.get(keys + tier.keys(TOKENS[8:12]), Kind.BLOB))
+    assert op.values == payloads + [None] and op.hits == [True, True, False]
+    tier.close()
+
+
+# ------------------------------------------------------------------------------------------ faults
+def _raw(backend: StorageBackend, tier: StorageTier, key: bytes, kind=Kind.KV) -> bytes:
+    v = backend.get_many([tier.storage_key(kind, key)])[0]
+    return b"".join(v) if isinstance(v, list) else bytes(v)
+
+
+def _set_raw(backend, tier, key: bytes, value: bytes, kind=Kind.KV) -> None:
+    backend.put_many([(tier.storage_key(kind, key), [value])])
+
+
+FAULTS = {
+    "truncated": (lambda v: v[: len(v) // 2], "bad_truncated"),
+    "header_only": (lambda v: v[:96], "bad_truncated"),
+    "empty": (lambda v: b"", "bad_truncated"),
+    "payload_byte_flipped": (lambda v: v[:5000] + bytes([v[5000] ^ 0x10]) + v[5001:], "bad_checksum"),
+    "header_byte_flipped": (lambda v: v[:40] + bytes([v[40] ^ 1]) + v[41:], "bad_checksum"),
+    "garbage": (lambda v: b"\x00" * len(v), "bad_magic"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_damaged_values_are_counted_misses_never_served(backend, fault):
+    tier = StorageTier(backend, FP)
+    region = make_region(SLOT, 24)
+    keys = tier.keys(TOKENS[:12])
+    written(tier, region, keys)
+    mutate, reason = FAULTS[fault]
+    _set_raw(backend, tier, keys[1], mutate(_raw(backend, tier, keys[1])))
+    dst = region.alloc(3)
+    op = wait_done(tier, tier.prefetch(keys, Kind.KV, region, dst))
+    assert op.hits == [True, False, True] and op.hit_prefix == 1
+    assert not region.valid[dst[1]]
+    assert tier.stats[reason] == 1 and tier.stats["hit"] == 2 and tier.stats["error"] == 0
+    check_slots(region, [dst[0], dst[2]], [keys[0], keys[2]])
+    tier.close()
+
+
+def test_a_value_of_another_model_under_our_key_is_foreign(backend):
+    import dataclasses
+
+    ours = StorageTier(backend, FP)
+    theirs = StorageTier(backend, dataclasses.replace(FP, model_id="test/other-model"))
+    region = make_region(SLOT, 24)
+    mine, k_theirs = ours.keys(TOKENS[:12]), theirs.keys(TOKENS[:4])
+    written(theirs, region, k_theirs)
+    written(ours, region, mine[2:])
+    # A store bug, a hash collision or a careless tool puts their bytes under our key: refuse them.
+    _set_raw(backend, ours, mine[0], _raw(backend, theirs, k_theirs[0]))
+    # Our own bytes under another of our keys (a misplaced value) are refused too.
+    _set_raw(backend, ours, mine[1], _raw(backend, ours, mine[2]))
+    dst = region.alloc(3)
+    op = wait_done(ours, ours.prefetch(mine, Kind.KV, region, dst))
+    assert op.hits == [False, False, True] and ours.stats["bad_foreign"] == 2
+    ours.close()
+    theirs.close()
+
+
+def test_a_value_of_another_envelope_size_is_not_served(backend):
+    tier = StorageTier(backend, FP)
+    small, big = make_region(SLOT - 16, 4), make_region(SLOT, 4)
+    keys = tier.keys(TOKENS[:4])
+    written(tier, small, keys)
+    dst = big.alloc(1)
+    op = wait_done(tier, tier.prefetch(keys, Kind.KV, big, dst))
+    assert op.hits == [False] and tier.stats["bad_length"] == 1 and not big.valid[dst[0]]
+    tier.close()
+
+
+# ------------------------------------------------------------------------------------------ async
+class GateBackend(StorageBackend):
+    """Holds every call until ``gate`` opens (or 10 s pass): ops stay in flight as long as a test wants."""
+
+    name = "gate"
+
+    def __init__(self, inner: StorageBackend) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def _hold(self):
+        self.entered.set()
+        self.gate.wait(10)
+
+    def get_many(self, keys):
+        self._hold()
+        return self.inner.get_many(keys)
+
+    def put_many(self, items):
+        self._hold()
+        return self.inner.put_many(items)
+
+    def exists_many(self, keys):
+        self._hold()
+        return self.inner.exists_many(keys)
+
+    def delete_many(self, keys):
+        return self.inner.delete_many(keys)
+
+
+def _gated(backend, tmp_path):
+    tier = StorageTier(backend, FP)
+    region = make_region(SLOT, 24)
+    keys = tier.keys(TOKENS)
+    written(tier, region, keys)
+    tier.close(timeout_s=5)
+    gate = GateBackend(backend)
+    return StorageTier(gate, FP, batch_bytes=SLOT * 2), gate, region, keys
+
+
+def test_ops_never_block_and_busy_slots_cannot_be_freed(backend, tmp_path):
+    tier, gate, region, keys = _gated(backend, tmp_path)
+    dst = region.alloc(10)
+    t0 = time.perf_counter()
+    op = tier.prefetch(keys, Kind.KV, region, dst)
+    assert tier.poll() == [] and not op.done
+    assert time.perf_counter() - t0 < 0.5
+    with pytest.raises(SlotBusyError):
+        region.free(dst[:1])
+    with pytest.raises(InvalidArgumentError, match="slots"):  # a second op on slots in flight
+        tier.prefetch(keys[:1], Kind.KV, region, dst[:1])
+    assert not tier.wait(op, 0.05)
+    gate.gate.set()
+    wait_done(tier, op)
+    assert all(op.hits)
+    region.free(dst)
+    region.check_invariants()
+    tier.close()
+
+
+def test_cancel_discards_results_and_releases_slots_when_the_worker_stops(backend, tmp_path):
+    tier, gate, region, keys = _gated(backend, tmp_path)
+    dst = region.alloc(10)
+    op = tier.prefetch(keys, Kind.KV, region, dst)
+    assert gate.entered.wait(5)
+    tier.cancel(op)
+    assert tier.poll() == []  # the worker is still inside a backend call: slots stay busy
+    assert region.allocator.is_busy(dst[0])
+    gate.gate.set()
+    wait_done(tier, op)
+    assert op.cancelled and not any(op.hits) and not region.valid[dst].any()
+    assert tier.stats["cancelled"] == 10 and tier.stats["hit"] == 0
+    region.free(dst)  # no longer busy
+    queued = tier.prefetch(keys[:2], Kind.KV, region, region.alloc(2))
+    tier.cancel(queued)
+    wait_done(tier, queued)
+    assert queued.cancelled and not any(queued.hits)
+    tier.close()
+
+
+def test_timeout_policy(backend, tmp_path):
+    tier, gate, region, keys = _gated(backend, tmp_path)
+    dst = region.alloc(10)
+    op = tier.prefetch(keys, Kind.KV, region, dst, timeout_s=0.05)
+    time.sleep(0.1)
+    assert tier.poll() == [] and op.timed_out  # marked at once, reported when the worker stops
+    gate.gate.set()
+    deadline = time.monotonic() + 10
+    while not op.done and time.monotonic() < deadline:
+        tier.poll()
+        time.sleep(0.01)
+    assert op.done and not any(op.hits) and not region.valid[dst].any()
+    assert tier.stats["timed_out"] == 10 and not region.allocator.busy_ids
+    tier.close()
+
+
+def test_an_unexpected_backend_exception_is_counted_not_raised(tmp_path):
+    class Broken(FileStore):
+        def get_many(self, keys):
+            raise RuntimeError("bug")
+
+    tier = StorageTier(Broken(str(tmp_path)), FP)
+    region = make_region(SLOT, 4)
+    op = wait_done(tier, tier.prefetch(tier.keys(TOKENS[:8]), Kind.KV, region, region.alloc(2)))
+    assert op.hits == [False, False] and "bug" in op.error and tier.stats["error"] == 2
+    assert not region.allocator.busy_ids
+    tier.close()
+
+
+def test_misuse_is_a_typed_error_and_changes_nothing(tmp_path):
+    tier = StorageTier(FileStore(str(tmp_path)), FP)
+    region = make_region(SLOT, 4)
+    keys = tier.keys(TOKENS[:8])
+    slots = region.alloc(2)
+    with pytest.raises(InvalidArgumentError, match="keys"):
+        tier.prefetch([b"short", keys[1]], Kind.KV, region, slots)
+    with pytest.raises(InvalidArgumentError, match="slots"):
+        tier.prefetch(keys, Kind.KV, region, slots[:1])
+    with pytest.raises(InvalidArgumentError, match="slots"):
+        tier.prefetch(keys, Kind.KV, region, [3, 4])  # not allocated
+    with pytest.raises(InvalidArgumentError, match="slots"):
+        tier.write(keys, Kind.KV, region, slots)  # not valid: nothing complete to write
+    with pytest.raises(InvalidArgumentError, match="timeout_s"):
+        tier.lookup(keys, Kind.KV, timeout_s=0)
+    with pytest.raises(ValueError):
+        tier.lookup(keys, 42)
+    assert tier.pending() == 0 and not region.allocator.busy_ids and not tier.stats
+    tier.close()

@@ -1,0 +1,146 @@
+"""Content-addressed keys of T3 entries: a chained SHA-256 over token pages.
+
+Page ``i``'s key names the whole prefix ``tokens[: (i + 1) * page_size]``, not the page alone: a KV
+page (and a state at a page's end) is only valid after exactly the tokens before it. The chain is
+seeded with everything that changes the stored bytes, so two configurations never share a key::
+
+    seed   = SHA-256("tiered-cache/t3/seed" | fingerprint digest | len(salt) | salt)
+    key[0] = SHA-256(seed     | page 0 tokens as int64 little-endian)
+    key[i] = SHA-256(key[i-1] | page i tokens as int64 little-endian)
+
+The fingerprint covers model id, layer range, dtypes, codec, page size, layout version and, through
+``from_specs``, the shapes of the specs; the tenant salt isolates tenants that share a store. A
+value's header also carries the first bytes of the fingerprint digest and the key itself, so a value
+written under the wrong key (or by another model) is recognised when read and counted as ``foreign``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Optional, Union
+
+import numpy as np
+
+from tiered_cache.errors import InvalidArgumentError
+
+# Bump when the byte layout of any stored envelope changes (specs.py field order, alignment, codec).
+LAYOUT_VERSION = 1
+KEY_BYTES = 32
+
+Salt = Union[str, bytes, None]
+
+
+@dataclass(frozen=True)
+class StorageFingerprint:
+    """Everything that changes the bytes of a stored entry. Equal fingerprints <=> shareable entries.
+
+    ``dtypes``: names of every dtype in an envelope (e.g. ``("kv=bfloat16", "state=float32")``);
+    ``layer_range``: ``(first, end)`` of the layers this store holds (pipeline stages keep apart);
+    ``extra``: any further ``(name, value)`` pairs, e.g. spec shapes (``from_specs`` fills it).
+    """
+
+    model_id: str
+    layer_range: tuple[int, int]
+    dtypes: tuple[str, ...]
+    codec: str
+    page_size: int
+    layout_version: int = LAYOUT_VERSION
+    extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise InvalidArgumentError("model_id", "a non-empty str", self.model_id)
+        lr = self.layer_range
+        if (not isinstance(lr, tuple) or len(lr) != 2 or not all(isinstance(x, int) for x in lr)
+                or not 0 <= lr[0] < lr[1]):
+            raise InvalidArgumentError("layer_range", "a tuple (first, end) of ints with 0 <= first < end", lr)
+        if not isinstance(self.dtypes, tuple) or not all(isinstance(d, str) for d in self.dtypes):
+            raise InvalidArgumentError("dtypes", "a tuple of str", self.dtypes)
+        if not isinstance(self.codec, str) or not self.codec:
+            raise InvalidArgumentError("codec", "a non-empty str", self.codec)
+        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
+            raise InvalidArgumentError("page_size", "an int >= 1", self.page_size)
+        if not isinstance(self.layout_version, int) or self.layout_version < 0:
+            raise InvalidArgumentError("layout_version", "an int >= 0", self.layout_version)
+        if not isinstance(self.extra, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in self.extra):
+            raise InvalidArgumentError("extra", "a tuple of (str, str) pairs", self.extra)
+
+    @classmethod
+    def from_specs(cls, model_id: str, *, kv_spec=None, state_spec=None, codec: str = "int8",
+                   page_size: int, layer_range: Optional[tuple[int, int]] = None,
+                   layout_version: int = LAYOUT_VERSION) -> StorageFingerprint:
+        """The fingerprint of a cache built from ``KVSpec`` / ``StateSpec``: dtypes and shapes from the specs."""
+        dtypes: list[str] = []
+        extra: list[tuple[str, str]] = []
+        n_layers = 0
+        if kv_spec is not None:
+            dtypes.append(f"kv={str(kv_spec.dtype).removeprefix('torch.')}")
+            extra.append(("kv", f"{kv_spec.num_layers}x{kv_spec.kv_heads}x{kv_spec.head_dim}/"
+                                f"{kv_spec.v_head_dim} window={kv_spec.window}"))
+            n_layers = max(n_layers, kv_spec.num_layers)
+        if state_spec is not None:
+            dtypes.append(f"state={str(state_spec.temporal_dtype).removeprefix('torch.')}")
+            dtypes.append(f"conv={str(state_spec.conv_dtype).removeprefix('torch.')}")
+            extra.append(("state", f"{state_spec.num_layers}x{state_spec.temporal_shape} conv={state_spec.conv_shapes}"
+                                   f" value_axis={state_spec.value_axis}"))
+            n_layers = max(n_layers, state_spec.num_layers)
+        if not dtypes:
+            raise InvalidArgumentError("kv_spec/state_spec", "at least one spec", None)
+        return cls(model_id, layer_range or (0, n_layers), tuple(dtypes), codec, page_size, layout_version,
+                   tuple(extra))
+
+    @cached_property
+    def digest(self) -> bytes:
+        """SHA-256 of a canonical JSON encoding of every field (order-independent, unambiguous)."""
+        doc = {"model_id": self.model_id, "layer_range": list(self.layer_range), "dtypes": list(self.dtypes),
+               "codec": self.codec, "page_size": self.page_size, "layout_version": self.layout_version,
+               "extra": [list(p) for p in self.extra]}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).digest()
+
+    @property
+    def tag(self) -> bytes:
+        """The 16 bytes of the digest that every stored header carries."""
+        return self.digest[:16]
+
+
+def chain_seed(fingerprint: StorageFingerprint, salt: Salt = None) -> bytes:
+    if salt is None:
+        s = b""
+    elif isinstance(salt, str):
+        s = salt.encode()
+    elif isinstance(salt, bytes):
+        s = salt
+    else:
+        raise InvalidArgumentError("salt", "None, str or bytes", salt)
+    return hashlib.sha256(b"tiered-cache/t3/seed\0" + fingerprint.digest + len(s).to_bytes(4, "little") + s).digest()
+
+
+def page_keys(tokens: Sequence[int], fingerprint: StorageFingerprint, salt: Salt = None, *,
+              parent: Optional[bytes] = None) -> list[bytes]:
+    """One 32-byte key per whole page of ``tokens`` (a trailing partial page gets none).
+
+    ``parent``: the key of the page before ``tokens[0]`` (to extend a chain from a tree node without
+    rehashing its ancestors); ``None`` starts from the seed.
+    """
+    ps = fingerprint.page_size
+    try:
+        arr = np.asarray(tokens, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgumentError("tokens", "a sequence of int token ids", tokens) from None
+    if arr.ndim != 1:
+        raise InvalidArgumentError("tokens", "a 1-D sequence of token ids", arr.shape)
+    if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+        raise InvalidArgumentError("parent", f"None or a {KEY_BYTES}-byte key", parent)
+    raw = arr.astype("<i8").tobytes()
+    page = ps * 8
+    h = parent if parent is not None else chain_seed(fingerprint, salt)
+    out = []
+    for i in range(len(arr) // ps):
+        h = hashlib.sha256(h + raw[i * page:(i + 1) * page]).digest()
+        out.append(h)
+    return out

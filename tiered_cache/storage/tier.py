@@ -1,0 +1,398 @@
+"""``StorageTier`` (T3): moves entries between T2 host slots and a storage backend, off the engine's step.
+
+The surface the radix tree calls (all from the engine's one thread; none of them blocks)::
+
+    keys = tier.keys(tokens)                            # chained page keys (keys.py)
+    op = tier.prefetch(keys, Kind.KV, region, slots)    # T3 -> T2: fetch, verify, copy into the slots
+    op = tier.write(keys, Kind.KV, region, slots)       # T2 -> T3: write valid slots (demote / write-through)
+    op = tier.lookup(keys, Kind.KV)                     # which keys T3 holds (no bytes move)
+    for op in tier.poll(): ...                          # finished ops; their effects are applied here
+    tier.wait(op, timeout_s)                            # the "wait for completion" policy; always bounded
+    tier.cancel(op)                                     # the request was aborted
+
+The work runs on a small thread pool; results are applied to T2 (``region.valid``, ``checksums``,
+busy marks) only by ``poll`` / ``wait`` on the calling thread, so T2's bookkeeping never races.
+
+Slots are owned the way ``TransferEngine`` tickets own them: ``prefetch`` and ``write`` mark their
+slots busy (``free`` raises ``SlotBusyError``) until ``poll`` reports the op done, because a worker
+may still be reading or writing the bytes. A cancelled or timed-out op is reported done only when its
+worker has stopped (it checks between sub-batches of ``batch_bytes``, and every backend call has
+its own timeout); its prefetched slots stay not ``valid``: the tree frees them.
+
+Whatever goes wrong below (backend down, a value truncated, damaged, of another fingerprint or size)
+becomes a miss counted in ``stats`` under its reason; nothing raises to the caller except misuse
+(typed errors, nothing changed). While a backend is failing, ops fail fast as ``unavailable`` for
+``retry_after_s`` instead of each paying a connect timeout (a circuit breaker).
+
+A prefetched slot gets back the T2 checksum its bytes left the GPU with (kept in the header), so the
+GPU checks the bytes once more when they are promoted.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from tiered_cache.errors import InvalidArgumentError, StorageFormatError, StorageUnavailableError
+from tiered_cache.host_mirror import HostRegion
+from tiered_cache.storage.backend import StorageBackend
+from tiered_cache.storage.format import Kind, pack_header, unpack
+from tiered_cache.storage.keys import KEY_BYTES, Salt, StorageFingerprint, page_keys
+
+log = logging.getLogger(__name__)
+_DOWN = object()  # what _backend_call returns while the backend is unreachable
+
+
+@dataclass(eq=False)
+class StorageOp:
+    """One submitted storage operation. Read the results once ``done`` (after ``poll`` / ``wait``).
+
+    ``hits[i]``: prefetch / lookup / get: key ``i`` was found and verified (prefetch: its bytes are in
+    ``slots[i]``, which is now ``valid``); write / put: key ``i`` is in the store (written or already there).
+    ``values``: ``get`` only, the payloads (``None`` for a miss).
+    """
+
+    id: int
+    op: str
+    kind: Kind
+    keys: list[bytes]
+    region: Optional[HostRegion] = None
+    slots: list[int] = field(default_factory=list)
+    deadline: Optional[float] = None
+    done: bool = False
+    cancelled: bool = False
+    timed_out: bool = False
+    hits: list[bool] = field(default_factory=list)
+    values: list[Optional[bytes]] = field(default_factory=list)
+    error: Optional[str] = None
+    _future: Optional[Future] = None
+    _t2_checksums: list[int] = field(default_factory=list)
+
+    @property
+    def hit_prefix(self) -> int:
+        """Leading hits: with chained keys, how many pages a match can extend by."""
+        n = 0
+        for h in self.hits:
+            if not h:
+                break
+            n += 1
+        return n
+
+    def _stop(self) -> bool:  # read by the worker between sub-batches
+        return self.cancelled or (self.deadline is not None and time.monotonic() > self.deadline)
+
+
+class StorageTier:
+    """T3 over ``backend`` for one ``fingerprint`` (and tenant ``salt``).
+
+    Args:
+        workers: threads doing backend calls (I/O releases the GIL; CRC-32 of large buffers too).
+        batch_bytes: a worker checks for cancel / deadline between sub-batches of about this size.
+        retry_after_s: after a backend failure, ops fail fast as ``unavailable`` for this long.
+        skip_existing: ``write`` first asks which keys the store has (content-addressed: same key,
+            same bytes) and writes only the others.
+    """
+
+    def __init__(self, backend: StorageBackend, fingerprint: StorageFingerprint, *, salt: Salt = None,
+                 workers: int = 2, batch_bytes: int = 64 << 20, retry_after_s: float = 2.0,
+                 skip_existing: bool = True) -> None:
+        if not isinstance(backend, StorageBackend):
+            raise InvalidArgumentError("backend", "a StorageBackend", backend)
+        if not isinstance(fingerprint, StorageFingerprint):
+            raise InvalidArgumentError("fingerprint", "a StorageFingerprint", fingerprint)
+        if not isinstance(workers, int) or workers < 1:
+            raise InvalidArgumentError("workers", "an int >= 1", workers)
+        self.backend = backend
+        self.fingerprint = fingerprint
+        self.salt = salt
+        self.tag = fingerprint.tag
+        self.batch_bytes = batch_bytes
+        self.retry_after_s = retry_after_s
+        self.skip_existing = skip_existing
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tc-storage")
+        self._pending: dict[int, StorageOp] = {}
+        self._ids = itertools.count(1)
+        self._down_until = 0.0  # written by workers, read by all: a float store is atomic
+        page_keys([], fingerprint, salt)  # validate salt now, not on the first call
+
+    # ------------------------------------------------------------------------------ keys
+    def keys(self, tokens: Sequence[int], parent: Optional[bytes] = None) -> list[bytes]:
+        """Chained keys of the whole pages of ``tokens`` (after ``parent``'s page, if given)."""
+        return page_keys(tokens, self.fingerprint, self.salt, parent=parent)
+
+    @staticmethod
+    def storage_key(kind: Kind, key: bytes) -> str:
+        return f"{Kind(kind).name.lower()}-{key.hex()}"
+
+    # ------------------------------------------------------------------------------ T2 moves
+    def prefetch(self, keys: Sequence[bytes], kind: Kind, region: HostRegion, slots: Sequence[int], *,
+                 timeout_s: Optional[float] = None) -> StorageOp:
+        """Fetch ``keys`` into the (allocated) host ``slots``; misses leave their slot not ``valid``."""
+        keys, slots = self._check_slots(keys, region, slots)
+        busy = [s for s in slots if region.allocator.is_busy(s)]
+        if busy:
+            raise InvalidArgumentError("slots", "slots no transfer is reading or writing", busy[:16])
+        op = self._new("prefetch", kind, keys, region, slots, timeout_s)
+        region.valid[slots] = False  # being written: not valid until poll applies a verified hit
+        region.allocator.mark_busy(slots)
+        dests = [region.slot(s).numpy() for s in slots]
+        return self._submit(op, self._prefetch_work, op, dests, region.slot_bytes)
+
+    def write(self, keys: Sequence[bytes], kind: Kind, region: HostRegion, slots: Sequence[int], *,
+              timeout_s: Optional[float] = None) -> StorageOp:
+        """Store the bytes of ``valid`` host ``slots`` under ``keys``. The slots stay busy until done."""
+        keys, slots = self._check_slots(keys, region, slots)
+        bad = [s for s in slots if not region.valid[s]]
+        if bad:
+            raise InvalidArgumentError("slots", "valid host slots (complete bytes and checksum)", bad[:16])
+        op = self._new("write", kind, keys, region, slots, timeout_s)
+        op._t2_checksums = [int(region.checksums[s]) for s in slots]
+        region.allocator.mark_busy(slots)
+        srcs = [region.slot(s).numpy() for s in slots]
+        return self._submit(op, self._write_work, op, srcs)
+
+    def lookup(self, keys: Sequence[bytes], kind: Kind, *, timeout_s: Optional[float] = None) -> StorageOp:
+        """Which of ``keys`` the store holds (``hits``); nothing is read or verified."""
+        op = self._new("lookup", kind, self._check_keys(keys), None, [], timeout_s)
+        return self._submit(op, self._lookup_work, op)
+
+    # ------------------------------------------------------------------------------ bytes (tools, tests)
+    def get(self, keys: Sequence[bytes], kind: Kind, *, timeout_s: Optional[float] = None) -> StorageOp:
+        op = self._new("get", kind, self._check_keys(keys), None, [], timeout_s)
+        return self._submit(op, self._prefetch_work, op, None, None)
+
+    def put(self, keys: Sequence[bytes], kind: Kind, payloads: Sequence[Any], *,
+            timeout_s: Optional[float] = None) -> StorageOp:
+        keys = self._check_keys(keys)
+        if len(payloads) != len(keys):
+            raise InvalidArgumentError("payloads", f"{len(keys)} bytes-like values", len(payloads))
+        srcs = [np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in payloads]
+        op = self._new("put", kind, keys, None, [], timeout_s)
+        op._t2_checksums = [0] * len(keys)
+        return self._submit(op, self._write_work, op, srcs)
+
+    # ------------------------------------------------------------------------------ completion
+    def poll(self) -> list[StorageOp]:
+        """Ops that finished since the last call, their effects applied. Never blocks."""
+        out = []
+        now = time.monotonic()
+        for op in list(self._pending.values()):
+            if op._future.done():
+                out.append(self._finish(op))
+            elif op.deadline is not None and now > op.deadline and not op.cancelled:
+                op.timed_out = True  # discarded like a cancel; reported once the worker has stopped
+                self._cancel(op)
+                if op._future.done():
+                    out.append(self._finish(op))
+        return out
+
+    def wait(self, op: StorageOp, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``op``; True when it is done (effects applied here, so ``poll``
+        does not report it again)."""
+        if op.done:
+            return True
+        try:
+            op._future.result(timeout=timeout_s)
+        except (FutureTimeout, CancelledError):
+            pass
+        except Exception:
+            pass  # recorded by _finish
+        if op._future.done():
+            self._finish(op)
+        return op.done
+
+    def cancel(self, op: StorageOp) -> None:
+        """Stop ``op`` (its request was aborted). Results are discarded; ``poll`` reports it done
+        once its worker has stopped, and only then are its slots free to reuse."""
+        if not op.done and not op.cancelled:
+            self._cancel(op)
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel what is pending, wait for the workers (each bounded by the backend's timeouts)."""
+        for op in list(self._pending.values()):
+            self._cancel(op)
+        deadline = time.monotonic() + timeout_s
+        for op in list(self._pending.values()):
+            self.wait(op, max(0.0, deadline - time.monotonic()))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.backend.close()
+
+    # ------------------------------------------------------------------------------ internals
+    def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        lst = list(keys)
+        if any(not isinstance(k, bytes) or len(k) != KEY_BYTES for k in lst):
+            raise InvalidArgumentError("keys", f"{KEY_BYTES}-byte keys from StorageTier.keys", lst[:4])
+        return lst
+
+    def _check_slots(self, keys, region, slots) -> tuple[list[bytes], list[int]]:
+        keys = self._check_keys(keys)
+        if not isinstance(region, HostRegion):
+            raise InvalidArgumentError("region", "a HostRegion", region)
+        lst = region.allocator.check("slots", slots)
+        if len(lst) != len(keys):
+            raise InvalidArgumentError("slots", f"one slot per key ({len(keys)})", len(lst))
+        return keys, lst
+
+    def _new(self, name, kind, keys, region, slots, timeout_s) -> StorageOp:
+        kind = Kind(kind)
+        if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+            raise InvalidArgumentError("timeout_s", "None or a positive number of seconds", timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return StorageOp(next(self._ids), name, kind, keys, region, slots, deadline)
+
+    def _submit(self, op: StorageOp, fn, *args) -> StorageOp:
+        self._pending[op.id] = op
+        op._future = self._pool.submit(fn, *args)
+        return op
+
+    def _cancel(self, op: StorageOp) -> None:
+        op.cancelled = True
+        op._future.cancel()  # succeeds only if no worker has started it
+
+    def _finish(self, op: StorageOp) -> StorageOp:
+        if op.done:
+            return op
+        n = len(op.keys)
+        counts: collections.Counter[str] = collections.Counter()
+        hits, extra = [False] * n, [None] * n
+        if op._future.cancelled():
+            counts["timed_out" if op.timed_out else "cancelled"] += n
+        else:
+            exc = op._future.exception()
+            if exc is not None:  # a bug, not a storage fault: counted and logged, never raised into the step
+                log.warning("storage %s op failed: %r", op.op, exc)
+                op.error = repr(exc)
+                counts["error"] += n
+            else:
+                hits, extra, worker_counts = op._future.result()
+                if worker_counts.pop("_stopped", 0) and not op.cancelled:
+                    op.timed_out = True  # the worker saw the deadline pass before poll did
+                counts.update(worker_counts)
+        if op.timed_out or op.cancelled:
+            lost = sum(hits) if op.op in ("prefetch", "get") else 0
+            counts["timed_out" if op.timed_out else "cancelled"] += lost
+            counts["hit"] -= lost
+            if op.op in ("prefetch", "get"):
+                hits = [False] * n
+        op.hits = hits
+        if op.op == "prefetch":
+            for s, h, cs in zip(op.slots, hits, extra):
+                if h:
+                    op.region.checksums[s] = cs
+                    op.region.valid[s] = True
+        elif op.op == "get":
+            op.values = [v if h else None for v, h in zip(extra, hits)]
+        if op.region is not None:
+            op.region.allocator.unmark_busy(op.slots)
+        counts += collections.Counter()  # drop zero / negative entries
+        self.stats.update(counts)
+        op.done = True
+        del self._pending[op.id]
+        return op
+
+    def _backend_call(self, fn, *args):
+        """A backend call's result, or ``_DOWN`` when the backend is down (breaker open, or it just failed)."""
+        if time.monotonic() < self._down_until:
+            return _DOWN
+        try:
+            return fn(*args)
+        except StorageUnavailableError as e:
+            log.warning("storage backend %s unavailable (misses for %.1f s): %s", self.backend.name,
+                        self.retry_after_s, e)
+            self._down_until = time.monotonic() + self.retry_after_s
+            return _DOWN
+
+    # Workers: no T2 bookkeeping here (poll applies results); counts returned, merged by _finish.
+    def _prefetch_work(self, op: StorageOp, dests: Optional[list[np.ndarray]], slot_bytes: Optional[int]):
+        n = len(op.keys)
+        counts: collections.Counter[str] = collections.Counter()
+        hits, extra = [False] * n, [None if dests is None else 0] * n
+        per = max(1, self.batch_bytes // (slot_bytes or self.batch_bytes))
+        for s in range(0, n, per):
+            if op._stop():
+                counts["cancelled" if op.cancelled and not op.timed_out else "timed_out"] += n - s
+                counts["_stopped"] = 1
+                break
+            idx = range(s, min(n, s + per))
+            vals = self._backend_call(self.backend.get_many, [self.storage_key(op.kind, op.keys[i]) for i in idx])
+            if vals is _DOWN:
+                counts["unavailable"] += len(idx)
+                continue
+            for i, v in zip(idx, vals):
+                if v is None:
+                    counts["absent"] += 1
+                    continue
+                try:
+                    h, payload = unpack(v, kind=op.kind, tag=self.tag, key=op.keys[i])
+                except StorageFormatError as e:
+                    counts[f"bad_{e.reason}"] += 1
+                    continue
+                if dests is None:
+                    extra[i] = b"".join(payload)
+                elif h.payload_len != slot_bytes:  # same fingerprint, other envelope size: not ours to serve
+                    counts["bad_length"] += 1
+                    continue
+                else:
+                    pos = 0
+                    for p in payload:
+                        dests[i][pos:pos + p.nbytes] = np.frombuffer(p, dtype=np.uint8)
+                        pos += p.nbytes
+                    extra[i] = h.t2_checksum
+                hits[i] = True
+                counts["hit"] += 1
+        return hits, extra, counts
+
+    def _write_work(self, op: StorageOp, srcs: list[np.ndarray]):
+        n = len(op.keys)
+        counts: collections.Counter[str] = collections.Counter()
+        done = [False] * n
+        skeys = [self.storage_key(op.kind, k) for k in op.keys]
+        todo = list(range(n))
+        if self.skip_existing:
+            have = self._backend_call(self.backend.exists_many, skeys)
+            if have is _DOWN:
+                counts["write_unavailable"] += n
+                return done, None, counts
+            for i in todo:
+                done[i] = have[i]
+            counts["write_skipped"] += sum(have)
+            todo = [i for i in todo if not have[i]]
+        per = max(1, self.batch_bytes // max(1, max((s.nbytes for s in srcs), default=1)))
+        for s in range(0, len(todo), per):
+            if op._stop():
+                counts["write_cancelled"] += len(todo) - s
+                counts["_stopped"] = 1
+                break
+            idx = todo[s:s + per]
+            items = [(skeys[i], [pack_header(op.kind, srcs[i], self.tag, op.keys[i], op._t2_checksums[i]), srcs[i]])
+                     for i in idx]
+            if self._backend_call(self.backend.put_many, items) is _DOWN:
+                counts["write_unavailable"] += len(idx)
+                continue
+            for i in idx:
+                done[i] = True
+            counts["written"] += len(idx)
+        return done, None, counts
+
+    def _lookup_work(self, op: StorageOp):
+        counts: collections.Counter[str] = collections.Counter()
+        have = self._backend_call(self.backend.exists_many, [self.storage_key(op.kind, k) for k in op.keys])
+        if have is _DOWN:
+            counts["unavailable"] += len(op.keys)
+            return [False] * len(op.keys), None, counts
+        counts["lookup_hit"] += sum(have)
+        counts["lookup_absent"] += len(have) - sum(have)
+        return list(have), None, counts
