@@ -8,8 +8,10 @@ from typing import Optional
 import torch
 
 from tiered_cache.checkpoint_pool import Int8CheckpointPool
-from tiered_cache.radix import HiMambaRadixCache, InsertParams, RadixKey
+from tiered_cache.host_mirror import HostMirror, RegionSpec
+from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, HostTierConfig, InsertParams, RadixKey
 from tiered_cache.specs import KVSpec, StateSpec
+from tiered_cache.transfer import TransferEngine
 from tiered_cache.unified_pool import UnifiedPool
 
 KV_SPEC = KVSpec(num_layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
@@ -23,6 +25,88 @@ def make_cache(page_size: int = 1, kv_pages: int = 64, states: int = 8, t1_slots
                        device="cpu", check_memory=False, backend="torch")
     ckpt = Int8CheckpointPool(STATE_SPEC, t1_slots, device="cpu", codec=codec, check_memory=False, backend="torch")
     return HiMambaRadixCache(pool, ckpt, **kw)
+
+
+def make_hi_cache(page_size: int = 1, kv_pages: int = 64, states: int = 8, t1_slots: int = 16,
+                  codec: str = "lossless", host_pages: int = 64, host_states: int = 16,
+                  write_policy: str = "write_through", device: str = "cpu", **kw) -> HiMambaRadixCache:
+    """A cache with all three tiers; ``kw`` goes to ``HostTierConfig`` when it names one of its fields."""
+    conf = {k: kw.pop(k) for k in ("write_through_threshold", "load_back_threshold") if k in kw}
+    backend = "torch" if device == "cpu" else "auto"
+    pool = UnifiedPool(KV_SPEC, STATE_SPEC, low_slots=kv_pages, high_slots=states, page_size=page_size,
+                       device=device, check_memory=False, backend=backend)
+    ckpt = Int8CheckpointPool(STATE_SPEC, t1_slots, device=device, codec=codec, check_memory=False, backend=backend)
+    host = HostMirror([RegionSpec("state", ckpt.slot_bytes, host_states),
+                       RegionSpec("full", pool.low.entry_bytes, host_pages)], check_memory=False)
+    return HiMambaRadixCache(pool, ckpt, host=host, transfer=TransferEngine(device),
+                             host_config=HostTierConfig(write_policy=write_policy, **conf), **kw)
+
+
+SWA_SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32, window=4)
+SWA_OFFSET = 5000.0  # SWA K of a token := its prefix hash + SWA_OFFSET + layer (apart from its full K)
+
+
+def make_swa_cache(page_size: int = 1, window: int = 4, full_pages: int = 32, swa_pages: int = 32,
+                   host_pages: int = 32, host_swa_pages: int = 32, write_policy: str = "write_through",
+                   device: str = "cpu", host: bool = True, **kw) -> HiSWARadixCache:
+    conf = {k: kw.pop(k) for k in ("write_through_threshold", "load_back_threshold") if k in kw}
+    pool = UnifiedPool(KV_SPEC, SWA_SPEC, low_slots=full_pages, high_slots=swa_pages, page_size=page_size,
+                       device=device, check_memory=False, backend="torch" if device == "cpu" else "auto")
+    regions = [RegionSpec("full", pool.low.entry_bytes, host_pages),
+               RegionSpec("swa", pool.high.entry_bytes, host_swa_pages)]
+    mirror = HostMirror(regions, check_memory=False) if host else None
+    return HiSWARadixCache(pool, window=window, host=mirror, transfer=TransferEngine(device) if host else None,
+                           host_config=HostTierConfig(write_policy=write_policy, **conf), **kw)
+
+
+def write_swa(cache: HiSWARadixCache, ids: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None) -> None:
+    if not len(toks):
+        return
+    ps = cache.page_size
+    phys = cache.swa.translate(ids[:len(toks)])
+    h = torch.tensor(prefix_hashes(toks, salt), dtype=torch.float32) + SWA_OFFSET
+    k = cache.swa.k_view_all()
+    for layer in range(k.shape[0]):
+        k[layer, phys // ps, phys % ps] = (h + layer)[:, None, None]
+
+
+def check_swa(cache: HiSWARadixCache, ids: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None,
+              start: int = 0) -> None:
+    """SWA K of ``toks[start:]`` (ids aligned with toks) is its pattern."""
+    if len(toks) <= start:
+        return
+    ps = cache.page_size
+    phys = cache.swa.translate(ids[start:len(toks)])
+    h = torch.tensor(prefix_hashes(toks, salt)[start:], dtype=torch.float32) + SWA_OFFSET
+    got = cache.swa.k_view_all()[:, phys // ps, phys % ps]
+    want = (h[None, :] + torch.arange(got.shape[0])[:, None])[:, :, None, None].expand_as(got)
+    assert torch.equal(got, want), "SWA KV content differs from what was inserted for these tokens"
+
+
+def insert_swa(cache: HiSWARadixCache, toks: list[int], salt: Optional[str] = None, evicted: int = 0):
+    """Insert ``toks`` with fresh full and SWA ids (patterns written); SWA ids before ``evicted`` are freed
+    first (slid out of the window), the rest the caller keeps after the insert are freed after it.
+    ``None`` when T0 has no room for the ids."""
+    ps = cache.page_size
+    n = -(-len(toks) // ps) * ps
+    ids = cache.kv.alloc(n)
+    swa = None if ids is None else cache.swa.alloc(n)
+    if swa is None:  # no room (the two sides share the pool's bytes)
+        if ids is not None:
+            cache.kv.free(ids)
+        return None
+    write_kv(cache, ids, toks, salt)
+    write_swa(cache, swa, toks, salt)
+    e = min(-(-evicted // ps) * ps, len(toks) // ps * ps)
+    if e:
+        cache.swa.free(swa[:e])
+    res = cache.insert(InsertParams(key=RadixKey(toks, salt), value=ids[:len(toks)], swa_value=swa[:len(toks)],
+                                    swa_evicted_seqlen=evicted))
+    if ids[res.cached_len:].numel():
+        cache.kv.free(ids[res.cached_len:])
+    if swa[max(res.cached_len, e):].numel():
+        cache.swa.free(swa[max(res.cached_len, e):])
+    return res
 
 
 def prefix_hashes(toks: Sequence[int], salt: Optional[str] = None) -> list[int]:
@@ -41,7 +125,7 @@ def write_kv(cache: HiMambaRadixCache, ids: torch.Tensor, toks: Sequence[int], s
         return
     ps = cache.page_size
     phys = cache.kv.translate(ids[:len(toks)])
-    h = torch.tensor(prefix_hashes(toks, salt), dtype=torch.float32)
+    h = torch.tensor(prefix_hashes(toks, salt), dtype=torch.float32, device=cache.device)
     k = cache.kv.k_view_all()
     for layer in range(k.shape[0]):
         k[layer, phys // ps, phys % ps] = (h + layer)[:, None, None]
@@ -53,7 +137,7 @@ def check_kv(cache: HiMambaRadixCache, ids: torch.Tensor, toks: Sequence[int], s
     ps = cache.page_size
     phys = cache.kv.translate(ids)
     h = torch.tensor(prefix_hashes(toks, salt), dtype=torch.float32)
-    got = cache.kv.k_view_all()[:, phys // ps, phys % ps]  # [L, n, H, D]
+    got = cache.kv.k_view_all()[:, phys // ps, phys % ps].cpu()  # [L, n, H, D]
     want = (h[None, :] + torch.arange(got.shape[0])[:, None])[:, :, None, None].expand_as(got)
     assert torch.equal(got, want), "KV content differs from what was inserted for these tokens"
 
@@ -70,13 +154,13 @@ def state_pattern(toks: Sequence[int], salt: Optional[str] = None):
 def write_state(cache: HiMambaRadixCache, slot: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None) -> None:
     phys = cache.states.translate(slot.reshape(1))
     temporal, conv = state_pattern(toks, salt)
-    cache.states.temporal_view_all()[:, phys] = temporal[:, None]
-    cache.states.conv_view_all(0)[:, phys] = conv[:, None]
+    cache.states.temporal_view_all()[:, phys] = temporal[:, None].to(cache.device)
+    cache.states.conv_view_all(0)[:, phys] = conv[:, None].to(cache.device)
 
 
 def read_state(cache: HiMambaRadixCache, slot: torch.Tensor):
     phys = cache.states.translate(slot.reshape(1))
-    return cache.states.temporal_view_all()[:, phys[0]].clone(), cache.states.conv_view_all(0)[:, phys[0]].clone()
+    return cache.states.temporal_view_all()[:, phys[0]].cpu(), cache.states.conv_view_all(0)[:, phys[0]].cpu()
 
 
 def check_state(cache: HiMambaRadixCache, slot: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None) -> None:

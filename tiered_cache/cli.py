@@ -1,4 +1,9 @@
-"""Command line: ``python -m tiered_cache demo`` (also installed as ``tiered-cache``)."""
+"""Command line (also installed as ``tiered-cache``):
+
+``python -m tiered_cache stress``: the main job, a multi-turn workload through the reference engine,
+with the tiered cache and without, side by side (``tiered_cache/engine/stress.py``).
+``python -m tiered_cache demo``: a short tour of the T0 unified pool.
+"""
 
 from __future__ import annotations
 
@@ -52,9 +57,22 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def stress(args: argparse.Namespace) -> int:
+    from tiered_cache.engine.stress import stress as run_stress  # needs the `engine` extra (transformers)
+
+    return run_stress(args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="tiered-cache", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tiered-cache", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("stress", help="the main job: a multi-turn workload, tiered cache vs no cache",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from tiered_cache.engine.stress import add_arguments  # argparse only: imports no transformers
+
+    add_arguments(p)
+    p.set_defaults(func=stress)
     p = sub.add_parser("demo", help="a short tour of the unified T0 pool")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--pages", type=int, default=64, help="KV pages the pool is sized for")

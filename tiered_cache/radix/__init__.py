@@ -1,8 +1,10 @@
-"""The HiMamba radix cache: a prefix cache of hybrid models over T0 KV pages and T1 int8 states."""
+"""The radix caches of hybrid models: ``HiMambaRadixCache`` (KV + recurrent states over T0, T1 and
+T2) and ``HiSWARadixCache`` (full + sliding-window KV over T0 and T2)."""
 
 from __future__ import annotations
 
 from tiered_cache.radix.cache import HiMambaRadixCache
+from tiered_cache.radix.host import LoadBack
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import (
     CacheReq,
@@ -10,6 +12,7 @@ from tiered_cache.radix.params import (
     DecLockRefResult,
     EvictParams,
     EvictResult,
+    HostTierConfig,
     IncLockRefResult,
     InitLoadBackParams,
     InsertParams,
@@ -25,6 +28,7 @@ from tiered_cache.radix.placement import (
     prefill_checkpoint_positions,
 )
 from tiered_cache.radix.policy import EvictionPolicy, LRUPolicy
+from tiered_cache.radix.swa import HiSWARadixCache
 
 __all__ = [
     "CacheReq",
@@ -35,11 +39,14 @@ __all__ = [
     "EvictResult",
     "EvictionPolicy",
     "HiMambaRadixCache",
+    "HiSWARadixCache",
+    "HostTierConfig",
     "IncLockRefResult",
     "InitLoadBackParams",
     "InsertParams",
     "InsertResult",
     "LRUPolicy",
+    "LoadBack",
     "MatchPrefixParams",
     "MatchResult",
     "RadixKey",

@@ -1,22 +1,30 @@
-"""``HiMambaRadixCache``: the radix prefix cache of a hybrid model over T0 (KV pages) and T1 (states).
+"""``HiMambaRadixCache``: the radix prefix cache of a hybrid model over T0, T1 and (optionally) T2.
 
-A radix tree over token ids in pages of ``page_size``. Each node owns the T0 virtual KV ids of its
-span and, optionally, the T1 checkpoint slot of the recurrent state at its end; a node without a
-state is a *tombstone*: its KV can be reused only by a longer match that ends at a state::
+A radix tree over token ids in pages of ``page_size``. Each node owns the KV of its span (T0 virtual
+ids, and/or T2 host pages) and, optionally, the state at its end (a T1 int8 slot and/or a T2 host
+slot); a node without a state is a *tombstone*: its KV can be reused only by a longer match that ends
+at a state::
 
-    root ── [1 2 3]* ── [4 5] ── [6 7]*        * = state in T1
-       │                   └──── [60 70]*      [4 5] is a tombstone: a match of [1..5] is cut back
-       └── [10 11 12]*                          to [1 2 3], the deepest node with a state
+    root ── [1 2]* ── [3 4] ── [5 6]°          * = state in T1, ° = state in T2
+       │    device     host      host          matching [1..6, 99]: 2 tokens usable from the device,
+       └── [10 11 12]*                          4 more loadable from the host (init_load_back)
 
 Ownership (SGLang's ``MambaRadixCache`` contract, with one difference):
 
 - The engine owns a request's KV ids and its T0 state slot. ``insert`` frees the caller's duplicate
-  KV ids ``value[prev_prefix_len:prefix_len]`` and takes ``value[prefix_len:cached_len]``.
+  KV ids ``value[prev_prefix_len:prefix_len]`` and takes ``value[prefix_len:cached_len]``. Nodes whose
+  KV lives on the host only take the caller's ids for their span (the caller recomputed them).
 - The tree never takes the caller's T0 slot (SGLang donates it): it quantizes a copy into a T1 slot
   it owns (``Int8CheckpointPool.store_from_active``). The caller keeps its slot; ``mamba_exist`` says
   the node already had a state. ``cache_finished_req`` frees the finished request's T0 slot.
-- A ``cow_mamba`` match dequantizes the node's T1 state into the request's T0 slot, allocating one
-  (``req.mamba_pool_idx``) when it has none, evicting KV for room; with no room the match is a miss.
+- A ``cow_mamba`` match dequantizes the T1 state of ``last_device_node`` into the request's T0 slot,
+  allocating one (``req.mamba_pool_idx``) when it has none, evicting KV for room; with no room the
+  device part of the match is a miss.
+
+Tiers: device KV is upward closed (a node on the device has its parent on the device) and so are host
+copies (nodes backed up on the host form a contiguous prefix from the root). Movement to and from T2
+is in ``host.py``, eviction in ``evict.py``; the tree changes where a node lives only when the
+transfer's ticket completes.
 
 Locks: ``inc_lock_ref(node)`` adds one to ``full_lock_ref`` of every node from ``node`` to the root
 and one to ``node.mamba_lock_ref``, which protects the node's state. A tombstone may be locked (the
@@ -25,14 +33,11 @@ is removed when its last lock is released. Otherwise no leaf is a tombstone.
 
 Recency: an insert or a match refreshes the KV recency of every node on its path (both halves of a
 node it splits included); a state's recency is refreshed when it is stored, offered again
-(``mamba_exist``) or matched. Eviction asks the policy (``LRUPolicy`` by default) for victims:
-KV eviction takes unlocked leaves; state eviction tombstones internal nodes and removes leaves,
-then any parents left as childless unlocked tombstones.
+(``mamba_exist``) or matched. Eviction asks the policy (``LRUPolicy`` by default) for victims.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -49,14 +54,14 @@ from tiered_cache.radix.checks import (
     parse_key,
     state_slot,
 )
+from tiered_cache.radix.evict import EvictionMixin, Frees
+from tiered_cache.radix.host import HostTierMixin
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import (
     DecLockRefParams,
     DecLockRefResult,
-    EvictParams,
-    EvictResult,
+    HostTierConfig,
     IncLockRefResult,
-    InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -66,8 +71,8 @@ from tiered_cache.radix.placement import CheckpointPlacement
 from tiered_cache.radix.policy import EvictionPolicy, LRUPolicy
 
 
-class HiMambaRadixCache:
-    """Radix prefix cache over a ``UnifiedPool`` (T0) and an ``Int8CheckpointPool`` (T1).
+class HiMambaRadixCache(EvictionMixin, HostTierMixin):
+    """Radix prefix cache over a ``UnifiedPool`` (T0), an ``Int8CheckpointPool`` (T1) and a ``HostMirror`` (T2).
 
     Args:
         pool: T0; ``pool.side(kv_side)`` holds KV pages, ``pool.side(state_side)`` active states.
@@ -78,24 +83,37 @@ class HiMambaRadixCache:
             alignment = unit).
         policy: an ``EvictionPolicy`` (default ``LRUPolicy``).
         validate: check that inserted ids are the caller's (one device sync per insert).
+        host: a ``HostMirror`` (T2) with a KV region of T0 page envelopes and a state region of T1
+            envelopes (names in ``host_config``); ``None``: the GPU tiers alone.
+        transfer: the ``TransferEngine`` moving bytes to and from ``host`` (default: a new one).
+        host_config: ``HostTierConfig`` (write policy, thresholds, region names).
     """
+
+    mode = "mamba"
 
     def __init__(self, pool: Any, ckpt_pool: Any, *, kv_side: str = "full", state_side: str = "mamba",
                  checkpoint_unit: Optional[int] = None, placement: Optional[CheckpointPlacement] = None,
-                 policy: Optional[EvictionPolicy] = None, validate: bool = True) -> None:
-        self.pool = pool
-        self.kv = pool.side(kv_side)
+                 policy: Optional[EvictionPolicy] = None, validate: bool = True, host: Any = None,
+                 transfer: Any = None, host_config: Optional[HostTierConfig] = None) -> None:
+        self._setup(pool, kv_side, policy, validate)
         self.states = pool.side(state_side)
         self.ckpt = ckpt_pool
         if self.states.device != self.kv.device or ckpt_pool.device != self.kv.device:
             raise InvalidArgumentError("ckpt_pool", f"a pool on {self.kv.device}", ckpt_pool.device)
-        self.page_size = ps = self.kv.page_size
-        self.device = self.kv.device
+        ps = self.page_size
         unit = ps if checkpoint_unit is None else checkpoint_unit
         if not isinstance(unit, int) or isinstance(unit, bool) or unit < ps or unit % ps:
             raise InvalidArgumentError("checkpoint_unit", f"a positive multiple of page_size={ps}", unit)
         self.checkpoint_unit = unit
         self.placement = placement or CheckpointPlacement(unit, ps, unit, unit)
+        self._init_host(host, transfer, host_config)
+        self.reset()
+
+    def _setup(self, pool: Any, kv_side: str, policy: Optional[EvictionPolicy], validate: bool) -> None:
+        self.pool = pool
+        self.kv = pool.side(kv_side)
+        self.page_size = ps = self.kv.page_size
+        self.device = self.kv.device
         if policy is not None and not isinstance(policy, EvictionPolicy):
             raise InvalidArgumentError("policy", "an EvictionPolicy", type(policy).__name__)
         self.policy = policy or LRUPolicy()
@@ -105,7 +123,6 @@ class HiMambaRadixCache:
         self._owned = torch.zeros(self.kv.capacity, dtype=torch.bool, device=self.device)
         self._offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
         self.root: Optional[TreeNode] = None
-        self.reset()
 
     # ----------------------------------------------------------------------------- lifecycle
     @property
@@ -113,27 +130,28 @@ class HiMambaRadixCache:
         return self.root
 
     def reset(self) -> None:
-        """Drop the tree and give every KV page and T1 slot it owns back to its pool.
+        """Drop the tree and give every slot it owns, in every tier, back to its pool.
 
-        Meant for an idle engine: nodes held by requests become stale (a later call with one raises).
+        Meant for an idle engine: transfers in flight are waited for first, loads in flight end not
+        ``ok``; nodes held by requests become stale (a later call with one raises).
         """
         if self.root is not None:
-            kvs, t1s = [], []
+            self._drain_ops()
+            f = Frees()
             stack = list(self.root.children.values())
             while stack:
                 x = stack.pop()
                 stack.extend(x.children.values())
-                kvs.append(x.value)
-                if x.mamba_value is not None:
-                    t1s.append(x.mamba_value)
+                f.take(self, x)
                 x.alive = False
-            self._free_batch(kvs, t1s)
+            f.flush(self)
         self._token = object()  # new owner tag: nodes of the old tree are refused from now on
         self.root = TreeNode(self._token, None, [], self._empty)
         self.policy.clear()
         self._owned.zero_()
         self._full_evictable = self._full_protected = 0
         self._mamba_evictable = self._mamba_protected = 0
+        self._n_dev_freed = self._n_t1_freed = self._n_swa_freed = 0  # running totals; evict reports deltas
 
     # ----------------------------------------------------------------------------- sizes
     def full_evictable_size(self) -> int:
@@ -155,15 +173,19 @@ class HiMambaRadixCache:
         return self._full_protected
 
     def total_size(self) -> tuple[int, int]:
-        """(cached KV tokens, cached states)."""
+        """(KV tokens on the device, states in T1)."""
         return (self._full_evictable + self._full_protected, self._mamba_evictable + self._mamba_protected)
 
     def supports_mamba(self) -> bool:
         return True
 
+    def _has_state(self, x: TreeNode) -> bool:
+        """A model can resume at ``x``'s end from some tier (SWA mode: ``x`` is not an SWA tombstone)."""
+        return x.mamba_value is not None or x.state_host is not None
+
     # ----------------------------------------------------------------------------- match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """Longest cached prefix of ``params.key`` that ends at a state (see the module docstring)."""
+        """Longest cached prefix of ``params.key`` that ends at a state (see ``MatchResult``)."""
         toks, salt = parse_key(params.key)
         req = params.req
         if params.cow_mamba and (req is None or not hasattr(req, "mamba_pool_idx")):
@@ -171,60 +193,86 @@ class HiMambaRadixCache:
         dst = None if req is None or not params.cow_mamba else req.mamba_pool_idx
         if dst is not None:
             dst = state_slot(self, "req.mamba_pool_idx", dst)
-        path, values, full_len, partial, best, best_len, best_k = self._walk(toks, salt, len(toks))
+        path, values, kv_len, dev, dev_len, dev_k, best, best_len = self._walk(toks, salt, len(toks))
         touch = self.policy.touch
         for x in path:
             touch("kv", x)
-        kv_len = full_len + partial
         branching = None
         if kv_len > best_len:
             b = kv_len // self.checkpoint_unit * self.checkpoint_unit
             branching = b if b > best_len else None
         if best is self.root:
-            return self._result(self._empty, self.root, branching, kv_len)
+            return self._result(self._empty, self.root, self.root, 0, 0, branching, kv_len)
         touch("state", best)
         best.hit_count += 1
-        if params.cow_mamba:
+        if dev is not best and dev is not self.root:
+            touch("state", dev)
+        if self.host is not None and self.hconf.write_policy == "write_through_selective":
+            self._count_hits(path, best)
+        if params.cow_mamba and dev is not self.root:
             if dst is None:
-                dst = self._alloc_active_state(best)
-                if dst is None:  # no room for the request's state even after evicting KV: unusable hit
-                    return self._result(self._empty, self.root, branching, kv_len)
-                req.mamba_pool_idx = dst
-            self.ckpt.load_to_active(best.mamba_value, self.states, dst)
-        idx = values[0] if best_k == 1 else torch.cat(values[:best_k])
-        return self._result(idx, best, branching, kv_len)
+                dst = self._alloc_active_state(dev)
+                if dst is None:  # no room for the request's state even after evicting KV: device part unusable
+                    dev, dev_k, dev_len = self.root, 0, 0
+                else:
+                    req.mamba_pool_idx = dst
+            if dst is not None:
+                self.ckpt.load_to_active(dev.mamba_value, self.states, dst)
+        idx = self._empty if dev_k == 0 else values[0] if dev_k == 1 else torch.cat(values[:dev_k])
+        host_len = best_len - dev_len
+        mamba_host = int(best is not dev and best.mamba_value is None)
+        return self._result(idx, dev, best, host_len, mamba_host, branching, kv_len)
 
-    def _result(self, idx: torch.Tensor, node: TreeNode, branching: Optional[int], kv_len: int) -> MatchResult:
-        return MatchResult(device_indices=idx, last_device_node=node, last_host_node=node, best_match_node=node,
-                           mamba_branching_seqlen=branching, cache_protected_len=len(idx), kv_hit_length=kv_len)
+    def _result(self, idx: torch.Tensor, dev: TreeNode, best: TreeNode, host_len: int, mamba_host: int,
+                branching: Optional[int], kv_len: int, **kw: Any) -> MatchResult:
+        last_host = best
+        if self.host is not None:
+            while last_host is not self.root and last_host.host_kv is None:
+                last_host = last_host.parent
+        return MatchResult(device_indices=idx, last_device_node=dev, last_host_node=last_host,
+                           best_match_node=best, host_hit_length=host_len, mamba_host_hit_length=mamba_host,
+                           mamba_branching_seqlen=branching, cache_protected_len=len(idx), kv_hit_length=kv_len,
+                           **kw)
 
     def _walk(self, toks: list[int], salt: Optional[str], end: int):
-        """Read-only walk. -> (nodes on the path, values of fully matched nodes, tokens in them,
-        page-aligned tokens matched inside the next node, deepest state node, its depth, its #values)."""
+        """Read-only walk. -> (nodes on the path, device values of fully matched nodes, page-aligned
+        tokens whose KV matched in any tier, deepest node with a T1 state reachable on the device,
+        its depth, its #values, deepest node with a state in any tier, its depth)."""
         ps = self.page_size
         end = end // ps * ps
-        node = self.root
+        node = root = self.root
         path: list[TreeNode] = []
         values: list[torch.Tensor] = []
-        i = partial = 0
-        best, best_len, best_k = self.root, 0, 0
+        i = 0
+        dev, dev_len, dev_k = root, 0, 0
+        best, best_len = root, 0
+        on_dev = True
         children = node.children
         while i < end:
             ck = toks[i] if ps == 1 else tuple(toks[i:i + ps])
-            child = children.get(ck if node is not self.root or salt is None else (salt, ck))
+            child = children.get(ck if node is not root or salt is None else (salt, ck))
             if child is None:
                 break
+            v = child.value
+            if v is None and child.host_kv is None:
+                break  # dead: matches nothing
             m = common_len(child.key, toks, i, end, ps)
             path.append(child)
             if m < len(child.key):
-                partial = m
-                break
-            values.append(child.value)
+                return path, values, i + m, dev, dev_len, dev_k, best, best_len
             i += m
             node, children = child, child.children
+            if v is None:
+                on_dev = False
+            elif on_dev:
+                values.append(v)
             if child.mamba_value is not None:
-                best, best_len, best_k = child, i, len(values)
-        return path, values, i, partial, best, best_len, best_k
+                best, best_len = child, i
+                if on_dev:
+                    dev, dev_len, dev_k = child, i, len(values)
+            elif child.state_host is not None:
+                best, best_len = child, i
+        return path, values, i, dev, dev_len, dev_k, best, best_len
 
     # ----------------------------------------------------------------------------- insert
     def insert(self, params: InsertParams) -> InsertResult:
@@ -238,12 +286,7 @@ class HiMambaRadixCache:
         toks, salt = parse_key(params.key)
         n, ps = len(toks), self.page_size
         value = params.value
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != torch.int64:
-            raise InvalidArgumentError("value", "a 1-D int64 tensor of KV ids", desc(value))
-        if value.device != self.device:
-            raise InvalidArgumentError("value", f"a tensor on {self.device}", value.device)
-        if value.numel() != n:
-            raise InvalidArgumentError("value", f"{n} ids, one per token of key", value.numel())
+        self._check_value("value", value, n)
         prev = params.prev_prefix_len
         if not isinstance(prev, int) or isinstance(prev, bool) or not 0 <= prev <= n or prev % ps:
             raise InvalidArgumentError("prev_prefix_len", f"a multiple of page_size={ps} in [0, {n}]", prev)
@@ -251,16 +294,20 @@ class HiMambaRadixCache:
         aligned = n // ps * ps
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=self.root)
-        path, _, full_len, partial, _, _, _ = self._walk(toks, salt, aligned)
-        prefix = full_len + partial
-        if prev > prefix:
-            raise InvalidArgumentError("prev_prefix_len", f"<= the cached prefix length ({prefix})", prev)
+        path, end_node, dev_prefix, pending = self._insert_probe(toks, salt, aligned)
+        if prev > dev_prefix:
+            raise InvalidArgumentError("prev_prefix_len", f"<= the cached prefix length ({dev_prefix})", prev)
         if self.validate and prev < aligned:
             check_callers_kv(self, value[prev:aligned])
         if self.validate and slot is not None:
             check_state_allocated(self, slot)
-        end_node = path[-1] if path and partial == 0 and full_len == aligned else None
-        mamba_exist = aligned == n and end_node is not None and end_node.mamba_value is not None
+        if pending:  # the caller computed on KV a load is writing: its ticket is done, or nearly
+            self._settle_loads()
+            path, end_node, dev_prefix, _ = self._insert_probe(toks, salt, aligned)
+            if prev > dev_prefix:
+                raise InvalidArgumentError("prev_prefix_len", f"<= the prefix whose load succeeded ({dev_prefix})",
+                                           prev)
+        mamba_exist = aligned == n and end_node is not None and self._has_state(end_node)
         t1 = None
         if slot is not None and aligned == n and not mamba_exist:
             t1 = self.ckpt.alloc(1)
@@ -273,11 +320,46 @@ class HiMambaRadixCache:
             except BaseException:
                 self.ckpt.free(t1)
                 raise
-        return self._insert_walk(toks, salt, value, aligned, prev, t1, mamba_exist, slot is not None)
+        res = self._insert_walk(toks, salt, value, aligned, prev, t1, mamba_exist, slot is not None)
+        self._after_insert(res)
+        return res
+
+    def _check_value(self, arg: str, value: Any, n: int) -> None:
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != torch.int64:
+            raise InvalidArgumentError(arg, "a 1-D int64 tensor of KV ids", desc(value))
+        if value.device != self.device:
+            raise InvalidArgumentError(arg, f"a tensor on {self.device}", value.device)
+        if value.numel() != n:
+            raise InvalidArgumentError(arg, f"{n} ids, one per token of key", value.numel())
+
+    def _insert_probe(self, toks: list[int], salt: Optional[str], aligned: int):
+        """Read-only walk. -> (path, the node ending exactly at ``aligned`` or None, device-matched
+        tokens, whether a load is in flight on the path). Tokens a load is writing count as on the
+        device (the caller got their ids from ``init_load_back``); a node on the host only, or dead,
+        ends the device part: insert gives it the caller's ids."""
+        ps, node, root = self.page_size, self.root, self.root
+        path, i, dev, on_dev, pending, total = [], 0, 0, True, False, 0
+        while i < aligned:
+            ck = toks[i] if ps == 1 else tuple(toks[i:i + ps])
+            child = node.children.get(ck if node is not root or salt is None else (salt, ck))
+            if child is None:
+                break
+            m = common_len(child.key, toks, i, aligned, ps)
+            path.append(child)
+            pending = pending or child.value_pending is not None
+            on_dev = on_dev and (child.value is not None or child.value_pending is not None)
+            i += m
+            total += len(child.key)
+            dev = i if on_dev else dev
+            if m < len(child.key):
+                break
+            node = child
+        end = path[-1] if path and i == aligned == total else None
+        return path, end, dev, pending
 
     def _insert_walk(self, toks, salt, value, aligned, prev, t1, mamba_exist, offered) -> InsertResult:
         ps, root, touch = self.page_size, self.root, self.policy.touch
-        node, i = root, 0
+        node, i, prefix = root, 0, None
         dups: list[torch.Tensor] = []
         split_suffix = None
         while i < aligned:
@@ -292,191 +374,108 @@ class HiMambaRadixCache:
                 split_suffix = child
                 child = self._split(child, m)
             touch("kv", child)
-            lo = max(prev, i)
-            if lo < i + m:
-                dups.append(value[lo:i + m])
+            if child.value is None:  # on the host only (or dead): take the caller's ids for its span
+                prefix = i if prefix is None else prefix
+                self._reattach(child, value[i:i + m])
+            elif prefix is None:
+                lo = max(prev, i)
+                if lo < i + m:
+                    dups.append(value[lo:i + m])
             i += m
             node = child
-        prefix, stored = i, False
+        prefix = i if prefix is None else prefix
+        stored = False
         if i < aligned:
             if t1 is not None:
                 node = self._new_leaf(node, toks[i:aligned], value[i:aligned], t1, salt)
                 stored, i = True, aligned
         elif node is not root:
-            if node.mamba_value is None and t1 is not None:
+            if not self._has_state(node) and t1 is not None:
                 self._set_state(node, t1)
                 stored = True
             elif mamba_exist and offered:
                 touch("state", node)
+        if t1 is not None and not stored:
+            self.ckpt.free(t1)
         if dups:
             self.kv.free(dups[0] if len(dups) == 1 else torch.cat(dups))
-        if split_suffix is not None and not split_suffix.children and split_suffix.mamba_value is None:
-            self._prune_up(split_suffix)  # states evicted for room took its children
+        if split_suffix is not None and split_suffix.alive:
+            self._prune_up(split_suffix)  # states evicted for room may have taken its children
         return InsertResult(prefix_len=prefix, cached_len=i, mamba_exist=mamba_exist, mamba_stored=stored,
                             last_device_node=node)
 
-    def _new_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, t1: torch.Tensor,
+    def _reattach(self, x: TreeNode, ids: torch.Tensor) -> None:
+        """``x``'s KV was on the host only (or nowhere): it takes the caller's ids for its span."""
+        x.value = ids.clone()
+        self._owned[x.value[::self.page_size] // self.page_size] = True
+        if x.full_lock_ref:
+            self._full_protected += len(x.key)
+        else:
+            self._full_evictable += len(x.key)
+        self._sync(x)
+        self._sync(x.parent)
+
+    def _new_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, t1: Optional[torch.Tensor],
                   salt: Optional[str]) -> TreeNode:
         ps = self.page_size
         leaf = TreeNode(self._token, parent, key, value.clone())
         ck = key[0] if ps == 1 else tuple(key[:ps])
         leaf.ck = (salt, ck) if parent is self.root and salt is not None else ck
-        if not parent.children and parent is not self.root:
-            self.policy.discard("kv", parent)
         parent.children[leaf.ck] = leaf
         self._owned[leaf.value[::ps] // ps] = True
         self._full_evictable += len(key)
         self.policy.touch("kv", leaf)
-        self.policy.add("kv", leaf)
-        self._set_state(leaf, t1)
+        if t1 is not None:
+            self._set_state(leaf, t1)
+        self._sync(leaf)
+        self._sync(parent)
         return leaf
 
     def _set_state(self, node: TreeNode, t1: torch.Tensor) -> None:
         node.mamba_value = t1
         self.policy.touch("state", node)
-        if not node.children and not node.full_lock_ref:  # a tombstone whose children went while we held it
-            self.policy.add("kv", node)
         if node.mamba_lock_ref:  # a locked tombstone got its state: protected at once
             self._mamba_protected += 1
         else:
             self._mamba_evictable += 1
-            self.policy.add("state", node)
+        self._sync(node)
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """child -> new (key[:m], a tombstone) -> child (key[m:]); returns new. Sizes do not change."""
-        ps, parent = self.page_size, child.parent
-        new = TreeNode(self._token, parent, child.key[:m], child.value[:m].clone())
+        """child -> new (key[:m], a tombstone) -> child (key[m:]); returns new. Sizes do not change.
+        Host pages (one per page) and data in flight are partitioned at the same page boundary."""
+        ps, parent, k = self.page_size, child.parent, m // self.page_size
+        new = TreeNode(self._token, parent, child.key[:m], None if child.value is None else child.value[:m].clone())
         new.ck = child.ck
         new.full_lock_ref = child.full_lock_ref  # every lock below child is below new too
+        new.hit_count = child.hit_count
         child.key = child.key[m:]
-        child.value = child.value[m:].clone()
+        if child.value is not None:
+            child.value = child.value[m:].clone()
+        for attr in self._TOKEN_ATTRS:
+            t = getattr(child, attr)
+            if t is not None:
+                setattr(new, attr, t[:m].clone())
+                setattr(child, attr, t[m:].clone())
+        for attr in self._PAGE_ATTRS:
+            lst = getattr(child, attr)
+            if lst is not None:
+                setattr(new, attr, lst[:k])
+                setattr(child, attr, lst[k:])
+        new.swa_tomb = child.swa_tomb
+        new.tickets = list(child.tickets)
+        for op in child.tickets:  # the op now finishes both halves
+            op.nodes.insert(op.nodes.index(child), new)
         child.ck = child.key[0] if ps == 1 else tuple(child.key[:ps])
         child.parent = new
         new.children[child.ck] = child
         parent.children[new.ck] = new
         self.policy.touch("kv", child)
+        self._sync(new)
+        self._sync(child)
         return new
 
-    # ----------------------------------------------------------------------------- evict
-    def evict(self, params: EvictParams) -> EvictResult:
-        """Free at least ``num_tokens`` KV tokens and ``mamba_num`` states, LRU first, while unlocked
-        ones remain. ``num_tokens_evicted`` counts every KV token freed (state eviction removes leaves)."""
-        for arg in ("num_tokens", "swa_num_tokens", "mamba_num"):
-            v = getattr(params, arg)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidArgumentError(arg, "an int >= 0", v)
-        tok, st = self._evict_kv(params.num_tokens) if params.num_tokens else (0, 0)
-        if params.mamba_num:
-            t2, s2 = self._evict_states(params.mamba_num)
-            tok, st = tok + t2, st + s2
-        return EvictResult(num_tokens_evicted=tok, mamba_num_evicted=st)
-
-    def _evict_kv(self, num: int) -> tuple[int, int]:
-        kvs, t1s = [], []
-        tok = st = 0
-        while tok < num:
-            x = self.policy.pop("kv")
-            if x is None:
-                break
-            tok += len(x.key)
-            st += x.mamba_value is not None
-            p = x.parent
-            self._remove(x, kvs, t1s)
-            tok += self._after_child_removed(p, kvs, t1s)
-        self._free_batch(kvs, t1s)
-        return tok, st
-
-    def _evict_states(self, num: int) -> tuple[int, int]:
-        kvs, t1s = [], []
-        tok = st = 0
-        while st < num:
-            x = self.policy.pop("state")
-            if x is None:
-                break
-            st += 1
-            if x.children:  # internal: becomes a tombstone, its KV stays
-                t1s.append(x.mamba_value)
-                x.mamba_value = None
-                self._mamba_evictable -= 1
-            else:
-                tok += len(x.key)
-                p = x.parent
-                self._remove(x, kvs, t1s)
-                tok += self._after_child_removed(p, kvs, t1s)
-        self._free_batch(kvs, t1s)
-        return tok, st
-
-    def _remove(self, x: TreeNode, kvs: list, t1s: list) -> None:
-        """Unlink an unlocked childless node; its ids go to the caller's free lists."""
-        del x.parent.children[x.ck]
-        self.policy.forget(x)
-        self._full_evictable -= len(x.key)
-        kvs.append(x.value)
-        if x.mamba_value is not None:
-            t1s.append(x.mamba_value)
-            self._mamba_evictable -= 1
-        x.alive = False
-
-    def _after_child_removed(self, p: TreeNode, kvs: list, t1s: list) -> int:
-        """``p`` lost a child: drop it (and up) while a childless unlocked tombstone, else maybe a candidate."""
-        tok = 0
-        while p is not self.root and not p.children and p.full_lock_ref == 0:
-            if p.mamba_value is not None:
-                self.policy.add("kv", p)
-                break
-            q = p.parent
-            tok += len(p.key)
-            self._remove(p, kvs, t1s)
-            p = q
-        return tok
-
-    def _prune_up(self, x: TreeNode) -> None:
-        kvs, t1s = [], []
-        if not x.children and x.full_lock_ref == 0 and x.mamba_value is None and x is not self.root:
-            p = x.parent
-            self._remove(x, kvs, t1s)
-            self._after_child_removed(p, kvs, t1s)
-        elif not x.children and x.full_lock_ref == 0 and x is not self.root:
-            self.policy.add("kv", x)
-        self._free_batch(kvs, t1s)
-
-    def _free_batch(self, kvs: Sequence[torch.Tensor], t1s: Sequence[torch.Tensor]) -> None:
-        if kvs:
-            ids = kvs[0] if len(kvs) == 1 else torch.cat(kvs)
-            if ids.numel():
-                self._owned[ids[::self.page_size] // self.page_size] = False
-                self.kv.free(ids)
-        if t1s:
-            self.ckpt.free(t1s[0] if len(t1s) == 1 else torch.cat(t1s))
-
-    def _alloc_ckpt_protected(self, protect: Optional[TreeNode]) -> Optional[torch.Tensor]:
-        """A T1 slot, evicting states; ``protect``'s path survives (unlocked without pruning: the
-        insert that follows gives its end a state or a child, or prunes it)."""
-        if protect is not None:
-            self._lock(protect)
-        try:
-            t1 = None
-            while t1 is None and self._evict_states(1)[1]:
-                t1 = self.ckpt.alloc(1)
-        finally:
-            if protect is not None:
-                self._unlock(protect, prune=False)
-        if t1 is None and protect is not None:
-            self._prune_up(protect)
-        return t1
-
-    def _alloc_active_state(self, protect: TreeNode) -> Optional[torch.Tensor]:
-        """A T0 state slot for a request; KV pages are evicted (LRU) until the state side has room."""
-        slot = self.states.alloc(1)
-        if slot is not None:
-            return slot
-        self._lock(protect)
-        try:
-            while slot is None and self._evict_kv(self.page_size)[0]:
-                slot = self.states.alloc(1)
-        finally:
-            self._unlock(protect)
-        return slot
+    _TOKEN_ATTRS = ("value_pending", "swa_value", "swa_pending")
+    _PAGE_ATTRS = ("host_kv", "host_pending", "swa_host", "swa_host_pending")
 
     # ----------------------------------------------------------------------------- locks
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
@@ -492,19 +491,25 @@ class HiMambaRadixCache:
     def _lock(self, node: TreeNode) -> int:
         if node is self.root:
             return 0
-        if node.mamba_lock_ref == 0 and node.mamba_value is not None:
-            self._mamba_evictable -= 1
-            self._mamba_protected += 1
-            self.policy.discard("state", node)
+        discard = self.policy.discard
+        if node.mamba_lock_ref == 0:
+            if node.mamba_value is not None:
+                self._mamba_evictable -= 1
+                self._mamba_protected += 1
+                discard("state", node)
+            if node.state_host is not None:
+                discard("state_host", node)
         node.mamba_lock_ref += 1
-        delta, x, discard = 0, node, self.policy.discard
+        delta, x = 0, node
         while x is not self.root:
             if x.full_lock_ref == 0:
-                n = len(x.key)
+                n = len(x.key) if x.value is not None else 0
                 self._full_evictable -= n
                 self._full_protected += n
                 delta -= n
                 discard("kv", x)
+                discard("kv_host", x)
+                discard("swa", x)
             x.full_lock_ref += 1
             x = x.parent
         return delta
@@ -516,25 +521,26 @@ class HiMambaRadixCache:
         if node.mamba_lock_ref == 0 and node.mamba_value is not None:
             self._mamba_evictable += 1
             self._mamba_protected -= 1
-            self.policy.add("state", node)
-        kvs, t1s = [], []
+        f = Frees()
         delta, x = 0, node
         while x is not self.root:
             x.full_lock_ref -= 1
             parent = x.parent
             if x.full_lock_ref == 0:
-                n = len(x.key)
+                n = len(x.key) if x.value is not None else 0
                 self._full_evictable += n
                 self._full_protected -= n
                 delta += n
-                if not x.children:
-                    if x.mamba_value is not None:
-                        self.policy.add("kv", x)
-                    elif prune:  # a locked tombstone that lost its children: gone with its last lock
-                        self._remove(x, kvs, t1s)
-                        delta -= n
+                if prune and not x.children and not x.tickets and not self._has_state(x):
+                    # a locked tombstone (or dead node) that lost its children: gone with its last lock
+                    self._remove(x, f)
+                    delta -= n
+                else:
+                    self._sync(x)
+            elif x is node:
+                self._sync(x)
             x = parent
-        self._free_batch(kvs, t1s)
+        f.flush(self)
         return delta
 
     # ----------------------------------------------------------------------------- requests
@@ -548,14 +554,6 @@ class HiMambaRadixCache:
         move its lock to the new end. The request keeps its T0 state slot (``requests.py``)."""
         _req.cache_unfinished_req(self, req, chunked)
 
-    # ----------------------------------------------------------------------------- host tier (issue 6)
-    def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
-        """Nothing lives on the host yet: nothing to load."""
-        return self._empty, params.best_match_node
-
-    def check_hicache_events(self) -> None:
-        """No transfers exist yet."""
-
     # ----------------------------------------------------------------------------- placement
     def checkpoint_positions(self, start: int, end: int) -> list[int]:
         """Where the engine may export a state while prefilling ``[start, end)`` (``placement.py``)."""
@@ -565,5 +563,5 @@ class HiMambaRadixCache:
     def check_invariants(self, request_kv: Optional[torch.Tensor] = None,
                          request_states: Optional[torch.Tensor] = None) -> None:
         """Recompute everything from the sets; ``request_*``: ids the engine's requests own (then every
-        slot must be exactly free, cached or a request's). Raises AssertionError."""
+        slot must be exactly free, cached, a request's or in flight). Raises AssertionError."""
         _inv.check_invariants(self, request_kv, request_states)

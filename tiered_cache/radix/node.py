@@ -1,19 +1,25 @@
 """``TreeNode``: one span of a radix tree of token pages.
 
-A node says where its data lives; it decides nothing. Fields that belong to the host tier and the
-transfer engine (issue 6) are present and empty, so adding them changes no layout:
+A node says where its data lives; it decides nothing. Data of a span can be in several tiers at once
+(a host copy stays when the device copy is loaded back), and data *in flight* is kept apart from data
+the node owns, because the tree changes where a node lives only when the ticket completes::
 
-    key         token ids of the span (a list; ``len`` a multiple of page_size, > 0 except the root)
-    value       T0 virtual KV ids of the span (LongTensor on the pool's device) or None once the
-                KV lives on the host only
-    host_kv     T2 host page ids (issue 6)
-    mamba_value T1 checkpoint slot of the state at the span's end (1-element LongTensor) or None:
-                a *tombstone* (no state here; a hybrid model cannot resume at this node)
-    state_host  T2 host state slot (issue 6)
-    tickets     in-flight transfers reading or writing this node's data (issue 6); a node with a
-                ticket is never dropped
-    full_lock_ref   locks on this node or any descendant (the lock covers the path to the root)
-    mamba_lock_ref  locks taken on this node itself; they protect its state. full >= mamba.
+    key            token ids of the span (``len`` a multiple of page_size, > 0 except the root)
+    value          T0 virtual KV ids of the span (LongTensor) or None: not on the device
+    value_pending  T0 ids a load back is writing (owned by the load until its ticket completes)
+    host_kv        T2 host pages of the span, one slot per page (a list: a split partitions it)
+    host_pending   T2 host pages a backup is writing (owned by the backup until it completes)
+    mamba_value    T1 checkpoint slot of the state at the span's end (1-element LongTensor) or None
+    state_host     T2 host state slot of that state, or None. No state in T1 nor T2: a *tombstone*
+                   (a hybrid model cannot resume at this node)
+    swa_value ...  SWA mode: the same four fields for the sliding-window KV, and ``swa_tomb``
+    tickets        in-flight operations (``host.Op``) reading or writing this node's data; a node
+                   with one is never dropped and never a victim
+    full_lock_ref  locks on this node or any descendant (the lock covers the path to the root)
+    mamba_lock_ref locks taken on this node itself; they protect its state. full >= mamba.
+
+A node with KV nowhere (no ``value``, no ``host_kv``, nothing pending) is *dead*: a load back found
+its host copy corrupt while a request held it locked. It matches nothing and goes with its last lock.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ _ids = itertools.count()
 
 class TreeNode:
     __slots__ = (
-        "id", "parent", "children", "ck", "key", "value", "host_kv", "mamba_value", "state_host", "tickets",
-        "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
+        "id", "parent", "children", "ck", "key", "value", "value_pending", "host_kv", "host_pending",
+        "mamba_value", "state_host", "swa_value", "swa_pending", "swa_host", "swa_host_pending", "swa_tomb",
+        "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
     )
 
     def __init__(self, owner: Any, parent: Optional[TreeNode], key: list[int],
@@ -41,10 +48,17 @@ class TreeNode:
         self.ck: Any = None  # this node's key in parent.children (first token or page, salted at the root)
         self.key = key
         self.value = value
-        self.host_kv: Optional[torch.Tensor] = None
+        self.value_pending: Optional[torch.Tensor] = None
+        self.host_kv: Optional[list[int]] = None
+        self.host_pending: Optional[list[int]] = None
         self.mamba_value: Optional[torch.Tensor] = None
-        self.state_host: Optional[torch.Tensor] = None
-        self.tickets: Optional[list] = None
+        self.state_host: Optional[int] = None
+        self.swa_value: Optional[torch.Tensor] = None
+        self.swa_pending: Optional[torch.Tensor] = None
+        self.swa_host: Optional[list[int]] = None
+        self.swa_host_pending: Optional[list[int]] = None
+        self.swa_tomb = False
+        self.tickets: list = []
         self.full_lock_ref = 0
         self.mamba_lock_ref = 0
         self.alive = True
@@ -56,13 +70,26 @@ class TreeNode:
 
     @property
     def is_tombstone(self) -> bool:
-        return self.mamba_value is None and self.parent is not None
+        """No state in any tier (mamba mode)."""
+        return self.mamba_value is None and self.state_host is None and self.parent is not None
 
     @property
     def evicted(self) -> bool:
+        """Not on the device (SGLang's name)."""
         return self.value is None
+
+    @property
+    def backuped(self) -> bool:
+        """Its KV has a complete host copy (SGLang's name)."""
+        return self.host_kv is not None
+
+    @property
+    def dead(self) -> bool:
+        return self.parent is not None and self.value is None and self.host_kv is None and self.value_pending is None
 
     def __repr__(self) -> str:
         k = self.key if len(self.key) <= 8 else self.key[:8] + ["..."]
-        st = "tomb" if self.mamba_value is None else "state"
-        return f"TreeNode(id={self.id}, key={k}, {st}, full={self.full_lock_ref}, mamba={self.mamba_lock_ref})"
+        where = ("dev" if self.value is not None else "") + ("+host" if self.host_kv is not None else "")
+        st = "T1" if self.mamba_value is not None else ("T2" if self.state_host is not None else "tomb")
+        return (f"TreeNode(id={self.id}, key={k}, {where or 'dead'}, {st}, full={self.full_lock_ref}, "
+                f"mamba={self.mamba_lock_ref}, ops={len(self.tickets)})")

@@ -44,14 +44,22 @@ class MatchPrefixParams:
 class MatchResult(NamedTuple):
     """Result of ``match_prefix``.
 
-    device_indices: T0 virtual KV ids of the usable prefix, cut back to the deepest node whose state
-        is present (a hybrid model can resume only where a state exists).
+    device_indices: T0 virtual KV ids of the prefix usable from the device alone: KV on the device
+        and cut back to the deepest node whose state is in T1 (SWA mode: whose window's SWA KV is on
+        the device). A hybrid model can resume only there.
     last_device_node: that node (the root on a miss); lock it with ``inc_lock_ref``.
-    last_host_node / best_match_node: the same node until the host tier exists (issue 6).
-    host_hit_length / mamba_host_hit_length: tokens / states to load back from host: 0 for now.
+    best_match_node: the deepest node the prefix can resume at from any tier: the anchor to pass to
+        ``init_load_back``. The same as ``last_device_node`` when the host adds nothing.
+    last_host_node: the deepest node up to ``best_match_node`` whose KV has a host copy (root if none).
+    host_hit_length: tokens from ``last_device_node`` to ``best_match_node`` (what ``init_load_back``
+        returns ids for; those whose KV is still on the device are returned without a copy).
+    mamba_host_hit_length: 1 when the state at ``best_match_node`` must come from T2, else 0.
+    swa_host_hit_length: SWA mode: SWA tokens among them to load from T2.
+    swa_device_indices: SWA mode: the SWA ids of ``device_indices`` (not in SGLang, which maps full
+        ids to SWA ids in its allocator; here the two sides allocate apart).
     mamba_branching_seqlen: where the next prefill should export a state (aligned to the checkpoint
         unit) so the longer KV match becomes a hit later; ``None`` when it would not lengthen the hit.
-    kv_hit_length: tokens whose KV matched before the cut-back (not in SGLang; for stats and tests).
+    kv_hit_length: tokens whose KV matched in any tier before the cut-back (not in SGLang; for stats).
     """
 
     device_indices: torch.Tensor
@@ -65,6 +73,8 @@ class MatchResult(NamedTuple):
     mamba_branching_seqlen: Optional[int] = None
     cache_protected_len: Optional[int] = None
     kv_hit_length: int = 0
+    swa_device_indices: Optional[torch.Tensor] = None  # SWA mode: SWA ids beside device_indices (sink ids
+    # for tokens of SWA tombstones, which are outside every window the match needs)
 
 
 @dataclasses.dataclass
@@ -73,7 +83,10 @@ class InsertParams:
     value: Optional[torch.Tensor] = None  # T0 virtual KV ids, one per token of key
     mamba_value: Optional[Any] = None  # the caller's T0 state slot (state at position len(key))
     prev_prefix_len: int = 0  # value[:prev_prefix_len] are already the tree's ids (from a match)
-    swa_evicted_seqlen: int = 0  # SWA mode (issue 6); ignored here
+    # SWA mode: the caller's SWA KV ids, one per token of key; those before swa_evicted_seqlen were
+    # freed by the caller already (slid out of the window) and are ignored: that span is tombstoned.
+    swa_value: Optional[torch.Tensor] = None
+    swa_evicted_seqlen: int = 0
     chunked: bool = False
     priority: int = 0
 
@@ -95,16 +108,20 @@ class InsertResult:
 
 @dataclasses.dataclass
 class EvictParams:
-    num_tokens: int = 0
-    swa_num_tokens: int = 0
-    mamba_num: int = 0
+    num_tokens: int = 0  # T0 KV tokens (demoted to T2 when backed up, else dropped)
+    swa_num_tokens: int = 0  # T0 SWA KV tokens (SWA mode: tombstoned)
+    mamba_num: int = 0  # T1 states (demoted to T2 when it has room, else dropped)
+    host_num_tokens: int = 0  # T2 KV tokens (dropped; not in SGLang)
+    host_mamba_num: int = 0  # T2 states (dropped; not in SGLang)
 
 
 @dataclasses.dataclass
 class EvictResult:
-    num_tokens_evicted: int = 0  # KV tokens freed, including those of leaves a state eviction removed
+    num_tokens_evicted: int = 0  # T0 KV tokens freed, including those of leaves a state eviction removed
     swa_num_tokens_evicted: int = 0
-    mamba_num_evicted: int = 0
+    mamba_num_evicted: int = 0  # T1 states freed (demoted or dropped)
+    host_num_tokens_evicted: int = 0
+    host_mamba_num_evicted: int = 0
 
 
 @dataclasses.dataclass
@@ -128,10 +145,46 @@ class DecLockRefResult:
 
 @dataclasses.dataclass
 class InitLoadBackParams:
+    """``best_match_node`` / ``host_hit_length`` from ``match_prefix``. ``mem_quota``: most T0 tokens the
+    load may take. ``req``: receives the T0 state slot (``req.mamba_pool_idx``, allocated when None)
+    and the load's handle (``req.load_back``); needed whenever a state must be loaded."""
+
     best_match_node: Any
     host_hit_length: int
     mem_quota: Optional[int] = None
     req: Optional[Any] = None
+
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTierConfig:
+    """How the tree uses T2.
+
+    write_policy: when KV is copied to host: ``write_through`` (when cached), ``write_through_selective``
+        (once a node was matched ``write_through_threshold`` times), ``write_back`` (when evicted).
+    load_back_threshold: a host hit whose state is already on the device (T1) and whose host KV is
+        shorter than this many tokens is not loaded (recomputing it is cheaper than the round trip).
+    kv_region / state_region / swa_region: names of the ``HostMirror`` regions.
+    """
+
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    load_back_threshold: int = 0
+    kv_region: str = "full"
+    state_region: str = "state"
+    swa_region: str = "swa"
+
+    def __post_init__(self) -> None:
+        from tiered_cache.errors import InvalidArgumentError
+
+        if self.write_policy not in WRITE_POLICIES:
+            raise InvalidArgumentError("write_policy", f"one of {WRITE_POLICIES}", self.write_policy)
+        for arg in ("write_through_threshold", "load_back_threshold"):
+            v = getattr(self, arg)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise InvalidArgumentError(arg, "an int >= 0", v)
 
 
 @dataclasses.dataclass

@@ -6,8 +6,10 @@ leaves), a node left the tree (``forget``); and ``pop`` returns the best victim 
 candidates. The policy never looks inside a node, and the tree never orders victims, so a
 cost-aware policy (bytes, recompute cost, hit counts) replaces ``LRUPolicy`` without touching the tree.
 
-Resources: ``"kv"`` (candidates: unlocked leaves, whose KV pages can go) and ``"state"``
-(candidates: nodes with an unlocked state). Issue 6 adds host-tier resources the same way.
+Resources, one candidate set per (resource, tier): ``"kv"`` (device KV of unlocked nodes with no
+device child), ``"state"`` (unlocked T1 states), ``"kv_host"`` / ``"state_host"`` (their T2 copies),
+``"swa"`` (device SWA KV, SWA mode). A host tier ranks its victims by the recency of the data it
+holds, so ``touch("kv", x)`` also stamps ``"kv_host"`` (``RECENCY`` says which share a clock).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import itertools
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
-RESOURCES = ("kv", "state")
+RESOURCES = ("kv", "state", "kv_host", "state_host", "swa")
+# resource -> the resource whose recency it uses (a host copy is as recent as its data's last use)
+RECENCY = {"kv": "kv", "kv_host": "kv", "swa": "kv", "state": "state", "state_host": "state"}
+_SHARING = {base: tuple(r for r in RESOURCES if RECENCY[r] == base) for base in set(RECENCY.values())}
 
 
 class EvictionPolicy(ABC):
@@ -49,6 +54,10 @@ class EvictionPolicy(ABC):
     def clear(self) -> None:
         """Forget every node."""
 
+    def size(self, resource: str) -> int:
+        """How many candidates ``resource`` has (override when a cheaper count exists)."""
+        return len(self.candidates(resource))
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used first, per resource.
@@ -65,22 +74,24 @@ class LRUPolicy(EvictionPolicy):
         self.clear()
 
     def clear(self) -> None:
-        self._stamp: dict[str, dict[Any, int]] = {r: {} for r in RESOURCES}
+        self._stamp: dict[str, dict[Any, int]] = {r: {} for r in _SHARING}  # by recency base
         self._cand: dict[str, set[Any]] = {r: set() for r in RESOURCES}
         self._heap: dict[str, list[tuple[int, int, Any]]] = {r: [] for r in RESOURCES}
 
     def touch(self, resource: str, node: Any) -> None:
         t = next(self._clock)
-        self._stamp[resource][node] = t
-        if node in self._cand[resource]:
-            self._push(resource, t, node)
+        base = RECENCY[resource]
+        self._stamp[base][node] = t
+        for r in _SHARING[base]:
+            if node in self._cand[r]:
+                self._push(r, t, node)
 
     def add(self, resource: str, node: Any) -> None:
         cand = self._cand[resource]
         if node in cand:
             return
         cand.add(node)
-        stamps = self._stamp[resource]
+        stamps = self._stamp[RECENCY[resource]]
         t = stamps.get(node)
         if t is None:
             t = stamps[node] = next(self._clock)
@@ -92,10 +103,11 @@ class LRUPolicy(EvictionPolicy):
     def forget(self, node: Any) -> None:
         for r in RESOURCES:
             self._cand[r].discard(node)
-            self._stamp[r].pop(node, None)
+        for stamps in self._stamp.values():
+            stamps.pop(node, None)
 
     def pop(self, resource: str) -> Optional[Any]:
-        heap, cand, stamps = self._heap[resource], self._cand[resource], self._stamp[resource]
+        heap, cand, stamps = self._heap[resource], self._cand[resource], self._stamp[RECENCY[resource]]
         while heap:
             t, _, node = heapq.heappop(heap)
             if node in cand and stamps.get(node) == t:
@@ -106,14 +118,17 @@ class LRUPolicy(EvictionPolicy):
     def candidates(self, resource: str) -> set[Any]:
         return set(self._cand[resource])
 
+    def size(self, resource: str) -> int:
+        return len(self._cand[resource])
+
     def stamp(self, resource: str, node: Any) -> Optional[int]:
         """The node's last-use stamp (tests pin orders with it)."""
-        return self._stamp[resource].get(node)
+        return self._stamp[RECENCY[resource]].get(node)
 
     def _push(self, resource: str, t: int, node: Any) -> None:
         heap = self._heap[resource]
         heapq.heappush(heap, (t, next(self._seq), node))
         if len(heap) > 64 and len(heap) > 3 * len(self._cand[resource]):
-            stamps = self._stamp[resource]
+            stamps = self._stamp[RECENCY[resource]]
             self._heap[resource] = [(stamps[n], next(self._seq), n) for n in self._cand[resource]]
             heapq.heapify(self._heap[resource])

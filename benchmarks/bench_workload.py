@@ -1,0 +1,391 @@
+"""Offload stress benchmark: named workloads through the reference engine, four configurations side by
+side at one GPU memory budget (``workload_common.py`` says which and how the budget is split).
+
+    python benchmarks/bench_workload.py --scale small            # CPU: the tiny model, ~2 minutes
+    python benchmarks/bench_workload.py --scale full             # GPU: a ~1.7 B Qwen3-Next-shaped model
+
+Per workload (``benchmarks/workloads/<name>.json``) and configuration: token hit rate per tier (KV
+tokens reused from T0 / loaded back from T2, as a share of prompt tokens), where resumed states came
+from (T1 / T2 / miss), prefill tokens saved, time to first token p50/p90 (from arrival, and from
+admission), requests per second, bytes over PCIe (T2 copies both ways). Every configuration sees the
+same tokens: answers are teacher-forced from the workload's seed, and the model's own argmax is
+compared with the no-cache run's (``argmax_agreement_vs_nocache``: the correctness check; int8
+states may flip near-ties). Writes ``workload-<device>.json`` / ``.md`` and one PNG chart per
+workload (``workload-<name>-<device>.png``). On a GPU, says which gated-delta implementation
+``transformers`` runs (flash-linear-attention when it imports, else its torch fallback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import workload_common as wc  # noqa: E402
+from benchmarks.common import RESULTS, device_tag, write_results  # noqa: E402
+from tiered_cache import device as dev  # noqa: E402
+from tiered_cache.engine.stats import percentile  # noqa: E402
+
+METRICS = ("hit_rate", "hit_rate_t0", "hit_rate_t2", "state_hit_rate", "prefill_tokens_saved", "computed_tokens",
+           "ttft_p50_s", "ttft_p90_s", "ttft_admitted_p50_s", "ttft_admitted_p90_s", "ttft_p50_round3plus_s",
+           "requests_per_s", "pcie_bytes", "hits_t1_states", "hits_t2_states", "state_misses",
+           "argmax_agreement_vs_nocache", "wall_s")
+
+
+# ------------------------------------------------------------------------------------------ model
+def build_model(m: dict, device: torch.device):
+    """The tiny seeded Qwen3-Next (``tiny``), or one scaled by ``Qwen3NextConfig`` overrides."""
+    from tiered_cache.engine.models import tiny_qwen3_next
+
+    kw = {k: v for k, v in m.items() if k not in ("tiny", "dtype", "long_memory")}
+    return tiny_qwen3_next(seed=0, long_memory=bool(m.get("long_memory")), dtype=getattr(torch, m["dtype"]),
+                           device=device, **kw)
+
+
+def gated_delta_impl(model) -> str:
+    """Which chunked gated-delta function the model's linear layers call (module.name)."""
+    import importlib
+
+    mod = importlib.import_module(type(model).__module__)
+    layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    # 5.17: the layer holds ``chunk_gated_delta_rule`` (fla's, or the torch one); 5.24: the module-level
+    # ``torch_chunk_gated_delta_rule`` is a wrapper that picked its implementation at import.
+    fn = (getattr(layer, "chunk_gated_delta_rule", None) or getattr(mod, "chunk_gated_delta_rule", None)
+          or getattr(mod, "torch_chunk_gated_delta_rule", None))
+    if fn is None:
+        return "unknown"
+    try:
+        import inspect
+
+        fn = inspect.getclosurevars(fn).nonlocals.get("implementation", fn)  # transformers' hub wrapper
+    except (TypeError, ValueError):
+        pass
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}"
+
+
+def fla_status() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+
+        out["fla_importable"] = True
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
+        out["fla_importable"] = False
+        out["fla_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    try:
+        from transformers.utils import is_flash_linear_attention_available
+
+        out["transformers_fla_available"] = bool(is_flash_linear_attention_available())
+    except ImportError:
+        out["transformers_fla_available"] = None
+    return out
+
+
+def check_fla(device: torch.device) -> int:
+    """Exit status for ``--check-fla``: 0 when transformers' Qwen3-Next runs its gated delta through
+    flash-linear-attention on ``device`` (a tiny model's forward through the fla path succeeds)."""
+    try:
+        from tiered_cache.engine.adapters import forward_chunk, new_cache
+        from tiered_cache.engine.models import tiny_qwen3_next
+
+        model = tiny_qwen3_next(seed=0, dtype=torch.bfloat16, device=device)
+        impl = gated_delta_impl(model)
+        forward_chunk(model, new_cache(model), torch.arange(3, 140, device=device), 0)
+        dev.synchronize(device)
+        print(f"gated delta: {impl}")
+        return 0 if impl.startswith("fla") else 1
+    except Exception as e:  # noqa: BLE001 - any failure means "do not use fla"
+        print(f"flash-linear-attention unusable: {type(e).__name__}: {str(e)[:300]}")
+        return 1
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------ runs
+def run_config(model, ecfg, clients, w: dict, label: str, progress: bool) -> dict:
+    from tiered_cache.engine.scheduler import Engine
+
+    engine = Engine(model, ecfg)
+    turns: list[wc.Finished] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(len(c.questions) for c in clients), desc=f"{label:>24}", unit="req", leave=True)
+
+    def done(f: wc.Finished) -> None:
+        turns.append(f)
+        if bar is not None:
+            bar.update(1)
+
+    t0 = time.perf_counter()
+    wc.drive(engine, clients, w, done)
+    dev.synchronize(engine.device)
+    wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    st = engine.stats_dict()
+    if engine.cache is not None:
+        engine.check_invariants()
+        st["tree"] = dict(engine.cache.stats)
+        after = engine.reset_cache()
+        if after != engine.initial_free:
+            raise AssertionError(f"{label}: pools not back to their initial free sets: {after} != "
+                                 f"{engine.initial_free}")
+    st["wall_s"] = wall
+    st["turns"] = turns
+    return st
+
+
+def summarize(st: dict, base: Optional[dict]) -> dict[str, float]:
+    tok, hits, by = st["tokens"], st["hits"], st["bytes"]
+    prompt = max(1, tok["prompt"])
+    late = [t.summary["ttft_s"] for t in st["turns"] if t.round >= 2]
+    agree = 1.0
+    if base is not None:
+        ref = {(t.client, t.round): t.argmax for t in base["turns"]}
+        n = same = 0
+        for t in st["turns"]:
+            r = ref[(t.client, t.round)]
+            n += len(r)
+            same += sum(a == b for a, b in zip(t.argmax, r))
+        agree = same / max(1, n)
+    return {
+        "hit_rate": tok["reused"] / prompt, "hit_rate_t0": hits["T0_kv_tokens"] / prompt,
+        "hit_rate_t2": hits["T2_kv_tokens"] / prompt, "state_hit_rate": hits["state_hit_rate"],
+        "prefill_tokens_saved": tok["reused"], "computed_tokens": tok["computed"],
+        "ttft_p50_s": st["ttft_s"]["p50"], "ttft_p90_s": st["ttft_s"]["p90"],
+        "ttft_admitted_p50_s": st["ttft_s"]["from_admission_p50"],
+        "ttft_admitted_p90_s": st["ttft_s"]["from_admission_p90"],
+        "ttft_p50_round3plus_s": percentile(late, 50) if late else st["ttft_s"]["p50"],
+        "requests_per_s": len(st["turns"]) / st["wall_s"],
+        "pcie_bytes": by.get("T2_d2h", 0) + by.get("T2_h2d", 0),
+        "hits_t1_states": hits["T1_states"], "hits_t2_states": hits["T2_states"], "state_misses": hits["misses"],
+        "argmax_agreement_vs_nocache": agree, "wall_s": st["wall_s"],
+    }
+
+
+def ratios(s: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The acceptance ratios, (4) against (1) and (2), with the raw values behind them."""
+    nc, go, t2 = s["no_cache"], s["gpu_only"], s["int8_t1_t2"]
+    div = lambda a, b: a / b if b else None  # undefined (omitted from the results): JSON has no inf
+    return {
+        "ttft_p50_speedup_vs_nocache": div(nc["ttft_p50_s"], t2["ttft_p50_s"]),
+        "ttft_p50_round3plus_speedup_vs_nocache": div(nc["ttft_p50_round3plus_s"], t2["ttft_p50_round3plus_s"]),
+        "throughput_vs_nocache": div(t2["requests_per_s"], nc["requests_per_s"]),
+        "hit_rate_vs_gpu_only": div(t2["hit_rate"], go["hit_rate"]),
+        "int8_hit_rate_vs_gpu_only": div(s["int8_t1"]["hit_rate"], go["hit_rate"]),
+        "ttft_p50_s_no_cache": nc["ttft_p50_s"], "ttft_p50_s_int8_t1_t2": t2["ttft_p50_s"],
+        "requests_per_s_no_cache": nc["requests_per_s"], "requests_per_s_int8_t1_t2": t2["requests_per_s"],
+        "hit_rate_gpu_only": go["hit_rate"], "hit_rate_int8_t1": s["int8_t1"]["hit_rate"],
+        "hit_rate_int8_t1_t2": t2["hit_rate"],
+    }
+
+
+def run_workload(name: str, args: argparse.Namespace, device: torch.device, models: dict) -> dict:
+    from tiered_cache.engine.models import spec_for
+    from tiered_cache.engine.scheduler import EngineConfig
+
+    sec = wc.load_workload(name, args.scale, args.set)
+    w, m, e = sec["workload"], sec["model"], sec["engine"]
+    key = json.dumps(m, sort_keys=True)
+    if key not in models:
+        t = time.perf_counter()
+        model = build_model(m, device)
+        models[key] = (model, {"params": n_params(model), "build_s": time.perf_counter() - t,
+                               "gated_delta": gated_delta_impl(model)})
+        models[key][1]["warm"] = False
+    model, minfo = models[key]
+    vocab = model.config.vocab_size
+    clients = wc.make_clients(w, vocab)
+    specs = spec_for(model, e["page_size"])
+    tb = wc.TierBytes.from_specs(specs.full, specs.state, e["page_size"])
+    longest = wc.longest_request(clients, w["max_new_tokens"])
+    req_pages = -(-longest // e["page_size"])
+    gpu, host = int(sec["gpu_budget_mib"] * wc.MiB), int(sec["host_budget_mib"] * wc.MiB)
+    tiers = wc.split_budget(tb, gpu, host, e["max_running"], req_pages, e["kv_fraction"])
+    common = dict(page_size=e["page_size"], chunk_size=e["chunk_size"], prefill_budget=e["prefill_budget"],
+                  max_running=e["max_running"], write_policy=e["write_policy"])
+    n_req = sum(len(c.questions) for c in clients)
+    print(f"\n== {name} ({args.scale}): {w['clients']} clients x {w['rounds']} rounds, prefix {w['prefix_len']} "
+          f"({'own' if not w['prefix_groups'] else str(w['prefix_groups']) + ' shared'}), question "
+          f"{w['question_len']}, answer {w['max_new_tokens']}; {n_req} requests, longest {longest} tokens")
+    print(f"   state per request: {tb.state_native / 1e6:.2f} MB native (fp32 temporal), T1 slot lossless "
+          f"{tb.t1_lossless / 1e6:.2f} MB / int8 {tb.t1_int8 / 1e6:.2f} MB ({tb.t1_lossless / tb.t1_int8:.2f}x); "
+          f"KV page {tb.kv_page / 1024:.1f} KiB ({e['page_size']} tokens)")
+    print(f"   budget: GPU {sec['gpu_budget_mib']} MiB, host {sec['host_budget_mib']} MiB -> "
+          + "; ".join(f"{c}: {', '.join(f'{k}={v}' for k, v in t.items() if k != 'codec')}"
+                      for c, t in tiers.items() if c != "no_cache"))
+    if not minfo["warm"]:
+        # First-call costs (kernels, allocator) paid once per model, outside every configuration's clock.
+        wcl = wc.make_clients(dict(w, clients=1, rounds=2, prefix_len=2 * e["page_size"],
+                                   question_len=e["page_size"], max_new_tokens=2), vocab)
+        run_config(model, EngineConfig(**common, **tiers["int8_t1_t2"]), wcl, dict(w, request_rate=0, max_new_tokens=2),
+                   "warm-up", False)
+        minfo["warm"] = True
+    raw: dict[str, dict] = {}
+    for cname in wc.CONFIGS:
+        ecfg = EngineConfig(**common, **tiers[cname])
+        raw[cname] = run_config(model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", args.progress)
+    s = {c: summarize(raw[c], raw["no_cache"] if c != "no_cache" else None) for c in wc.CONFIGS}
+    for c in wc.CONFIGS[1:]:
+        if s[c]["prefill_tokens_saved"] <= 0:
+            print(f"   warning: {c} reused no tokens")
+    return {"name": name, "summary": s, "ratios": ratios(s), "tiers": tiers, "tier_bytes": dataclasses.asdict(tb),
+            "longest_request": longest, "requests": n_req, "section": sec, "model": minfo,
+            "tree_stats": {c: raw[c].get("tree", {}) for c in wc.CONFIGS}}
+
+
+# ------------------------------------------------------------------------------------------ report
+def chart(path: str, res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = res["summary"]
+    names = [wc.LABELS[c].split(" ", 1)[0] for c in wc.CONFIGS]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+    fig.suptitle(f"{res['name']}: {res['requests']} requests, same GPU budget "
+                 f"({res['section']['gpu_budget_mib']} MiB; host {res['section']['host_budget_mib']} MiB)")
+    x = range(len(wc.CONFIGS))
+    p50 = [1000 * (s[c]["ttft_p50_s"] or 0) for c in wc.CONFIGS]
+    p90 = [1000 * (s[c]["ttft_p90_s"] or 0) for c in wc.CONFIGS]
+    ax[0, 0].bar([i - 0.2 for i in x], p50, 0.4, label="p50")
+    ax[0, 0].bar([i + 0.2 for i in x], p90, 0.4, label="p90")
+    ax[0, 0].set(title="time to first token", ylabel="ms", xticks=list(x), xticklabels=names)
+    ax[0, 0].legend()
+    ax[0, 1].bar(names, [s[c]["requests_per_s"] for c in wc.CONFIGS], color="tab:green")
+    ax[0, 1].set(title="throughput", ylabel="requests / s")
+    t0 = [s[c]["hit_rate_t0"] for c in wc.CONFIGS]
+    t2 = [s[c]["hit_rate_t2"] for c in wc.CONFIGS]
+    ax[1, 0].bar(names, t0, label="KV from T0 (GPU)")
+    ax[1, 0].bar(names, t2, bottom=t0, label="KV loaded back from T2 (host)")
+    ax[1, 0].set(title="prompt tokens reused (hit rate)", ylim=(0, 1))
+    ax[1, 0].legend()
+    ax[1, 1].bar(names, [s[c]["pcie_bytes"] / 2**20 for c in wc.CONFIGS], color="tab:purple")
+    ax[1, 1].set(title="bytes over PCIe (T2, both ways)", ylabel="MiB")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
+    metrics: dict[str, float] = {}
+    rows = []
+    for res in results:
+        name = res["name"]
+        r = {k: v for k, v in res["ratios"].items() if v is not None}
+        if name == "multi_turn":
+            metrics.update(r)
+        metrics.update({f"{name}_{k}": v for k, v in r.items()})
+        for c in wc.CONFIGS:
+            for k in METRICS:
+                v = res["summary"][c][k]
+                if v is not None:
+                    metrics[f"{name}_{c}_{k}"] = v
+            s = res["summary"][c]
+            rows.append({"workload": name, "config": wc.LABELS[c], "hit_rate": s["hit_rate"],
+                         "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
+                         "states T1/T2/miss": f"{s['hits_t1_states']}/{s['hits_t2_states']}/{s['state_misses']}",
+                         "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
+                         "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
+                         "pcie_MiB": s["pcie_bytes"] / 2**20, "argmax_agree": s["argmax_agreement_vs_nocache"]})
+    return metrics, rows
+
+
+def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace, t_start: float):
+    """Write what is measured so far (after every workload: a run cut short keeps its finished ones)."""
+    model_info = [v for _, v in models.values()]
+    gd = sorted({m["gated_delta"] for m in model_info})
+    metrics, rows = collect(results)
+    metrics["fla_used"] = float(any(g.startswith("fla") for g in gd))
+    metrics["model_params"] = float(model_info[0]["params"])
+    metrics["state_bytes_per_request_native"] = float(results[0]["tier_bytes"]["state_native"])
+    metrics["total_s"] = time.perf_counter() - t_start
+    notes = (f"Scale `{args.scale}`; model {model_info[0]['params'] / 1e6:,.1f} M params, recurrent state "
+             f"{results[0]['tier_bytes']['state_native'] / 1e6:.2f} MB per request (native); gated-delta "
+             f"implementation: {', '.join(gd)}. Configurations: (1) no cache, (2) GPU-only radix cache with "
+             "states in their own dtype, (3) + int8 T1, (4) + T2 host mirror, at the same GPU budget per "
+             "workload (split in benchmarks/workload_common.py). hit_rate = prompt tokens reused / prompt "
+             "tokens; TTFT from arrival (Poisson, asyncio-throttle) incl. queueing.")
+    path = write_results("workload", metrics, rows=rows, notes=notes, out_dir=args.out)
+    with open(path) as f:
+        record = json.load(f)
+    keep = ("workload", "engine", "model", "gpu_budget_mib", "host_budget_mib")
+    record["info"] = {"scale": args.scale, "environment": env, "gated_delta": gd, "models": model_info,
+                      "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
+                                                "tier_bytes": r["tier_bytes"], "longest_request": r["longest_request"],
+                                                "tree_stats": r["tree_stats"]} for r in results}}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+        f.write("\n")
+    return path, record, metrics
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="+", default=wc.list_workloads(), choices=wc.list_workloads())
+    p.add_argument("--scale", default="small", choices=["small", "full"],
+                   help="small: the tiny model (CPU); full: a ~1.7 B Qwen3-Next-shaped model (GPU)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--out", default=RESULTS, help="folder for the JSON, md and PNGs")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override a workload param in every selected workload (e.g. clients=2 rounds=2)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on the shared 2-core machines)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--check-fla", action="store_true",
+                   help="only check that Qwen3-Next runs through flash-linear-attention here (exit status 0/1)")
+    args = p.parse_args(argv)
+    args.set = dict(kv.split("=", 1) for kv in args.set)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    device = dev.resolve(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if args.check_fla:
+        raise SystemExit(check_fla(device))
+    t_start = time.perf_counter()
+    env = fla_status()
+    print(f"bench_workload on {dev.device_name(device)} ({args.scale}); flash-linear-attention importable: "
+          f"{env['fla_importable']}")
+    models: dict = {}
+    results = []
+    for name in args.workloads:
+        res = run_workload(name, args, device, models)
+        results.append(res)
+        os.makedirs(args.out, exist_ok=True)
+        chart(os.path.join(args.out, f"workload-{name}-{device_tag()}.png"), res)
+        for c in wc.CONFIGS:
+            s = res["summary"][c]
+            print(f"   {wc.LABELS[c]:>24}: hit {s['hit_rate']:.3f} (T0 {s['hit_rate_t0']:.3f}, "
+                  f"T2 {s['hit_rate_t2']:.3f}), "
+                  f"TTFT p50 {1000 * (s['ttft_p50_s'] or 0):.1f} ms p90 {1000 * (s['ttft_p90_s'] or 0):.1f} ms, "
+                  f"{s['requests_per_s']:.2f} req/s, PCIe {s['pcie_bytes'] / 2**20:.1f} MiB, "
+                  f"argmax agree {s['argmax_agreement_vs_nocache']:.3f}")
+        r = {k: ("n/a" if v is None else f"{v:.2f}x") for k, v in res["ratios"].items()}
+        print(f"   (4) vs (1): TTFT p50 {r['ttft_p50_speedup_vs_nocache']}, throughput "
+              f"{r['throughput_vs_nocache']}; (4) vs (2) hit rate {r['hit_rate_vs_gpu_only']}")
+        path, record, metrics = save(results, models, env, args, t_start)
+    print(f"\nwrote {path} (+ .md, {len(results)} charts) in {metrics['total_s']:.1f} s")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Shared by ``bench_workload.py`` and ``bench_capacity.py``: named workloads, the four configurations
+and how one GPU byte budget is split among their tiers, and the Poisson request driver.
+
+The four configurations, at one GPU budget (bytes):
+
+    no_cache     (1) no prefix cache: every prompt is computed whole
+    gpu_only     (2) radix cache, cached states in their own dtype (T1 codec ``lossless``), no host
+                     tier: what SGLang's ``MambaRadixCache`` keeps
+    int8_t1      (3) as (2), T1 in int8 (a state costs ~1/3.6 of its fp32 bytes)
+    int8_t1_t2   (4) as (3), plus the T2 host mirror (host budget, pinned RAM)
+
+The split (``split_budget``), the same rule for every configuration::
+
+    gpu budget = running reservation                          + cache share
+               = max_running x (one T0 state slot, native dtype  |  kv_fraction     -> more T0 KV pages
+                                + KV pages of the longest request)|  1 - kv_fraction -> T1 state slots
+    host budget (config 4 only): kv_fraction -> T2 KV pages, the rest -> T2 state slots (int8 envelopes)
+
+T0 is sized for the running requests identically in (2)-(4); the cache's share is split the same way,
+so (2) and (3) hold the same KV and differ only in how many states the same T1 bytes hold. (1) needs
+no pools (its requests compute on the model's own cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import math
+import os
+import random
+from collections.abc import Callable
+from typing import Any, Optional
+
+WORKLOADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
+CONFIGS = ("no_cache", "gpu_only", "int8_t1", "int8_t1_t2")
+LABELS = {"no_cache": "(1) no cache", "gpu_only": "(2) GPU-only, lossless", "int8_t1": "(3) + int8 T1",
+          "int8_t1_t2": "(4) + T2 host"}
+MiB = 1 << 20
+
+
+def list_workloads() -> list[str]:
+    """Names of ``workloads/*.json``, multi_turn first (it carries the acceptance metrics)."""
+    names = sorted(f[:-5] for f in os.listdir(WORKLOADS_DIR) if f.endswith(".json"))
+    return sorted(names, key=lambda n: n != "multi_turn")
+
+
+def load_workload(name: str, scale: str, overrides: Optional[dict[str, Any]] = None) -> dict:
+    """The ``scale`` section (``small`` | ``full``) of ``workloads/<name>.json``, with ``overrides``
+    applied to its ``workload`` params. Keys: name, kind, workload, model, engine, gpu_budget_mib,
+    host_budget_mib."""
+    path = os.path.join(WORKLOADS_DIR, f"{name}.json")
+    with open(path) as f:
+        doc = json.load(f)
+    if scale not in doc:
+        have = sorted(k for k in doc if k in ("small", "full"))
+        raise ValueError(f"workload {name!r} has no {scale!r} section (has {have})")
+    sec = json.loads(json.dumps(doc[scale]))
+    sec["name"], sec["description"] = name, doc.get("description", "")
+    for k, v in (overrides or {}).items():
+        if k not in sec["workload"]:
+            raise ValueError(f"--set {k}: not a workload param of {name!r} ({sorted(sec['workload'])})")
+        sec["workload"][k] = type(sec["workload"][k])(v)
+    return sec
+
+
+# ------------------------------------------------------------------------------------------ budget
+@dataclasses.dataclass(frozen=True)
+class TierBytes:
+    """Bytes of one slot of each kind, from the model's specs."""
+
+    kv_page: int  # a T0 KV page (page_size tokens, every full layer); also a T2 KV slot
+    state_native: int  # a T0 state slot (recurrent state + conv window, native dtype)
+    t1_lossless: int  # a T1 slot, codec lossless
+    t1_int8: int  # a T1 slot, codec int8; also a T2 state slot (T1's bytes as they are)
+
+    @classmethod
+    def from_specs(cls, kv_spec, state_spec, page_size: int) -> TierBytes:
+        from tiered_cache.checkpoint_pool import envelope_layout
+
+        return cls(kv_spec.bytes_per_slot(page_size), state_spec.bytes_per_slot(),
+                   envelope_layout(state_spec, "lossless")[1], envelope_layout(state_spec, "int8")[1])
+
+
+def split_budget(b: TierBytes, gpu_bytes: int, host_bytes: int, max_running: int, request_pages: int,
+                 kv_fraction: float) -> dict[str, dict[str, Any]]:
+    """Tier sizes (``EngineConfig`` fields) of the four configurations at one budget (module docstring).
+
+    ``request_pages``: KV pages the longest request needs (prompt + answer). Slot 0 of every pool is a
+    reserved sink, so each count is one less than its bytes would hold.
+    """
+    if not 0.0 < kv_fraction < 1.0:
+        raise ValueError(f"kv_fraction: expected a fraction in (0, 1), got {kv_fraction}")
+    running = max_running * (b.state_native + request_pages * b.kv_page)
+    cache = gpu_bytes - running
+    if cache <= 0:
+        raise ValueError(f"gpu budget {gpu_bytes / MiB:.1f} MiB is below the running reservation "
+                         f"{running / MiB:.1f} MiB ({max_running} requests): raise the budget or lower max_running")
+    extra_pages = int(kv_fraction * cache) // b.kv_page
+    t1_bytes = cache - extra_pages * b.kv_page
+    kv_pages = max_running * request_pages + extra_pages - 1
+    base = dict(kv_pages=kv_pages, t0_states=max_running)
+    out = {"no_cache": dict(use_cache=False),
+           "gpu_only": dict(base, t1_states=max(1, t1_bytes // b.t1_lossless - 1), codec="lossless"),
+           "int8_t1": dict(base, t1_states=max(1, t1_bytes // b.t1_int8 - 1), codec="int8")}
+    host_kv = int(kv_fraction * host_bytes) // b.kv_page
+    host_states = (host_bytes - host_kv * b.kv_page) // b.t1_int8
+    out["int8_t1_t2"] = dict(out["int8_t1"], host_kv_pages=max(1, host_kv), host_states=max(1, host_states))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ requests
+@dataclasses.dataclass
+class ClientPlan:
+    """One client: a base prefix, then one question per round. ``chain``: each round's prompt is the
+    previous prompt + its answer + the new question (a conversation); else base + question (QA)."""
+
+    cid: int
+    base: list[int]
+    questions: list[list[int]]
+    answers: list[list[int]]
+    chain: bool
+
+    def prompt(self, rnd: int, prev_prompt: Optional[list[int]]) -> list[int]:
+        if rnd == 0 or not self.chain:
+            return self.base + self.questions[rnd]
+        return prev_prompt + self.answers[rnd - 1] + self.questions[rnd]
+
+
+def make_clients(w: dict, vocab: int) -> list[ClientPlan]:
+    """Seeded clients of a workload (``w``: its ``workload`` params). Answers are fixed too (the
+    engine is teacher-forced with them), so every configuration sees the same tokens.
+
+    prefix_len / prefix_groups: client ``c`` starts with prefix ``c % prefix_groups`` (0: its own).
+    """
+    rng = random.Random(w.get("seed", 0))
+    lo = 3
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(lo, vocab) for _ in range(n)]
+
+    groups = int(w.get("prefix_groups", 0))
+    shared = [draw(w["prefix_len"]) for _ in range(groups)]
+    out = []
+    for c in range(w["clients"]):
+        base = shared[c % groups] if groups else draw(w["prefix_len"])
+        qs = [draw(w["question_len"]) for _ in range(w["rounds"])]
+        ans = [draw(w["max_new_tokens"]) for _ in range(w["rounds"])]
+        out.append(ClientPlan(c, base, qs, ans, bool(w.get("chain", True))))
+    return out
+
+
+def longest_request(clients: list[ClientPlan], max_new: int) -> int:
+    """Tokens (prompt + answer) of the longest request in the plan."""
+    best = 0
+    for c in clients:
+        prev = None
+        for r in range(len(c.questions)):
+            prev = c.prompt(r, prev)
+            best = max(best, len(prev) + max_new)
+    return best
+
+
+@dataclasses.dataclass
+class Finished:
+    client: int
+    round: int
+    prompt_len: int
+    summary: dict
+    argmax: list[int]
+
+
+async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[Finished], None]) -> None:
+    """SGLang's ``bench_multiturn`` shape: a ready queue holds each client's next request; a sender
+    pops one at a time with exponential gaps (Poisson arrivals at ``request_rate`` per second, the
+    long-run rate held by an ``asyncio_throttle.Throttler``) while fewer than ``max_parallel`` are in
+    flight; a finished request puts its client's next round in the queue. ``request_rate`` 0: no
+    gaps (every ready request is sent at once, up to ``max_parallel``).
+
+    The engine steps in the same event loop: a step blocks it, so an arrival due during a step is sent
+    right after it (the engine stamps arrival at submission).
+    """
+    from asyncio_throttle import Throttler
+
+    from tiered_cache.engine.request import Request
+
+    rate, max_par, max_new = float(w.get("request_rate", 0)), int(w.get("max_parallel", 1 << 30)), w["max_new_tokens"]
+    rng = random.Random(w.get("seed", 0) + 1)
+    order = list(range(len(clients)))
+    rng.shuffle(order)  # interleave tasks / documents / system-prompt groups
+    ready = collections.deque((c, 0) for c in order)
+    prompts: dict[int, list[int]] = {}
+    live: dict[str, tuple[int, int]] = {}
+    total = sum(len(c.questions) for c in clients)
+    state = {"sent": 0, "done": 0}
+    window = 1.0
+    throttler = Throttler(rate_limit=max(1, math.ceil(rate * window)), period=window) if rate > 0 else None
+
+    def submit(cid: int, rnd: int) -> None:
+        plan = clients[cid]
+        prompt = plan.prompt(rnd, prompts.get(cid))
+        prompts[cid] = prompt
+        rid = f"c{cid}r{rnd}"
+        live[rid] = (cid, rnd)
+        engine.submit(Request(rid=rid, prompt=prompt, max_new_tokens=max_new, forced_output=plan.answers[rnd]))
+        state["sent"] += 1
+
+    async def sender() -> None:
+        while state["sent"] < total:
+            if not ready or len(live) >= max_par:
+                await asyncio.sleep(0.0002)
+                continue
+            cid, rnd = ready.popleft()
+            if throttler is not None:
+                async with throttler:
+                    submit(cid, rnd)
+                await asyncio.sleep(rng.expovariate(rate))
+            else:
+                submit(cid, rnd)
+
+    async def stepper() -> None:
+        while state["done"] < total:
+            if not engine.has_work():
+                await asyncio.sleep(0.0002)
+                continue
+            for req in engine.step():
+                cid, rnd = live.pop(req.rid)
+                state["done"] += 1
+                on_done(Finished(cid, rnd, len(req.prompt), req.summary(), list(req.argmax)))
+                if rnd + 1 < len(clients[cid].questions):
+                    ready.append((cid, rnd + 1))
+            await asyncio.sleep(0)
+
+    await asyncio.gather(sender(), stepper())
+
+
+def drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[Finished], None]) -> None:
+    asyncio.run(_drive(engine, clients, w, on_done))

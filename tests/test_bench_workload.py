@@ -1,0 +1,76 @@
+"""Smoke runs of benchmarks/bench_workload.py and bench_capacity.py at tiny scale, in-process, into tmp
+dirs: the files and metric names exist and the cached configurations reuse tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytest.importorskip("transformers")
+pytest.importorskip("asyncio_throttle")
+
+
+@pytest.fixture
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_split_budget_same_bytes_more_int8_states():
+    from benchmarks.workload_common import TierBytes, split_budget
+
+    b = TierBytes(kv_page=1000, state_native=40_000, t1_lossless=40_000, t1_int8=11_000)
+    t = split_budget(b, gpu_bytes=2_000_000, host_bytes=10_000_000, max_running=2, request_pages=100,
+                     kv_fraction=0.5)
+    assert t["no_cache"] == {"use_cache": False}
+    go, i8, t2 = t["gpu_only"], t["int8_t1"], t["int8_t1_t2"]
+    assert go["kv_pages"] == i8["kv_pages"] == t2["kv_pages"] and go["t0_states"] == i8["t0_states"] == 2
+    # cache share 2e6 - 2 * (40e3 + 100e3) = 1.72e6: 860 KV pages; T1 gets 860e3 bytes
+    assert go["kv_pages"] == 2 * 100 + 860 - 1
+    assert (go["t1_states"], i8["t1_states"]) == (860_000 // 40_000 - 1, 860_000 // 11_000 - 1)
+    assert t2["host_kv_pages"] == 5000 and t2["host_states"] == 5_000_000 // 11_000
+    with pytest.raises(ValueError, match="running reservation"):
+        split_budget(b, 100_000, 0, 2, 100, 0.5)
+
+
+def test_bench_workload_tiny(tmp_path, keep_threads):
+    from benchmarks.bench_workload import main
+
+    rec = main(["--scale", "small", "--workloads", "multi_turn", "long_context_qa", "--set", "clients=3", "rounds=2",
+                "--out", str(tmp_path), "--no-progress"])
+    m = rec["metrics"]
+    for k in ("ttft_p50_speedup_vs_nocache", "throughput_vs_nocache", "hit_rate_vs_gpu_only", "ttft_p50_s_no_cache",
+              "ttft_p50_s_int8_t1_t2", "requests_per_s_no_cache", "requests_per_s_int8_t1_t2", "hit_rate_gpu_only",
+              "hit_rate_int8_t1_t2", "long_context_qa_hit_rate_vs_gpu_only", "fla_used"):
+        assert k in m, k
+    for wl in ("multi_turn", "long_context_qa"):
+        assert m[f"{wl}_no_cache_prefill_tokens_saved"] == 0
+        for cfg in ("gpu_only", "int8_t1", "int8_t1_t2"):
+            assert m[f"{wl}_{cfg}_prefill_tokens_saved"] > 0, (wl, cfg)
+            assert m[f"{wl}_{cfg}_hit_rate"] > 0
+        assert os.path.exists(tmp_path / f"workload-{wl}-cpu.png")
+    assert m["multi_turn_int8_t1_t2_pcie_bytes"] > 0 and m["multi_turn_gpu_only_pcie_bytes"] == 0
+    assert os.path.exists(tmp_path / "workload-cpu.md")
+    assert json.load(open(tmp_path / "workload-cpu.json"))["info"]["gated_delta"]
+
+
+def test_bench_capacity_tiny(tmp_path):
+    from benchmarks.bench_capacity import main
+
+    path = main(["--requests", "150", "--warm", "100", "--active", "32", "--gpu-gib", "4", "--ratio-at", "4", "8",
+                 "--host-gib", "64", "16", "--host-sweep-gpu", "4", "--out", str(tmp_path), "--no-progress"])
+    rec = json.load(open(path))
+    m = rec["metrics"]
+    for g in ("4", "8"):
+        assert m[f"hit_rate_vs_gpu_only_{g}GiB"] >= 1.0
+        assert m[f"hit_rate_gpu_only_gpu{g}"] > 0
+    assert m["hit_rate_int8_t1_t2_gpu4_host16"] > 0
+    assert {r["sweep"] for r in rec["rows"]} == {"gpu", "host"}
+    assert os.path.exists(path[:-5] + ".md") and os.path.exists(tmp_path / "capacity-cpu.png")

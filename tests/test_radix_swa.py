@@ -1,0 +1,158 @@
+"""HiSWARadixCache on real pools (CPU): windows, SWA tombstones, swa_evicted_seqlen, offload and load back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from radix_util import check_kv, check_swa, insert_swa, make_swa_cache
+
+from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams, RadixKey
+
+
+def match(cache, toks, salt=None):
+    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks), salt)))
+
+
+def node_at(cache, toks):
+    x, i, ps = cache.root, 0, cache.page_size
+    while i < len(toks):
+        x = x.children[toks[i] if ps == 1 else tuple(toks[i:i + ps])]
+        i += len(x.key)
+    return x
+
+
+def three(host=True, **kw):
+    """A = [1..4], B = [5..8], C = [9, 10]; page_size 2, window 4."""
+    cache = make_swa_cache(page_size=2, window=4, host=host, **kw)
+    insert_swa(cache, [1, 2, 3, 4])
+    insert_swa(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    insert_swa(cache, list(range(1, 11)))
+    return cache
+
+
+def test_a_match_whose_window_was_tombstoned_hits_shorter():
+    cache = three(host=False)
+    m = match(cache, range(1, 11))
+    assert len(m.device_indices) == 10 and m.host_hit_length == 0
+    check_kv(cache, m.device_indices, list(range(1, 11)))
+    check_swa(cache, m.swa_device_indices, list(range(1, 11)))
+    match(cache, [1, 2, 3, 4])  # A most recent: B is the LRU SWA candidate now
+    match(cache, range(1, 11))
+    r = cache.evict(EvictParams(swa_num_tokens=1))
+    b = node_at(cache, range(1, 9))
+    # LRU first: A, B and C were touched by the last match in path order, so A goes first
+    a = node_at(cache, [1, 2, 3, 4])
+    assert a.swa_tomb and not b.swa_tomb and r.swa_num_tokens_evicted == 4 and r.num_tokens_evicted == 0
+    assert len(match(cache, [1, 2, 3, 4]).device_indices) == 0  # its own window is gone
+    m = match(cache, range(1, 11))  # the window before 8 and 10 lies in B and C: still whole
+    assert len(m.device_indices) == 10
+    check_swa(cache, m.swa_device_indices, list(range(1, 11)), start=4)
+    cache.evict(EvictParams(swa_num_tokens=1))  # B (C is newer)
+    assert b.swa_tomb
+    m = match(cache, range(1, 11))  # window before 10 = [6, 10): B's part is gone -> no hit at all
+    assert len(m.device_indices) == 0 and m.kv_hit_length == 10
+    r = cache.evict(EvictParams(swa_num_tokens=1))  # C is a leaf: removed whole, then B and A (tombstones)
+    assert r.swa_num_tokens_evicted == 2 and r.num_tokens_evicted == 10 and not cache.root.children
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+
+
+def test_window_tombstone_in_the_middle_hits_the_node_before():
+    cache = three(host=False)
+    a, b = node_at(cache, [1, 2, 3, 4]), node_at(cache, range(1, 9))
+    cache.inc_lock_ref(a)  # a locked path keeps its SWA KV: B (older than C) is the victim
+    assert cache.evict(EvictParams(swa_num_tokens=1)).swa_num_tokens_evicted == 4
+    cache.dec_lock_ref(a)
+    assert b.swa_tomb and not a.swa_tomb
+    m = match(cache, range(1, 11))  # the window before 10 reaches into B: cut back to A
+    assert len(m.device_indices) == 4 and m.last_device_node is a and m.kv_hit_length == 10
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+
+
+def test_swa_evicted_seqlen_caches_the_slid_out_span_as_tombstones():
+    cache = make_swa_cache(page_size=2, window=4, host=False)
+    res = insert_swa(cache, list(range(1, 11)), evicted=5)  # SWA of [0, 5) gone: page [4, 6) with it
+    assert res.cached_len == 10
+    top = cache.root.children[(1, 2)]
+    assert top.key == [1, 2, 3, 4, 5, 6] and top.swa_tomb and top.swa_value is None
+    leaf = node_at(cache, range(1, 11))
+    assert leaf.key == [7, 8, 9, 10] and not leaf.swa_tomb
+    assert len(match(cache, range(1, 11)).device_indices) == 10
+    assert len(match(cache, range(1, 7)).device_indices) == 0
+    assert cache.swa.allocator.num_live == 2  # the tree took 2 SWA pages, the caller freed the rest
+    # the same tokens again with their full window: the tombstone takes the caller's SWA ids
+    res = insert_swa(cache, list(range(1, 7)))
+    assert res.prefix_len == 6 and not top.swa_tomb
+    m = match(cache, range(1, 7))
+    assert len(m.device_indices) == 6
+    check_swa(cache, m.swa_device_indices, list(range(1, 7)))
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_an_offloaded_window_loads_back_byte_equal(policy):
+    cache = three(write_policy=policy)
+    cache.check_hicache_events()
+    b, c = node_at(cache, range(1, 9)), node_at(cache, range(1, 11))
+    ps = 2
+    saved_full = cache.kv.rows_bytes()[cache.kv.translate(torch.cat([b.value, c.value])[::ps]) // ps].clone()
+    saved_swa = cache.swa.rows_bytes()[cache.swa.translate(torch.cat([b.swa_value, c.swa_value])[::ps]) // ps].clone()
+    match(cache, [1, 2, 3, 4])
+    assert cache.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6  # C, then B: demoted with their SWA KV
+    assert b.value is None and b.swa_host is not None and not b.swa_tomb and c.swa_host is not None
+    m = match(cache, range(1, 11))
+    assert (len(m.device_indices), m.host_hit_length, m.swa_host_hit_length) == (4, 6, 6)
+    assert m.best_match_node is c
+    req = CacheReq(token_ids=list(range(1, 11)), kv_indices=torch.empty(0, dtype=torch.int64))
+    ids, node = cache.init_load_back(InitLoadBackParams(c, 6, req=req))
+    assert node is c and len(ids) == 6 and len(req.load_back.swa_indices) == 6
+    cache.check_hicache_events()
+    assert req.load_back.ok
+    assert torch.equal(cache.kv.rows_bytes()[cache.kv.translate(ids[::ps]) // ps], saved_full)
+    assert torch.equal(cache.swa.rows_bytes()[cache.swa.translate(req.load_back.swa_indices[::ps]) // ps], saved_swa)
+    m = match(cache, range(1, 11))
+    assert len(m.device_indices) == 10 and m.host_hit_length == 0
+    check_swa(cache, m.swa_device_indices, list(range(1, 11)))
+    assert b.host_kv is not None and b.swa_host is not None  # host copies stay
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+
+
+def test_corrupt_swa_host_page_is_a_miss():
+    cache = three()
+    cache.check_hicache_events()
+    match(cache, [1, 2, 3, 4])
+    cache.evict(EvictParams(num_tokens=6))
+    c = node_at(cache, range(1, 11))
+    cache.swa_region.flip_bit(c.swa_host[0], 1, 2)
+    m = match(cache, range(1, 11))
+    req = CacheReq(token_ids=list(range(1, 11)), kv_indices=torch.empty(0, dtype=torch.int64))
+    cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+    cache.check_hicache_events()
+    assert not req.load_back.ok and not c.alive
+    m = match(cache, range(1, 11))
+    assert len(m.device_indices) + m.host_hit_length == 8  # B loaded fine: a shorter hit
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+
+
+def test_cache_finished_req_and_bad_inputs():
+    cache = make_swa_cache(page_size=2, window=4, host=False)
+    toks = [1, 2, 3, 4, 5, 6, 7]
+    req = CacheReq(token_ids=toks, kv_indices=cache.kv.alloc(8))
+    req.swa_kv_indices = cache.swa.alloc(8)
+    req.swa_evicted_seqlen = 2
+    cache.swa.free(req.swa_kv_indices[:2])
+    from radix_util import write_kv, write_swa
+
+    write_kv(cache, req.kv_indices, toks)
+    write_swa(cache, req.swa_kv_indices, toks)
+    cache.cache_finished_req(req)
+    m = match(cache, toks)
+    assert len(m.device_indices) == 6
+    assert cache.kv.allocator.num_live == 3 and cache.swa.allocator.num_live == 2
+    with pytest.raises(InvalidArgumentError):
+        cache.insert(InsertParams(key=[1, 2], value=cache.kv.alloc(2)))  # no swa_value
+    with pytest.raises(InvalidArgumentError):
+        cache.insert(InsertParams(key=[1, 2], value=torch.tensor([0, 1]), swa_value=torch.tensor([0, 1]),
+                                  swa_evicted_seqlen=-1))
+    cache.evict(EvictParams(num_tokens=100))
+    assert cache.kv.allocator.num_live == 1 and cache.swa.allocator.num_live == 0

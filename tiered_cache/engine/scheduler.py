@@ -1,0 +1,528 @@
+"""The reference engine: a small serving loop that drives the tiered prefix cache as an engine does.
+
+Each ``step`` (SGLang's scheduler order)::
+
+    check_hicache_events                    apply finished host transfers (T2) to the tree; requests
+                                            whose load back landed start prefill (a corrupt one is
+                                            released and matches again: it recomputes that part)
+    admit waiting requests                  match_prefix(cow_mamba) -> [init_load_back] -> inc_lock_ref
+                                            -> a T0 state slot + KV for prompt and answer, reserved;
+                                            with a host load in flight the request waits (LOADING)
+                                            while the step's other work overlaps the copy
+    one prefill chunk per prefilling req    forward [start, end) on the request's model cache, with
+                                            explicit positions; KV exported to T0 after every forward;
+                                            a state exported and inserted (cache_unfinished_req) at
+                                            the branch point, at a page-aligned chunk end, and at
+                                            cache.checkpoint_positions() of an unaligned last chunk
+    one decode token per decoding req       greedy; the state is exported to the request's T0 slot
+                                            at every checkpoint unit, so the turn's end is cacheable
+    finished requests                       cache_finished_req (state at the last aligned position)
+
+Batching: the requests of a step run one after another (batch 1 per forward call), on the CPU and
+the GPU alike. The model's ``DynamicCache`` cannot hold requests of different lengths in one batch;
+correctness of the cache traffic comes first, and each request's numbers are those of a batch of 1.
+
+A running request computes on its own ``transformers`` cache (the "kernel workspace"); the pools are
+the source of truth for everything cached: a hit rebuilds the model cache from T0 KV pages and the
+state the tree copied into the request's T0 slot (from T1, or T2 through ``init_load_back``). The
+engine reserves a request's whole KV (prompt + max_new_tokens) at admission, so there is no
+preemption; a request that does not fit waits, after the tree evicted what it could.
+
+``use_cache=False`` is the no-cache baseline: the same chunked prefill and decode, no pools at all.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from tiered_cache.checkpoint_pool import CODECS
+from tiered_cache.engine.adapters import HybridCacheAdapter, forward_chunk
+from tiered_cache.engine.models import spec_for
+from tiered_cache.engine.request import Request, Status
+from tiered_cache.engine.stats import CountingCheckpointPool, EngineStats
+from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError
+from tiered_cache.radix import (
+    CacheReq,
+    EvictParams,
+    HiMambaRadixCache,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    RadixKey,
+)
+
+# The host tier (T2) of the radix cache comes with the hierarchy issue; until the tree takes a
+# ``host`` the engine runs on T0 + T1 and refuses host budgets (EngineConfig checks this).
+HOST_TIER_AVAILABLE = "host" in inspect.signature(HiMambaRadixCache.__init__).parameters
+
+
+def _pos_int(name: str, v: Any, lo: int = 1) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise InvalidArgumentError(name, f"an int >= {lo}", v)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs and how big its tiers are.
+
+    use_cache: drive the tiered prefix cache (False: the no-cache baseline, no pools).
+    page_size: tokens per KV page. chunk_size: prefill tokens per request per step (a multiple of
+    page_size). prefill_budget: prefill tokens per step over all requests. max_running: requests
+    admitted at once (each holds one T0 state slot).
+    kv_pages / t0_states: T0 is sized for this many KV pages and state slots at once (one buffer:
+    either side may take the other's free bytes). t1_states: T1 checkpoint slots. codec: T1's
+    ``int8`` | ``lossless``. host_kv_pages / host_states: T2 host slots (both 0: no host tier);
+    write_policy: when KV is copied to T2 (``HostTierConfig``). checkpoint_unit: tokens between
+    cached states (default page_size).
+    """
+
+    use_cache: bool = True
+    page_size: int = 16
+    chunk_size: int = 64
+    prefill_budget: int = 256
+    max_running: int = 4
+    kv_pages: int = 256
+    t0_states: int = 8
+    t1_states: int = 32
+    codec: str = "int8"
+    host_kv_pages: int = 0
+    host_states: int = 0
+    write_policy: str = "write_through"
+    checkpoint_unit: Optional[int] = None
+    backend: str = "auto"
+    check_memory: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "chunk_size", "prefill_budget", "max_running", "kv_pages", "t0_states",
+                     "t1_states"):
+            _pos_int(name, getattr(self, name))
+        if self.chunk_size % self.page_size:
+            raise InvalidArgumentError("chunk_size", f"a multiple of page_size={self.page_size}", self.chunk_size)
+        if self.prefill_budget < self.chunk_size:
+            raise InvalidArgumentError("prefill_budget", f">= chunk_size ({self.chunk_size})", self.prefill_budget)
+        if self.use_cache and self.max_running > self.t0_states:
+            raise InvalidArgumentError("max_running", f"<= t0_states ({self.t0_states}): one state slot each",
+                                       self.max_running)
+        if self.codec not in CODECS:
+            raise InvalidArgumentError("codec", f"one of {CODECS}", self.codec)
+        for name in ("host_kv_pages", "host_states"):
+            _pos_int(name, getattr(self, name), 0)
+        if (self.host_kv_pages == 0) != (self.host_states == 0):
+            raise InvalidArgumentError("host_kv_pages, host_states", "both 0 (no T2) or both >= 1",
+                                       (self.host_kv_pages, self.host_states))
+        if self.host_kv_pages and not HOST_TIER_AVAILABLE:
+            raise InvalidArgumentError("host_kv_pages", "0: this radix cache has no host tier yet", self.host_kv_pages)
+
+    @property
+    def host_tier(self) -> bool:
+        return self.use_cache and self.host_kv_pages > 0
+
+
+def _ceil(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class Engine:
+    """Serves ``Request``s on ``model`` (a tiny hybrid from ``engine.models``) through the tiered cache.
+
+    ``submit`` queues a request; ``step`` runs one scheduling step and returns the requests that
+    finished in it; ``abort`` ends a request wherever it is (its locks, slots and pages released);
+    ``run`` steps until nothing is left. ``stats_dict`` reports hits, tokens, bytes and TTFT.
+    """
+
+    def __init__(self, model, config: Optional[EngineConfig] = None) -> None:
+        self.model = model
+        self.cfg = cfg = config or EngineConfig()
+        self.device = model.device
+        self.specs = spec_for(model, cfg.page_size)
+        self.adapter = HybridCacheAdapter(model, self.specs)
+        self.stats = EngineStats()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.cache: Optional[HiMambaRadixCache] = None
+        self.pool = self.kv = self.states = self.ckpt = self.host = self.transfer = None
+        if cfg.use_cache:
+            self._build_tiers()
+
+    # ------------------------------------------------------------------------------- tiers
+    def _build_tiers(self) -> None:
+        cfg, specs = self.cfg, self.specs
+        if specs.state is None:
+            # SWA hybrids need the SWA mode of the radix cache (the hierarchy issue); until it lands,
+            # they run through the no-cache path only.
+            raise InvalidArgumentError("config.use_cache", "False for a model without linear layers "
+                                       "(the SWA radix cache is not available yet)", True)
+        self.pool = specs.make_pool(full_slots=cfg.kv_pages, high_slots=cfg.t0_states, device=self.device,
+                                    backend=cfg.backend, check_memory=cfg.check_memory)
+        self.kv, self.states = self.pool.side("full"), self.pool.side("mamba")
+        self.ckpt = CountingCheckpointPool(specs.state, cfg.t1_states, device=self.device, codec=cfg.codec,
+                                           check_memory=cfg.check_memory, backend=cfg.backend)
+        host = {}
+        if cfg.host_tier:
+            from tiered_cache.host_mirror import HostMirror, RegionSpec
+            from tiered_cache.radix.params import HostTierConfig
+            from tiered_cache.transfer import TransferEngine
+
+            hc = HostTierConfig(write_policy=cfg.write_policy)
+            self.host = HostMirror([RegionSpec(hc.kv_region, self.kv.entry_bytes, cfg.host_kv_pages),
+                                    RegionSpec(hc.state_region, self.ckpt.slot_bytes, cfg.host_states)],
+                                   check_memory=cfg.check_memory)
+            self.transfer = TransferEngine(self.device, backend=cfg.backend)
+            host = dict(host=self.host, transfer=self.transfer, host_config=hc)
+        self.cache = HiMambaRadixCache(self.pool, self.ckpt, checkpoint_unit=cfg.checkpoint_unit, **host)
+        self.unit = self.cache.checkpoint_unit
+        self.kv_token_bytes = self.kv.entry_bytes // cfg.page_size
+        self.initial_free = self.free_sizes()
+
+    def free_sizes(self) -> dict[str, int]:
+        """Free room per pool (T0 KV tokens, T0 state slots, T1 slots): the run must end where it began."""
+        out = {"t0_kv": self.kv.available_size(), "t0_states": self.states.available_size(),
+               "t1": self.ckpt.available_size()}
+        if self.host is not None:
+            out.update({f"t2_{name}": r.available_size() for name, r in self.host.regions.items()})
+        return out
+
+    # ----------------------------------------------------------------------------- requests
+    def submit(self, req: Request) -> None:
+        if req.status is not Status.WAITING or req.output:
+            raise InvalidArgumentError("req", "a new request", req.status)
+        req.t_arrival = time.perf_counter()
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, rid: Any) -> bool:
+        """End request ``rid`` now, wherever it is; its locks, T0 slot and own KV pages are released,
+        nothing of it is cached. Returns whether it was found."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.status = Status.ABORTED
+                self.stats.add("aborted")
+                return True
+        for req in self.running:
+            if req.rid == rid:
+                if self.cache is not None:
+                    self._release(req)
+                self._drop(req, Status.ABORTED)
+                self.stats.add("aborted")
+                self.stats.add("aborted_computed_tokens", req.computed_tokens)
+                return True
+        return False
+
+    def run(self, max_steps: Optional[int] = None) -> list[Request]:
+        done: list[Request] = []
+        steps = 0
+        while self.has_work() and (max_steps is None or steps < max_steps):
+            done.extend(self.step())
+            steps += 1
+        return done
+
+    # --------------------------------------------------------------------------------- step
+    def step(self) -> list[Request]:
+        """One scheduling step; returns the requests that finished in it."""
+        if self.cache is not None:
+            self.cache.check_hicache_events()
+            self._poll_loads()
+        self._admit_waiting()
+        finished: list[Request] = []
+        budget = self.cfg.prefill_budget
+        for req in list(self.running):
+            if req.status is Status.PREFILL:
+                if budget < self.cfg.page_size:
+                    continue
+                budget -= self._prefill_chunk(req, budget)
+            elif req.status is Status.DECODE:
+                self._decode(req)
+            if req.status is Status.FINISHED:
+                finished.append(req)
+        return finished
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_running:
+            req = self.waiting[0]
+            if not self._admit(req):
+                self.stats.add("admission_retries")
+                if not self.running:
+                    need = _ceil(len(req.tokens) + req.max_new_tokens, self.cfg.page_size)
+                    raise MemoryBudgetError(f"request {req.rid!r} ({need} KV tokens + one state) in T0",
+                                            need * self.kv_token_bytes, self.kv.available_size() * self.kv_token_bytes,
+                                            "the prompt and max_new_tokens (or raise kv_pages)")
+                return  # first come, first served: wait until running requests give room back
+            self.waiting.popleft()
+            self.running.append(req)
+            req.t_admitted = time.perf_counter()
+            self.stats.add("admitted")
+            self.stats.add("prompt_tokens", len(req.prompt))
+
+    # ------------------------------------------------------------------------------- admit
+    def _admit(self, req: Request) -> bool:
+        """Match, load back, lock, reserve. False: no room now, and nothing is held."""
+        if self.cache is None:
+            req.model_cache = self.adapter.new_cache()
+            req.filled = 0
+            req.status = Status.PREFILL
+            self.stats.add("misses")
+            return True
+        cache, ps = self.cache, self.cfg.page_size
+        n = len(req.tokens)
+        # Leave one prompt token to compute: the first output token needs its logits.
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(req.tokens[:n - 1], req.extra_key),
+                                                 cow_mamba=True, req=req))
+        prefix, node = m.device_indices, m.last_device_node
+        host_hit, state_from_host = 0, False
+        if m.host_hit_length > 0:
+            # T2: the tree starts copying the host part of the match into fresh T0 pages, and the state
+            # at its end into the request's T0 slot; ``req.load_back`` tracks the transfer.
+            ids, node = cache.init_load_back(InitLoadBackParams(
+                best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req))
+            if len(ids):
+                prefix = torch.cat([prefix, ids])
+                # ``ids`` also covers path KV still on the device; what came from T2 is what moved.
+                tickets = getattr(req.load_back, "tickets", None) or {}
+                kv_t = tickets.get("kv")
+                host_hit = 0 if kv_t is None else kv_t.nbytes // self.kv_token_bytes
+                state_from_host = "state" in tickets
+        cache.inc_lock_ref(node)
+        p = len(prefix)
+        req.last_node, req.cache_protected_len, req.prefix_indices = node, p, prefix
+        req.kv_indices = prefix
+        if req.mamba_pool_idx is None:
+            req.mamba_pool_idx = self._alloc_state()
+        new = None if req.mamba_pool_idx is None else self._alloc_kv(_ceil(n + req.max_new_tokens, ps) - p)
+        if new is None:
+            self._release(req)
+            return False
+        req.kv_indices = torch.cat([prefix, new])
+        req.filled = req.slot_pos = p
+        b = m.mamba_branching_seqlen
+        req.branching = b if b is not None and b > p else None
+        req.reused_tokens, req.reused_host_tokens = p, host_hit
+        req.state_tier = ("T2" if state_from_host else "T1") if p else "miss"
+        if req.load_back is not None and not req.load_back.done:
+            req.status = Status.LOADING  # the step's other work overlaps the copy; it resumes when it lands
+        else:
+            self._start_prefill(req)
+        return True
+
+    def _start_prefill(self, req: Request) -> bool:
+        """The request's prefix is on the device: build its model cache from the pools. False when the
+        load back arrived corrupt (the tree dropped that host copy): the request is released."""
+        handle, req.load_back = req.load_back, None
+        if handle is not None and not handle.ok:
+            self.stats.add("load_back_failures")
+            self._release(req)
+            return False
+        st, p = self.stats, req.cache_protected_len
+        if p:
+            req.model_cache = self.adapter.build_cache(self.kv, req.kv_indices, self.states, req.mamba_pool_idx,
+                                                       n_tokens=p)
+            st.add("t0_kv_read_bytes", p * self.kv_token_bytes)
+            st.add("t0_state_read_bytes", self.states.entry_bytes)
+        else:
+            req.model_cache = self.adapter.new_cache()
+        st.add({"T1": "hit_t1_states", "T2": "hit_t2_states"}.get(req.state_tier, "misses"))
+        st.add("hit_t0_kv_tokens", p - req.reused_host_tokens)
+        st.add("hit_t2_kv_tokens", req.reused_host_tokens)
+        st.add("reused_tokens", p)
+        st.add("reused_host_tokens", req.reused_host_tokens)
+        req.status = Status.PREFILL
+        return True
+
+    def _poll_loads(self) -> None:
+        """Requests whose load back has landed start their prefill; a corrupt one goes back to the
+        front of the queue and matches again (the bad host copy is gone: it recomputes that part)."""
+        for req in [r for r in self.running if r.status is Status.LOADING]:
+            if not req.load_back.done:
+                continue
+            if not self._start_prefill(req):
+                self.running.remove(req)
+                self.stats.add("admitted", -1)
+                self.stats.add("prompt_tokens", -len(req.prompt))
+                req.status, req.state_tier = Status.WAITING, "miss"
+                req.reused_tokens = req.reused_host_tokens = 0
+                self.waiting.appendleft(req)
+
+    def _wait_load_back(self, req: Request) -> None:
+        """Block until the request's host load (if any) has landed and been applied to the tree:
+        nothing may be freed while a transfer still writes it."""
+        handle, req.load_back = req.load_back, None
+        while handle is not None and not handle.done:
+            self.cache.check_hicache_events()
+
+    def _alloc_kv(self, n: int) -> Optional[torch.Tensor]:
+        """``n`` T0 KV token ids (whole pages), evicting cached KV (LRU) for room; None if there is none."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.kv.device)
+        ids = self.kv.alloc(n)
+        while ids is None:
+            short = max(self.cfg.page_size, n - self.kv.available_size())
+            if self.cache.evict(EvictParams(num_tokens=short)).num_tokens_evicted == 0:
+                return None
+            ids = self.kv.alloc(n)
+        return ids
+
+    def _alloc_state(self) -> Optional[torch.Tensor]:
+        """A T0 state slot; cached KV pages are evicted for the bytes (the two sides share one buffer)."""
+        slot = self.states.alloc(1)
+        pages = max(1, -(-self.states.entry_bytes // self.kv.entry_bytes))
+        while slot is None:
+            if self.cache.evict(EvictParams(num_tokens=pages * self.cfg.page_size)).num_tokens_evicted == 0:
+                return None
+            slot = self.states.alloc(1)
+        return slot
+
+    # ----------------------------------------------------------------------------- prefill
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        """Run one prefill chunk of ``req``; returns the tokens it computed."""
+        ps, n_prompt = self.cfg.page_size, len(req.prompt)
+        start = req.filled
+        end = min(n_prompt, start + min(self.cfg.chunk_size, budget // ps * ps))
+        # Where a state is exported and cached during this chunk: (position, kind). The cache's rule
+        # says where a chunk may export one mid-way; an aligned chunk end is itself cacheable, so the
+        # mid-chunk position is used only for the unaligned last chunk (where it matters: the next
+        # turn of a conversation resumes there).
+        cuts: dict[int, str] = {}
+        if self.cache is not None:
+            b = req.branching
+            if b is not None and start < b <= end:
+                cuts[b] = "branch"
+            if end % ps:
+                for p in self.cache.checkpoint_positions(start, end):
+                    cuts.setdefault(p, "mid")
+            else:
+                cuts.setdefault(end, "end")
+        pos, logits = start, None
+        for c in sorted(set(cuts) | {end}):
+            logits = self._forward(req, pos, c)
+            pos = c
+            if c in cuts:
+                self._checkpoint(req, c, cuts[c])
+        req.computed_tokens += end - start
+        self.stats.add("computed_tokens", end - start)
+        if end == n_prompt:
+            req.status = Status.DECODE
+            self._emit(req, logits[-1])
+        return end - start
+
+    def _forward(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """Run positions ``[start, end)`` on the request's model cache and write their KV to T0."""
+        ids = torch.tensor(req.tokens[start:end], dtype=torch.long, device=self.device)
+        logits, _ = forward_chunk(self.model, req.model_cache, ids, start)
+        if self.cache is not None:
+            self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, start, end)
+            self.stats.add("t0_kv_write_bytes", (end - start) * self.kv_token_bytes)
+        req.filled = end
+        return logits
+
+    def _checkpoint(self, req: Request, pos: int, kind: str) -> None:
+        """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there."""
+        self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
+        self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
+        req.slot_pos = pos
+        before = req.cache_protected_len
+        view = self._view(req, pos)
+        self.cache.cache_unfinished_req(view, chunked=True)
+        req.kv_indices, req.last_node = view.kv_indices, view.last_node
+        req.cache_protected_len, req.prefix_indices = view.cache_protected_len, view.prefix_indices
+        if req.cache_protected_len > before:
+            self.stats.add("checkpoints")
+            self.stats.add(f"{kind}_checkpoints")
+
+    def _view(self, req: Request, n: int) -> CacheReq:
+        """The request as the cache's ``cache_*_req`` see it, with its first ``n`` tokens written."""
+        return CacheReq(token_ids=req.tokens[:n], kv_indices=req.kv_indices,
+                        mamba_pool_idx=req.mamba_pool_idx, last_node=req.last_node,
+                        cache_protected_len=req.cache_protected_len, prefix_indices=req.prefix_indices,
+                        extra_key=req.extra_key)
+
+    # ------------------------------------------------------------------------------ decode
+    def _decode(self, req: Request) -> None:
+        pos = req.filled
+        logits = self._forward(req, pos, pos + 1)
+        self.stats.add("decode_tokens")
+        if self.cache is not None and req.filled % self.unit == 0:
+            # Keep the state at the last aligned position: the turn is cached up to there at finish
+            # (a state is valid at one position only, and only page-aligned prefixes are cached).
+            self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
+            self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
+            self.stats.add("decode_checkpoints")
+            req.slot_pos = req.filled
+        self._emit(req, logits[-1])
+
+    def _emit(self, req: Request, row: torch.Tensor) -> None:
+        """The model's next-token distribution ``row``: pick (greedy, or the forced token) and record."""
+        am = int(row.argmax())
+        i = len(req.output)
+        tok = am if req.forced_output is None else int(req.forced_output[i])
+        req.output.append(tok)
+        req.argmax.append(am)
+        req.tokens.append(tok)
+        if req.record_logits:
+            req.logits.append(row.detach().float().cpu().clone())
+        if i == 0:
+            req.t_first_token = time.perf_counter()
+            self.stats.ttft.append(req.ttft)
+            self.stats.ttft_admitted.append(req.ttft_admitted)
+        if len(req.output) >= req.max_new_tokens:
+            self._finish(req)
+
+    # ------------------------------------------------------------------------------ finish
+    def _finish(self, req: Request) -> None:
+        if self.cache is not None:
+            # Cache the turn up to the state the slot holds (the last aligned position written);
+            # cache_finished_req frees the rest of the request's pages, its slot and its lock.
+            assert req.slot_pos >= req.cache_protected_len
+            self.cache.cache_finished_req(self._view(req, req.slot_pos))
+            req.mamba_pool_idx, req.last_node, req.cache_protected_len = None, None, 0
+        self._drop(req, Status.FINISHED)
+        self.stats.add("finished")
+
+    def _release(self, req: Request) -> None:
+        """Give back everything a running request holds (abort, failed admission): its own pages, its
+        T0 slot, its lock; nothing of it is cached."""
+        self._wait_load_back(req)
+        self.cache.cache_finished_req(self._view(req, req.cache_protected_len), is_insert=False)
+        req.mamba_pool_idx, req.last_node, req.cache_protected_len = None, None, 0
+        req.kv_indices = req.prefix_indices = None
+
+    def _drop(self, req: Request, status: Status) -> None:
+        req.status = status
+        req.t_finish = time.perf_counter()
+        req.model_cache = None
+        req.kv_indices = req.prefix_indices = None
+        self.running.remove(req)
+
+    # ------------------------------------------------------------------------------ checks
+    def request_owned(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KV ids, T0 state slots) the running requests own (not the tree's)."""
+        kv = [r.kv_indices[r.cache_protected_len:] for r in self.running if r.kv_indices is not None]
+        st = [r.mamba_pool_idx.reshape(-1) for r in self.running if r.mamba_pool_idx is not None]
+        dev = self.kv.device
+        cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=dev)
+        return cat(kv), cat(st)
+
+    def check_invariants(self) -> None:
+        """Every slot of every pool is free, cached by the tree or owned by a running request."""
+        if self.cache is None:
+            return
+        kv, st = self.request_owned()
+        self.cache.check_invariants(request_kv=kv, request_states=st)
+
+    def reset_cache(self) -> dict[str, int]:
+        """Drop the whole tree (the engine must be idle); returns the pools' free sizes after it."""
+        if self.running:
+            raise InvalidArgumentError("engine", "no running requests", len(self.running))
+        if self.cache is None:
+            return {}
+        self.cache.reset()
+        return self.free_sizes()
+
+    def stats_dict(self) -> dict:
+        return self.stats.as_dict(self.ckpt, self.transfer)
