@@ -60,6 +60,26 @@ def test_checksum_detects_every_single_bit_flip_in_a_row():
             assert row_checksums_reference(flipped, torch.tensor([0])) != base
 
 
+def test_checksum_detects_two_bit_flips_in_a_row():
+    """Pairs of flips, sign bits included (two flips of bit 31 cancel in a mod-2**32 sum)."""
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randint(0, 256, (1, 256), dtype=torch.uint8, generator=g)
+    base = row_checksums_reference(rows, torch.tensor([0]))
+    sign_bytes = list(range(3, 256, 4))  # little-endian: the top byte of each 32-bit word
+    pairs = [(a, 7, b, 7) for a in sign_bytes for b in sign_bytes if a < b]
+    rng = random.Random(1)
+    pairs += [(rng.randrange(256), rng.randrange(8), rng.randrange(256), rng.randrange(8)) for _ in range(3000)]
+    batch = rows.repeat(len(pairs), 1)
+    for k, (b1, x1, b2, x2) in enumerate(pairs):
+        if (b1, x1) == (b2, x2):
+            x2 = (x2 + 1) % 8
+        batch[k, b1] ^= 1 << x1
+        batch[k, b2] ^= 1 << x2
+    sums = row_checksums_reference(batch, torch.arange(len(pairs)))
+    assert not (sums == base).any()
+    assert torch.equal(row_checksums(batch[:40], torch.arange(40), backend="triton"), sums[:40])
+
+
 def test_state_round_trip_t1_t2_t1_is_byte_exact_scattered_and_repeated():
     pool, t1, mirror, eng = setup()
     region = mirror.region("state")

@@ -1,12 +1,13 @@
 """Per-row checksums of slot envelopes, computed on the device where the bytes are.
 
-Twin: ``reference.row_checksums_reference``. A row of ``E`` bytes is read as ``E/4`` 32-bit words
-``w_i`` and reduced to two 32-bit lanes, packed into one int64: ``hi = sum_i w_i * (2i + 1)`` and
-``lo = sum_i w_i``, both mod 2**32. Every weight is odd, so flipping any single bit of any word
-changes ``hi`` by ``+-2**b * (2i + 1)``, never 0 mod 2**32: a one-bit flip is always detected; the
-position weight also catches swapped words and most multi-bit damage. 32-bit lanes keep the kernel
-on the integer ALUs' fast path (64-bit multiplies are emulated) so it runs at memory speed. Addition
-mod 2**32 is associative, so block-wise partial sums equal the reference's whole-row sums exactly.
+Twin: ``reference.row_checksums_reference``. A row of ``E`` bytes is read as ``E/4`` unsigned 32-bit
+words ``w_i`` and reduced to ``sum_i w_i * (2i + 1) mod 2**64``. Flipping bit ``b`` of word ``i``
+changes the sum by ``+-2**b * (2i + 1)``; two flips cancel only if ``2**a (2i + 1) = 2**b (2j + 1)``,
+that is the same bit of the same word. So every one- and two-bit flip is detected (an earlier form
+with two 32-bit lanes missed two flips of bit 31, which cancel mod 2**32). The position weight also
+catches swapped words. Addition mod 2**64 is associative, so block-wise partial sums equal the
+reference's whole-row sum exactly. The 32 x 32 -> 64-bit products keep it near memory speed, and the
+transfer engine runs it beside the copy on its own stream.
 
 Bytes moved: each row read once (``len(rows) * E``), 8 bytes written per (row, block).
 """
@@ -29,16 +30,13 @@ def _checksum_kernel(words_ptr, rows_ptr, out_ptr, row_stride_words, row_words, 
     part = tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64)
     base = words_ptr + row * row_stride_words
-    acc_hi = tl.zeros([BLOCK], dtype=tl.int32)
-    acc_lo = tl.zeros([BLOCK], dtype=tl.int32)
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
     for it in range(ITERS):
         offs = (part * ITERS + it) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_words
-        w = tl.load(base + offs, mask=mask, other=0)
-        acc_hi += w * (2 * offs + 1)  # int32 arithmetic wraps mod 2**32
-        acc_lo += w
-    tl.store(out_ptr + (i * n_blocks + part) * 2, tl.sum(acc_hi, axis=0))
-    tl.store(out_ptr + (i * n_blocks + part) * 2 + 1, tl.sum(acc_lo, axis=0))
+        w = tl.load(base + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+        acc += w * (2 * offs.to(tl.int64) + 1)  # int64 arithmetic wraps mod 2**64
+    tl.store(out_ptr + i * n_blocks + part, tl.sum(acc, axis=0))
 
 
 def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -68,10 +66,9 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     # chip; in the interpreter, one program per row.
     iters = max(1, min(8, triton.cdiv(row_words, block))) if rows_view.is_cuda else triton.cdiv(row_words, block)
     n_blocks = triton.cdiv(row_words, block * iters)
-    out = torch.empty(rows.numel(), n_blocks, 2, dtype=torch.int32, device=rows_view.device)
+    out = torch.empty(rows.numel(), n_blocks, dtype=torch.int64, device=rows_view.device)
     # A plain dtype view (no set_ on the storage: the CUDA sanitizer counts that as a write).
     words = rows_view.view(torch.int32)
     _checksum_kernel[(rows.numel(), n_blocks)](words, rows, out, words.stride(0), row_words, n_blocks,
                                                 BLOCK=block, ITERS=iters)
-    lanes = out.to(torch.int64).sum(dim=1) & 0xFFFFFFFF  # [rows, 2]: (hi, lo) mod 2**32
-    return (lanes[:, 0] << 32) | lanes[:, 1]
+    return out.sum(dim=1)

@@ -20,13 +20,11 @@ def move_rows_reference(buf: torch.Tensor, base: int, entry_bytes: int, num_rows
 
 
 def row_checksums_reference(rows_view: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Twin of ``kernels.checksum.row_checksums``: ``(hi << 32) | lo`` with ``hi = sum_i w_i * (2i + 1)``
-    and ``lo = sum_i w_i`` mod 2**32, ``w_i`` the row's bytes read as 32-bit words."""
-    data = rows_view[rows].contiguous().view(torch.int32).to(torch.int64)
+    """Twin of ``kernels.checksum.row_checksums``: ``sum_i w_i * (2i + 1) mod 2**64``, ``w_i`` the row's
+    bytes read as unsigned 32-bit words."""
+    data = rows_view[rows].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     weights = torch.arange(data.shape[1], dtype=torch.int64, device=data.device) * 2 + 1
-    hi = (data * weights).sum(dim=1) & 0xFFFFFFFF
-    lo = data.sum(dim=1) & 0xFFFFFFFF
-    return (hi << 32) | lo
+    return (data * weights).sum(dim=1)
 
 
 def copy_items_reference(src_words: torch.Tensor, src_offsets: torch.Tensor, dst_words: torch.Tensor,
