@@ -282,8 +282,7 @@ def test_abort_mid_prefill_and_while_waiting(qwen_long):
 # ------------------------------------------------------------------------------------ SWA model
 def test_swa_model_runs_through_the_no_cache_path():
     """Gemma3-style sliding-window model: the engine's no-cache path equals greedy decoding by full
-    recomputation. (The SWA radix cache, with which the same equality would run through the tiers,
-    is not available yet: the engine refuses use_cache for a model without linear layers.)"""
+    recomputation (through the tiers: test_swa_model_through_the_cache_equals_no_cache)."""
     model = tiny_swa_model(seed=0, device="cpu")
     prompt = make_conversations(WorkloadConfig(clients=1, rounds=1, question_len=21, system_len=0))[0].questions[0]
     e = Engine(model, EngineConfig(use_cache=False, **COMMON))
@@ -293,8 +292,39 @@ def test_swa_model_runs_through_the_no_cache_path():
         logits, _ = forward_chunk(model, new_cache(model), torch.tensor(toks), 0)
         toks.append(int(logits[-1].argmax()))
     assert req.output == toks[len(prompt):]
-    with pytest.raises(InvalidArgumentError, match="use_cache"):
-        Engine(model, EngineConfig(**COMMON))
+
+
+@pytest.mark.parametrize("host", [False, T2], ids=["T0", "T0-T2"])
+def test_swa_model_through_the_cache_equals_no_cache(host):
+    """The sliding-window model through HiSWARadixCache, T0 small enough that SWA KV is tombstoned and
+    whole leaves evicted (and, with T2, demoted and loaded back): every generated token equals the
+    no-cache run, logits differ by < 1e-4, every pool ends where it began."""
+    model = tiny_swa_model(seed=0, device="cpu")
+    base = run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
+    cfg = EngineConfig(codec="lossless", kv_pages=48, **COMMON, **(HOST if host else {}))
+    e = Engine(model, cfg)
+    assert type(e.cache).__name__ == "HiSWARadixCache"
+    evicted = {"swa": 0, "kv": 0}
+    evict = e.cache.evict
+
+    def counting(params):
+        r = evict(params)
+        evicted["swa"] += r.swa_num_tokens_evicted
+        evicted["kv"] += r.num_tokens_evicted
+        return r
+
+    e.cache.evict = counting
+    got = run_workload(e, WL, record_logits=True, on_step=e.check_invariants)
+    assert_released(e)
+    for a, b in zip(base, got, strict=True):
+        assert b.output == a.output, f"client {a.client} round {a.round}"
+    n, top1, drift, _ = compare(base, got)
+    assert n >= 200 and top1 == 1.0 and drift < LOGIT_ATOL, drift
+    st = e.final_stats
+    assert st["tokens"]["reused"] > 0 and evicted["swa"] > 0 and evicted["kv"] > 0
+    if host:  # full and SWA KV went to the host and came back
+        assert st["hits"]["T2_kv_tokens"] > 0 and e.cache.stats["load_backs"] > 0
+        assert st["bytes"]["T2_d2h"] > 0 and st["bytes"]["T2_h2d"] > 0
 
 
 # ------------------------------------------------------------------------------- config misuse

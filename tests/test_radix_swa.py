@@ -156,3 +156,105 @@ def test_cache_finished_req_and_bad_inputs():
                                   swa_evicted_seqlen=-1))
     cache.evict(EvictParams(num_tokens=100))
     assert cache.kv.allocator.num_live == 1 and cache.swa.allocator.num_live == 0
+
+
+# ------------------------------------------------------------------------ chunked prefill
+def _chunk_req(cache, toks):
+    from radix_util import write_kv, write_swa
+
+    n = -(-len(toks) // cache.page_size) * cache.page_size
+    req = CacheReq(token_ids=[], kv_indices=cache.kv.alloc(n))
+    req.swa_kv_indices = cache.swa.alloc(n)
+    req.swa_evicted_seqlen = 0
+    write_kv(cache, req.kv_indices, toks)
+    write_swa(cache, req.swa_kv_indices, toks)
+    return req
+
+
+def _owned(req):
+    p = req.cache_protected_len
+    return req.kv_indices[p:], req.swa_kv_indices[max(p, -(-req.swa_evicted_seqlen // 2) * 2):]
+
+
+def test_cache_unfinished_req_chunked_prefill_locks_and_repoints():
+    cache = make_swa_cache(page_size=2, window=4, host=False)
+    free0 = (cache.kv.available_size(), cache.swa.available_size())
+    toks = list(range(1, 15))  # 14 tokens, chunks of 4, 6 (with SWA slid out), 3 (unaligned), finish
+    req = _chunk_req(cache, toks)
+    req.token_ids = toks[:4]
+    cache.cache_unfinished_req(req, chunked=True)
+    assert req.cache_protected_len == 4 and req.last_node is node_at(cache, toks[:4]) and req.last_node.full_lock_ref
+    assert torch.equal(req.prefix_indices, req.kv_indices[:4])
+    cache.check_invariants(request_kv=_owned(req)[0], request_states=_owned(req)[1])
+    # a locked path keeps its SWA KV
+    assert cache.evict(EvictParams(swa_num_tokens=100, num_tokens=100)).swa_num_tokens_evicted == 0
+    # chunk 2: [4, 10); the caller let the SWA KV of [4, 6) slide out of the window (its own ids)
+    cache.swa.free(req.swa_kv_indices[4:6])
+    req.swa_evicted_seqlen = 6
+    req.token_ids = toks[:10]
+    first = req.last_node
+    cache.cache_unfinished_req(req, chunked=True)
+    assert req.cache_protected_len == 10 and first.full_lock_ref == 1 and req.last_node.full_lock_ref == 1
+    assert node_at(cache, toks[:6]).swa_tomb and not node_at(cache, toks[:10]).swa_tomb
+    cache.check_invariants(request_kv=_owned(req)[0], request_states=_owned(req)[1])
+    m = match(cache, toks[:10])
+    assert len(m.device_indices) == 10 and torch.equal(m.device_indices, req.kv_indices[:10])
+    check_swa(cache, m.swa_device_indices, toks[:10], start=6)
+    assert torch.equal(m.swa_device_indices[6:], req.swa_kv_indices[6:10])
+    assert len(match(cache, toks[:6]).device_indices) == 4  # the window before 6 was tombstoned
+    # chunk 3: unaligned end 13 -> cached up to 12
+    req.token_ids = toks[:13]
+    cache.cache_unfinished_req(req, chunked=True)
+    assert req.cache_protected_len == 12 and len(req.prefix_indices) == 13
+    cache.check_invariants(request_kv=_owned(req)[0], request_states=_owned(req)[1])
+    # a chunk that adds nothing cacheable changes nothing
+    last = req.last_node
+    cache.cache_unfinished_req(req, chunked=True)
+    assert req.last_node is last and req.cache_protected_len == 12
+    req.token_ids = toks
+    cache.cache_finished_req(req)
+    assert req.last_node is None and last.full_lock_ref == 0 and first.full_lock_ref == 0
+    m = match(cache, toks)
+    assert len(m.device_indices) == 14
+    check_kv(cache, m.device_indices, toks)
+    check_swa(cache, m.swa_device_indices, toks, start=6)
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+    cache.evict(EvictParams(num_tokens=100))
+    assert (cache.kv.available_size(), cache.swa.available_size()) == free0
+
+
+def test_cache_unfinished_req_duplicates_go_to_the_tree_ids():
+    """Two requests prefill the same prompt in chunks: the second one's ids for what the first cached
+    are freed and it points at the tree's; nothing leaks, the pools drain to their initial sizes."""
+    cache = make_swa_cache(page_size=2, window=4, host=False)
+    free0 = (cache.kv.available_size(), cache.swa.available_size())
+    toks = list(range(1, 11))
+    a, b = _chunk_req(cache, toks), _chunk_req(cache, toks)
+    a.token_ids = toks[:6]
+    cache.cache_unfinished_req(a)
+    b.token_ids = toks[:8]
+    b_kv, b_swa = b.kv_indices.clone(), b.swa_kv_indices.clone()
+    cache.cache_unfinished_req(b)
+    assert b.cache_protected_len == 8
+    assert torch.equal(b.kv_indices[:6], a.kv_indices[:6]) and torch.equal(b.swa_kv_indices[:6], a.swa_kv_indices[:6])
+    assert torch.equal(b.kv_indices[6:], b_kv[6:]) and torch.equal(b.swa_kv_indices[6:], b_swa[6:])
+    kv_a, swa_a = _owned(a)
+    kv_b, swa_b = _owned(b)
+    cache.check_invariants(request_kv=torch.cat([kv_a, kv_b]), request_states=torch.cat([swa_a, swa_b]))
+    a.token_ids = b.token_ids = toks
+    cache.cache_finished_req(a)
+    cache.cache_finished_req(b)
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+    assert len(match(cache, toks).device_indices) == 10
+    cache.evict(EvictParams(num_tokens=100))
+    assert (cache.kv.available_size(), cache.swa.available_size()) == free0
+
+
+def test_cache_unfinished_req_bad_swa_ids():
+    cache = make_swa_cache(page_size=2, window=4, host=False)
+    req = CacheReq(token_ids=[1, 2, 3, 4], kv_indices=cache.kv.alloc(4))
+    with pytest.raises(InvalidArgumentError, match="swa_kv_indices"):
+        cache.cache_unfinished_req(req)
+    req.swa_kv_indices = cache.swa.alloc(2)  # too short
+    with pytest.raises(InvalidArgumentError, match="swa_kv_indices"):
+        cache.cache_unfinished_req(req)

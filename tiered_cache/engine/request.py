@@ -57,6 +57,7 @@ class Request:
     # --- what the prefix cache reads and writes (CacheReq's fields)
     kv_indices: Optional[torch.Tensor] = None
     mamba_pool_idx: Optional[torch.Tensor] = None
+    swa_kv_indices: Optional[torch.Tensor] = None  # SWA models: T0 SWA KV ids beside kv_indices
     last_node: Any = None
     cache_protected_len: int = 0
     prefix_indices: Optional[torch.Tensor] = None

@@ -51,6 +51,7 @@ from tiered_cache.radix import (
     CacheReq,
     EvictParams,
     HiMambaRadixCache,
+    HiSWARadixCache,
     InitLoadBackParams,
     MatchPrefixParams,
     RadixKey,
@@ -79,6 +80,10 @@ class EngineConfig:
     ``int8`` | ``lossless``. host_kv_pages / host_states: T2 host slots (both 0: no host tier);
     write_policy: when KV is copied to T2 (``HostTierConfig``). checkpoint_unit: tokens between
     cached states (default page_size).
+    storage_url: T3 below T2 (``storage.open_backend``: ``file:///dir``, ``redis://host:port``, ...;
+    None: no T3; needs T2). prefetch_policy / storage_write_through: ``HostTierConfig``'s.
+    storage_model_id: the model part of the storage fingerprint (default: the model class and a
+    SHA-256 of its weights, so another model's entries are never served).
     """
 
     use_cache: bool = True
@@ -96,6 +101,10 @@ class EngineConfig:
     checkpoint_unit: Optional[int] = None
     backend: str = "auto"
     check_memory: bool = True
+    storage_url: Optional[str] = None
+    prefetch_policy: str = "best_effort"
+    storage_write_through: bool = True
+    storage_model_id: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "chunk_size", "prefill_budget", "max_running", "kv_pages", "t0_states",
@@ -115,6 +124,9 @@ class EngineConfig:
         if (self.host_kv_pages == 0) != (self.host_states == 0):
             raise InvalidArgumentError("host_kv_pages, host_states", "both 0 (no T2) or both >= 1",
                                        (self.host_kv_pages, self.host_states))
+        if self.storage_url is not None and self.use_cache and not self.host_kv_pages:
+            raise InvalidArgumentError("storage_url", "None without a host tier (T3 prefetches into T2)",
+                                       self.storage_url)
         if self.host_kv_pages and not HOST_TIER_AVAILABLE:
             raise InvalidArgumentError("host_kv_pages", "0: this radix cache has no host tier yet", self.host_kv_pages)
 
@@ -146,6 +158,8 @@ class Engine:
         self.running: list[Request] = []
         self.cache: Optional[HiMambaRadixCache] = None
         self.pool = self.kv = self.states = self.ckpt = self.host = self.transfer = None
+        self.swa = None  # SWA models: the T0 SWA KV side
+        self.storage = None
         if cfg.use_cache:
             self._build_tiers()
 
@@ -153,10 +167,7 @@ class Engine:
     def _build_tiers(self) -> None:
         cfg, specs = self.cfg, self.specs
         if specs.state is None:
-            # SWA hybrids need the SWA mode of the radix cache (the hierarchy issue); until it lands,
-            # they run through the no-cache path only.
-            raise InvalidArgumentError("config.use_cache", "False for a model without linear layers "
-                                       "(the SWA radix cache is not available yet)", True)
+            return self._build_swa_tiers()
         self.pool = specs.make_pool(full_slots=cfg.kv_pages, high_slots=cfg.t0_states, device=self.device,
                                     backend=cfg.backend, check_memory=cfg.check_memory)
         self.kv, self.states = self.pool.side("full"), self.pool.side("mamba")
@@ -168,21 +179,78 @@ class Engine:
             from tiered_cache.radix.params import HostTierConfig
             from tiered_cache.transfer import TransferEngine
 
-            hc = HostTierConfig(write_policy=cfg.write_policy)
+            hc = HostTierConfig(write_policy=cfg.write_policy, prefetch_policy=cfg.prefetch_policy,
+                                storage_write_through=cfg.storage_write_through)
             self.host = HostMirror([RegionSpec(hc.kv_region, self.kv.entry_bytes, cfg.host_kv_pages),
                                     RegionSpec(hc.state_region, self.ckpt.slot_bytes, cfg.host_states)],
                                    check_memory=cfg.check_memory)
             self.transfer = TransferEngine(self.device, backend=cfg.backend)
             host = dict(host=self.host, transfer=self.transfer, host_config=hc)
+            if cfg.storage_url is not None:
+                host["storage"] = self.storage = self._open_storage()
         self.cache = HiMambaRadixCache(self.pool, self.ckpt, checkpoint_unit=cfg.checkpoint_unit, **host)
         self.unit = self.cache.checkpoint_unit
         self.kv_token_bytes = self.kv.entry_bytes // cfg.page_size
         self.initial_free = self.free_sizes()
 
+    def _open_storage(self):
+        import hashlib
+
+        from tiered_cache.storage import StorageFingerprint, StorageTier, open_backend
+
+        cfg = self.cfg
+        model_id = cfg.storage_model_id
+        if model_id is None:
+            h = hashlib.sha256()
+            for name, t in sorted(self.model.state_dict().items()):
+                h.update(name.encode())
+                h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+            model_id = f"{type(self.model).__name__}/weights-sha256:{h.hexdigest()[:32]}"
+        fp = StorageFingerprint.from_specs(model_id, kv_spec=self.specs.full, state_spec=self.specs.state,
+                                           codec=cfg.codec, page_size=cfg.page_size)
+        return StorageTier(open_backend(cfg.storage_url), fp)
+
+    def close(self) -> None:
+        """Stop T3's workers and close its backend (nothing else holds outside resources)."""
+        if self.storage is not None:
+            if self.cache is not None and self.cache.t3 is not None:
+                self.cache.t3.drain()  # prefetches in flight stop; their T2 slots go back
+            self.storage.close()
+            self.storage = None
+
+    def _build_swa_tiers(self) -> None:
+        """SWA hybrids: T0 = full KV + SWA KV (``kv_pages`` pages each, one buffer), no states, no T1;
+        T2 (if any) holds ``host_kv_pages`` full and as many SWA page envelopes."""
+        cfg = self.cfg
+        if cfg.storage_url is not None:
+            raise InvalidArgumentError("storage_url", "None for a model without linear layers", cfg.storage_url)
+        self.pool = self.specs.make_pool(full_slots=cfg.kv_pages, high_slots=cfg.kv_pages, device=self.device,
+                                         backend=cfg.backend, check_memory=cfg.check_memory)
+        self.kv, self.swa = self.pool.side("full"), self.pool.side("swa")
+        host = {}
+        if cfg.host_tier:
+            from tiered_cache.host_mirror import HostMirror, RegionSpec
+            from tiered_cache.radix.params import HostTierConfig
+            from tiered_cache.transfer import TransferEngine
+
+            hc = HostTierConfig(write_policy=cfg.write_policy)
+            self.host = HostMirror([RegionSpec(hc.kv_region, self.kv.entry_bytes, cfg.host_kv_pages),
+                                    RegionSpec(hc.swa_region, self.swa.entry_bytes, cfg.host_kv_pages)],
+                                   check_memory=cfg.check_memory)
+            self.transfer = TransferEngine(self.device, backend=cfg.backend)
+            host = dict(host=self.host, transfer=self.transfer, host_config=hc)
+        self.cache = HiSWARadixCache(self.pool, **host)
+        self.unit = cfg.page_size
+        self.kv_token_bytes = self.kv.entry_bytes // cfg.page_size
+        self.initial_free = self.free_sizes()
+
     def free_sizes(self) -> dict[str, int]:
         """Free room per pool (T0 KV tokens, T0 state slots, T1 slots): the run must end where it began."""
-        out = {"t0_kv": self.kv.available_size(), "t0_states": self.states.available_size(),
-               "t1": self.ckpt.available_size()}
+        if self.swa is not None:
+            out = {"t0_kv": self.kv.available_size(), "t0_swa": self.swa.available_size()}
+        else:
+            out = {"t0_kv": self.kv.available_size(), "t0_states": self.states.available_size(),
+                   "t1": self.ckpt.available_size()}
         if self.host is not None:
             out.update({f"t2_{name}": r.available_size() for name, r in self.host.regions.items()})
         return out
@@ -209,6 +277,7 @@ class Engine:
         for req in self.running:
             if req.rid == rid:
                 if self.cache is not None:
+                    self.cache.cancel_prefetch(req)
                     self._release(req)
                 self._drop(req, Status.ABORTED)
                 self.stats.add("aborted")
@@ -276,6 +345,7 @@ class Engine:
         m = cache.match_prefix(MatchPrefixParams(key=RadixKey(req.tokens[:n - 1], req.extra_key),
                                                  cow_mamba=True, req=req))
         prefix, node = m.device_indices, m.last_device_node
+        swa_prefix = m.swa_device_indices
         host_hit, state_from_host = 0, False
         if m.host_hit_length > 0:
             # T2: the tree starts copying the host part of the match into fresh T0 pages, and the state
@@ -284,6 +354,8 @@ class Engine:
                 best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req))
             if len(ids):
                 prefix = torch.cat([prefix, ids])
+                if self.swa is not None:
+                    swa_prefix = torch.cat([swa_prefix, req.load_back.swa_indices])
                 # ``ids`` also covers path KV still on the device; what came from T2 is what moved.
                 tickets = getattr(req.load_back, "tickets", None) or {}
                 kv_t = tickets.get("kv")
@@ -293,12 +365,23 @@ class Engine:
         p = len(prefix)
         req.last_node, req.cache_protected_len, req.prefix_indices = node, p, prefix
         req.kv_indices = prefix
-        if req.mamba_pool_idx is None:
-            req.mamba_pool_idx = self._alloc_state()
-        new = None if req.mamba_pool_idx is None else self._alloc_kv(_ceil(n + req.max_new_tokens, ps) - p)
-        if new is None:
-            self._release(req)
-            return False
+        if self.swa is not None:  # SWA models: SWA KV ids beside the KV ids, no state slot
+            req.swa_kv_indices = swa_prefix
+            new_swa = self._alloc_kv(_ceil(n + req.max_new_tokens, ps) - p, self.swa)
+            new = None if new_swa is None else self._alloc_kv(_ceil(n + req.max_new_tokens, ps) - p)
+            if new is None:
+                if new_swa is not None:
+                    self.swa.free(new_swa)
+                self._release(req)
+                return False
+            req.swa_kv_indices = torch.cat([swa_prefix, new_swa])
+        else:
+            if req.mamba_pool_idx is None:
+                req.mamba_pool_idx = self._alloc_state()
+            new = None if req.mamba_pool_idx is None else self._alloc_kv(_ceil(n + req.max_new_tokens, ps) - p)
+            if new is None:
+                self._release(req)
+                return False
         req.kv_indices = torch.cat([prefix, new])
         req.filled = req.slot_pos = p
         b = m.mamba_branching_seqlen
@@ -322,9 +405,10 @@ class Engine:
         st, p = self.stats, req.cache_protected_len
         if p:
             req.model_cache = self.adapter.build_cache(self.kv, req.kv_indices, self.states, req.mamba_pool_idx,
-                                                       n_tokens=p)
+                                                       n_tokens=p, swa_side=self.swa, swa_token_ids=req.swa_kv_indices)
             st.add("t0_kv_read_bytes", p * self.kv_token_bytes)
-            st.add("t0_state_read_bytes", self.states.entry_bytes)
+            if self.states is not None:
+                st.add("t0_state_read_bytes", self.states.entry_bytes)
         else:
             req.model_cache = self.adapter.new_cache()
         st.add({"T1": "hit_t1_states", "T2": "hit_t2_states"}.get(req.state_tier, "misses"))
@@ -356,16 +440,23 @@ class Engine:
         while handle is not None and not handle.done:
             self.cache.check_hicache_events()
 
-    def _alloc_kv(self, n: int) -> Optional[torch.Tensor]:
-        """``n`` T0 KV token ids (whole pages), evicting cached KV (LRU) for room; None if there is none."""
+    def _alloc_kv(self, n: int, side=None) -> Optional[torch.Tensor]:
+        """``n`` T0 KV token ids (whole pages) of ``side`` (default the full KV), evicting cached KV (LRU)
+        for room; None if there is none. The SWA side evicts SWA KV first, then whole leaves."""
+        side = self.kv if side is None else side
         if n == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.kv.device)
-        ids = self.kv.alloc(n)
+            return torch.empty(0, dtype=torch.int64, device=side.device)
+        ids = side.alloc(n)
         while ids is None:
-            short = max(self.cfg.page_size, n - self.kv.available_size())
-            if self.cache.evict(EvictParams(num_tokens=short)).num_tokens_evicted == 0:
+            short = max(self.cfg.page_size, n - side.available_size())
+            if side is self.swa:
+                r = self.cache.evict(EvictParams(swa_num_tokens=short))
+                if r.swa_num_tokens_evicted == 0 and r.num_tokens_evicted == 0 and \
+                        self.cache.evict(EvictParams(num_tokens=short)).num_tokens_evicted == 0:
+                    return None
+            elif self.cache.evict(EvictParams(num_tokens=short)).num_tokens_evicted == 0:
                 return None
-            ids = self.kv.alloc(n)
+            ids = side.alloc(n)
         return ids
 
     def _alloc_state(self) -> Optional[torch.Tensor]:
@@ -389,7 +480,9 @@ class Engine:
         # mid-chunk position is used only for the unaligned last chunk (where it matters: the next
         # turn of a conversation resumes there).
         cuts: dict[int, str] = {}
-        if self.cache is not None:
+        if self.cache is not None and self.swa is not None:
+            cuts[end] = "end"  # SWA: every written position's KV is in T0; the aligned part is cached
+        elif self.cache is not None:
             b = req.branching
             if b is not None and start < b <= end:
                 cuts[b] = "branch"
@@ -413,6 +506,20 @@ class Engine:
 
     def _forward(self, req: Request, start: int, end: int) -> torch.Tensor:
         """Run positions ``[start, end)`` on the request's model cache and write their KV to T0."""
+        if self.swa is not None:
+            # a sliding layer keeps only its last ``window`` tokens: run pieces no longer than that and
+            # export each one's SWA KV right after it
+            w = self.swa.spec.window
+            for s in range(start, end, w):
+                e = min(end, s + w)
+                ids = torch.tensor(req.tokens[s:e], dtype=torch.long, device=self.device)
+                logits, _ = forward_chunk(self.model, req.model_cache, ids, s)
+                self.adapter.export_kv(req.model_cache, self.swa, req.swa_kv_indices, s, e)
+                self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, s, e)
+            self.stats.add("t0_kv_write_bytes", (end - start) * (self.kv_token_bytes + self.swa.entry_bytes
+                                                                 // self.cfg.page_size))
+            req.filled = end
+            return logits
         ids = torch.tensor(req.tokens[start:end], dtype=torch.long, device=self.device)
         logits, _ = forward_chunk(self.model, req.model_cache, ids, start)
         if self.cache is not None:
@@ -423,12 +530,14 @@ class Engine:
 
     def _checkpoint(self, req: Request, pos: int, kind: str) -> None:
         """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there."""
-        self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
-        self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
+        if self.states is not None:
+            self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
+            self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
         req.slot_pos = pos
         before = req.cache_protected_len
         view = self._view(req, pos)
         self.cache.cache_unfinished_req(view, chunked=True)
+        req.swa_kv_indices = getattr(view, "swa_kv_indices", None)
         req.kv_indices, req.last_node = view.kv_indices, view.last_node
         req.cache_protected_len, req.prefix_indices = view.cache_protected_len, view.prefix_indices
         if req.cache_protected_len > before:
@@ -437,17 +546,20 @@ class Engine:
 
     def _view(self, req: Request, n: int) -> CacheReq:
         """The request as the cache's ``cache_*_req`` see it, with its first ``n`` tokens written."""
-        return CacheReq(token_ids=req.tokens[:n], kv_indices=req.kv_indices,
+        view = CacheReq(token_ids=req.tokens[:n], kv_indices=req.kv_indices,
                         mamba_pool_idx=req.mamba_pool_idx, last_node=req.last_node,
                         cache_protected_len=req.cache_protected_len, prefix_indices=req.prefix_indices,
                         extra_key=req.extra_key)
+        if self.swa is not None:  # HiSWARadixCache reads the SWA ids beside the KV ids (none slid out)
+            view.swa_kv_indices, view.swa_evicted_seqlen = req.swa_kv_indices, 0
+        return view
 
     # ------------------------------------------------------------------------------ decode
     def _decode(self, req: Request) -> None:
         pos = req.filled
         logits = self._forward(req, pos, pos + 1)
         self.stats.add("decode_tokens")
-        if self.cache is not None and req.filled % self.unit == 0:
+        if self.states is not None and req.filled % self.unit == 0:
             # Keep the state at the last aligned position: the turn is cached up to there at finish
             # (a state is valid at one position only, and only page-aligned prefixes are cached).
             self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
@@ -479,7 +591,9 @@ class Engine:
             # Cache the turn up to the state the slot holds (the last aligned position written);
             # cache_finished_req frees the rest of the request's pages, its slot and its lock.
             assert req.slot_pos >= req.cache_protected_len
-            self.cache.cache_finished_req(self._view(req, req.slot_pos))
+            # SWA: no state, every written position's KV is in T0
+            self.cache.cache_finished_req(self._view(req, req.filled if self.swa is not None else req.slot_pos))
+            req.swa_kv_indices = None
             req.mamba_pool_idx, req.last_node, req.cache_protected_len = None, None, 0
         self._drop(req, Status.FINISHED)
         self.stats.add("finished")
@@ -490,7 +604,7 @@ class Engine:
         self._wait_load_back(req)
         self.cache.cache_finished_req(self._view(req, req.cache_protected_len), is_insert=False)
         req.mamba_pool_idx, req.last_node, req.cache_protected_len = None, None, 0
-        req.kv_indices = req.prefix_indices = None
+        req.kv_indices = req.prefix_indices = req.swa_kv_indices = None
 
     def _drop(self, req: Request, status: Status) -> None:
         req.status = status
@@ -504,6 +618,8 @@ class Engine:
         """(KV ids, T0 state slots) the running requests own (not the tree's)."""
         kv = [r.kv_indices[r.cache_protected_len:] for r in self.running if r.kv_indices is not None]
         st = [r.mamba_pool_idx.reshape(-1) for r in self.running if r.mamba_pool_idx is not None]
+        if self.swa is not None:  # SWA mode: the requests' own SWA ids stand where the state slots do
+            st = [r.swa_kv_indices[r.cache_protected_len:] for r in self.running if r.swa_kv_indices is not None]
         dev = self.kv.device
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=dev)
         return cat(kv), cat(st)
@@ -525,4 +641,9 @@ class Engine:
         return self.free_sizes()
 
     def stats_dict(self) -> dict:
-        return self.stats.as_dict(self.ckpt, self.transfer)
+        out = self.stats.as_dict(self.ckpt, self.transfer)
+        if self.storage is not None:
+            t3 = {k[3:]: v for k, v in self.cache.stats.items() if k.startswith("t3_")}
+            t3["tier"] = dict(self.storage.stats)
+            out["T3"] = t3
+        return out

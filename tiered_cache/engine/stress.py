@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-states", type=int, default=64, help="T2: states")
     g.add_argument("--write-policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
+    g.add_argument("--storage", default=None, metavar="URL",
+                   help="T3 below T2: file:///dir, redis://host:port or redis-cluster://h:p,h:p (needs T2)")
+    g.add_argument("--prefetch-policy", default="best_effort", choices=["best_effort", "wait_complete", "timeout"],
+                   help="T3 -> T2 prefetch on a T2 miss")
     p.add_argument("--out", default="stress-out", help="folder for report.json and report.png")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-cache run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -99,6 +103,7 @@ def _run(model, cfg, wl, label: str, args: argparse.Namespace) -> dict:
         after = engine.reset_cache()
         if after != engine.initial_free:
             raise AssertionError(f"pools not back to their initial free sets: {after} != {engine.initial_free}")
+    engine.close()
     stats["wall_s"] = wall
     stats["ttft_by_round_s"] = [
         sum(t.summary["ttft_s"] for t in turns if t.round == r) / max(1, sum(1 for t in turns if t.round == r))
@@ -222,7 +227,8 @@ def stress(args: argparse.Namespace) -> int:
                   max_running=args.max_running)
     cached_cfg = EngineConfig(use_cache=True, kv_pages=args.kv_pages, t0_states=args.t0_states,
                               t1_states=args.t1_states, codec=args.codec, host_kv_pages=args.host_kv_pages,
-                              host_states=args.host_states, write_policy=args.write_policy, **common)
+                              host_states=args.host_states, write_policy=args.write_policy,
+                              storage_url=args.storage, prefetch_policy=args.prefetch_policy, **common)
     base_cfg = EngineConfig(use_cache=False, **common)
     t_start = time.perf_counter()
     from transformers.utils import logging as hf_logging
@@ -237,7 +243,7 @@ def stress(args: argparse.Namespace) -> int:
           f"T1 {args.t1_states} states ({args.codec}); T2 {args.host_kv_pages} KV pages + {args.host_states} "
           f"states ({args.write_policy})")
     # Warm up (first-call costs of the model and the kernels) so neither run pays them in its TTFT.
-    _run(model, dataclasses.replace(cached_cfg, max_running=1),
+    _run(model, dataclasses.replace(cached_cfg, max_running=1, storage_url=None),
          WorkloadConfig(clients=1, rounds=2, question_len=8, system_len=8, max_new_tokens=2),
          "warm-up", argparse.Namespace(**dict(vars(args), no_progress=True, abort_prob=0.0)))
     cached = _run(model, cached_cfg, wl, "cached", args)

@@ -86,7 +86,8 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         host: a ``HostMirror`` (T2) with a KV region of T0 page envelopes and a state region of T1
             envelopes (names in ``host_config``); ``None``: the GPU tiers alone.
         transfer: the ``TransferEngine`` moving bytes to and from ``host`` (default: a new one).
-        host_config: ``HostTierConfig`` (write policy, thresholds, region names).
+        host_config: ``HostTierConfig`` (write policy, thresholds, region names, T3 policies).
+        storage: a ``StorageTier`` (T3) below ``host``, or ``None`` (``storage_hook.py``).
     """
 
     mode = "mamba"
@@ -94,7 +95,8 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
     def __init__(self, pool: Any, ckpt_pool: Any, *, kv_side: str = "full", state_side: str = "mamba",
                  checkpoint_unit: Optional[int] = None, placement: Optional[CheckpointPlacement] = None,
                  policy: Optional[EvictionPolicy] = None, validate: bool = True, host: Any = None,
-                 transfer: Any = None, host_config: Optional[HostTierConfig] = None) -> None:
+                 transfer: Any = None, host_config: Optional[HostTierConfig] = None,
+                 storage: Any = None) -> None:
         self._setup(pool, kv_side, policy, validate)
         self.states = pool.side(state_side)
         self.ckpt = ckpt_pool
@@ -106,7 +108,7 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
             raise InvalidArgumentError("checkpoint_unit", f"a positive multiple of page_size={ps}", unit)
         self.checkpoint_unit = unit
         self.placement = placement or CheckpointPlacement(unit, ps, unit, unit)
-        self._init_host(host, transfer, host_config)
+        self._init_host(host, transfer, host_config, storage)
         self.reset()
 
     def _setup(self, pool: Any, kv_side: str, policy: Optional[EvictionPolicy], validate: bool) -> None:
@@ -136,6 +138,8 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         ``ok``; nodes held by requests become stale (a later call with one raises).
         """
         if self.root is not None:
+            if self.t3 is not None:
+                self.t3.drain()
             self._drain_ops()
             f = Frees()
             stack = list(self.root.children.values())
@@ -188,6 +192,8 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         """Longest cached prefix of ``params.key`` that ends at a state (see ``MatchResult``)."""
         toks, salt = parse_key(params.key)
         req = params.req
+        if self.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
+            self.t3.maybe_prefetch(toks, salt, req)
         if params.cow_mamba and (req is None or not hasattr(req, "mamba_pool_idx")):
             raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
         dst = None if req is None or not params.cow_mamba else req.mamba_pool_idx

@@ -79,8 +79,9 @@ class Op:
 
 
 class HostTierMixin:
-    def _init_host(self, host: Any, transfer: Any, config: Optional[HostTierConfig]) -> None:
+    def _init_host(self, host: Any, transfer: Any, config: Optional[HostTierConfig], storage: Any = None) -> None:
         self.host = host
+        self.t3 = None
         self.hconf = config or HostTierConfig()
         self._ops: list[Op] = []
         self.stats: collections.Counter = collections.Counter()
@@ -99,6 +100,12 @@ class HostTierMixin:
         self._streams.append(Stream("kv", "value", "value_pending", "host_kv", "host_pending", self.kv, self.kv_region))
         if self.mode == "mamba":
             self.state_region = self._region(self.hconf.state_region, self.ckpt.slot_bytes)
+        if storage is not None:
+            from tiered_cache.radix.storage_hook import StorageHook
+
+            self.t3 = StorageHook(self, storage, policy=self.hconf.prefetch_policy,
+                                  timeout_s=self.hconf.prefetch_timeout_s,
+                                  write_through=self.hconf.storage_write_through)
 
     def _region(self, name: str, slot_bytes: int) -> Any:
         r = self.host.region(name)
@@ -116,6 +123,13 @@ class HostTierMixin:
             return
         self.engine.poll()
         self._apply_ops(lambda op: all(t.done for t in op.tickets.values()))
+        if self.t3 is not None:
+            self.t3.poll()
+
+    def cancel_prefetch(self, req: Any) -> None:
+        """``req`` was aborted: stop its T3 prefetches (their T2 slots go back once their workers stop)."""
+        if self.t3 is not None:
+            self.t3.cancel(req)
 
     def _apply_ops(self, which) -> bool:
         ready = [op for op in self._ops if which(op)]
@@ -159,6 +173,8 @@ class HostTierMixin:
         if self.host is not None and self.hconf.write_policy == "write_through" and node is not None \
                 and node is not self.root and node.alive:
             self._backup_path(node)
+        if self.t3 is not None and res.mamba_stored and node is not None and node.alive:
+            self.t3.on_state(node, demoted=False)
 
     def _count_hits(self, path: list[TreeNode], best: TreeNode) -> None:
         """write_through_selective: a node matched ``write_through_threshold`` times is backed up."""
@@ -219,6 +235,7 @@ class HostTierMixin:
         for t in op.tickets.values():
             self.engine.wait(t)  # the victim's pages are freed right after: the copy must have read them
         self._ops.remove(op)
+        op.evicting = True  # T3 without write-through still gets what eviction pushes down
         self._apply_backup(op)
         return True
 
@@ -233,6 +250,8 @@ class HostTierMixin:
         for y in op.nodes:
             self._sync(y)
         self._sync(op.nodes[0].parent)
+        if self.t3 is not None:
+            self.t3.on_backup(op)
         for y in reversed(op.nodes):  # a tombstone that lost its children while it was being copied
             if y.alive:
                 self._prune_up(y)
@@ -298,6 +317,8 @@ class HostTierMixin:
         self.engine.wait(t)  # the caller frees the T1 slot next: the D2H copy must have read it
         x.state_host = h
         self.stats["state_demotes"] += 1
+        if self.t3 is not None:
+            self.t3.on_state(x, demoted=True)
         return True
 
     # ----------------------------------------------------------------------------- load back

@@ -167,6 +167,10 @@ class HostTierConfig:
     load_back_threshold: a host hit whose state is already on the device (T1) and whose host KV is
         shorter than this many tokens is not loaded (recomputing it is cheaper than the round trip).
     kv_region / state_region / swa_region: names of the ``HostMirror`` regions.
+    storage_write_through: with T3, KV copied to T2 and states cached go to T3 at once (False: only
+        what eviction demotes to T2). prefetch_policy: a match that misses T2 fetches from T3
+        ``best_effort`` (in the background; a later match hits), ``wait_complete`` (the match waits,
+        bounded) or ``timeout`` (waits up to ``prefetch_timeout_s``, then goes on in the background).
     """
 
     write_policy: str = "write_through"
@@ -175,6 +179,9 @@ class HostTierConfig:
     kv_region: str = "full"
     state_region: str = "state"
     swa_region: str = "swa"
+    storage_write_through: bool = True
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         from tiered_cache.errors import InvalidArgumentError
@@ -185,6 +192,10 @@ class HostTierConfig:
             v = getattr(self, arg)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidArgumentError(arg, "an int >= 0", v)
+        if self.prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
+            raise InvalidArgumentError("prefetch_policy", "best_effort | wait_complete | timeout", self.prefetch_policy)
+        if not isinstance(self.prefetch_timeout_s, (int, float)) or not self.prefetch_timeout_s > 0:
+            raise InvalidArgumentError("prefetch_timeout_s", "a number of seconds > 0", self.prefetch_timeout_s)
 
 
 @dataclasses.dataclass

@@ -307,5 +307,40 @@ class HiSWARadixCache(HiMambaRadixCache):
         req.cache_protected_len = 0
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
-        raise NotImplementedError("HiSWARadixCache.cache_unfinished_req: chunked prefill of SWA models "
-                                  "is not supported yet (cache_finished_req is)")
+        """A chunk of a prefill is done: cache what it wrote (full + SWA KV), point the request's prefix
+        at the tree's ids, move its lock to the new end (as ``HiMambaRadixCache.cache_unfinished_req``).
+
+        Afterwards ``req.kv_indices[:cache_protected_len]`` and ``req.swa_kv_indices[:cache_protected_len]``
+        are the tree's (sink ids where the tree holds an SWA tombstone); the request owns the rest, and
+        frees its own SWA ids as they slide out of the window (``req.swa_evicted_seqlen``) only at
+        positions >= ``cache_protected_len``. The locked path keeps its SWA KV."""
+        toks = req.token_ids.tolist() if isinstance(req.token_ids, torch.Tensor) else list(req.token_ids)
+        n = len(toks)
+        kv, swa, prev = req.kv_indices, getattr(req, "swa_kv_indices", None), int(req.cache_protected_len)
+        for arg, ids in (("req.kv_indices", kv), ("req.swa_kv_indices", swa)):
+            if (not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64
+                    or ids.device != self.device or ids.numel() < n or ids.numel() % self.page_size):
+                raise InvalidArgumentError(arg, f"a 1-D int64 tensor on {self.device}, whole pages covering "
+                                           f"{n} tokens", getattr(ids, "shape", ids))
+        ev = int(getattr(req, "swa_evicted_seqlen", 0))
+        if req.last_node is not None:
+            check_node(self, req.last_node)
+        res = self.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:n], swa_value=swa[:n],
+                                       prev_prefix_len=prev, swa_evicted_seqlen=ev, chunked=chunked))
+        if res.cached_len <= prev:
+            req.prefix_indices = kv[:n]
+            return
+        node, vals, swas = res.last_device_node, [], []
+        x = node
+        while x is not self.root:
+            vals.append(x.value)
+            swas.append(x.swa_value if x.swa_value is not None else self._sink_ids(len(x.key)))
+            x = x.parent
+        req.kv_indices = torch.cat(vals[::-1] + [kv[res.cached_len:]])
+        req.swa_kv_indices = torch.cat(swas[::-1] + [swa[res.cached_len:]])
+        req.prefix_indices = req.kv_indices[:n]
+        self._lock(node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.last_node = node
+        req.cache_protected_len = res.cached_len

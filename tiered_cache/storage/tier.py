@@ -172,13 +172,17 @@ class StorageTier:
         return self._submit(op, self._prefetch_work, op, None, None)
 
     def put(self, keys: Sequence[bytes], kind: Kind, payloads: Sequence[Any], *,
-            timeout_s: Optional[float] = None) -> StorageOp:
+            timeout_s: Optional[float] = None, t2_checksums: Optional[Sequence[int]] = None) -> StorageOp:
+        """Store ``payloads`` (bytes-like, read by a worker until the op is done: pass copies) under
+        ``keys``. ``t2_checksums``: the T2 checksums a later ``prefetch`` gives back (default 0)."""
         keys = self._check_keys(keys)
         if len(payloads) != len(keys):
             raise InvalidArgumentError("payloads", f"{len(keys)} bytes-like values", len(payloads))
+        if t2_checksums is not None and len(t2_checksums) != len(keys):
+            raise InvalidArgumentError("t2_checksums", f"{len(keys)} ints", len(t2_checksums))
         srcs = [np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in payloads]
         op = self._new("put", kind, keys, None, [], timeout_s)
-        op._t2_checksums = [0] * len(keys)
+        op._t2_checksums = [0] * len(keys) if t2_checksums is None else [int(c) for c in t2_checksums]
         return self._submit(op, self._write_work, op, srcs)
 
     # ------------------------------------------------------------------------------ completion

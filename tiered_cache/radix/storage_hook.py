@@ -1,0 +1,275 @@
+"""T3 in the radix cache: T2 entries written to a ``StorageTier``, and T3 -> T2 prefetch on a miss.
+
+The tree calls four things (all on the engine's thread; none blocks except the ``wait_complete`` /
+``timeout`` prefetch policies, always bounded)::
+
+    on_backup(op)          a T2 backup landed: its KV pages go to T3 (a snapshot of the host slots,
+                           so the tree may free them at once); write-through, or eviction only
+    on_state(node)         a state was cached (write-through) or demoted T1 -> T2: it goes to T3
+    maybe_prefetch(...)    match_prefix: the walk stopped at a node boundary (root included) whose
+                           node is on the host, and pages follow: ask T3 which of them it holds
+                           (``lookup``), then fetch the longest run of KV pages that ends at a page
+                           whose state T3 also holds into fresh T2 slots, then hang a host-only
+                           node (``host_kv`` + ``state_host``) under the anchor. The next match
+                           (``wait_*``: this very one) finds it and ``init_load_back`` loads it.
+    poll()                 check_hicache_events: advance fetches whose storage ops are done
+    cancel(req)            the request was aborted: its fetches stop; their slots go back when done
+
+Keys: ``page_keys`` over the node's token path from the root, salted with the tenant salt of the
+path (``RadixKey.extra_key``); states use the key of the page they end at, under ``Kind.STATE``.
+Anything wrong below (miss, damage, backend down, no T2 room, the tree changed meanwhile) makes the
+fetch a miss, counted in ``cache.stats`` as ``t3_*``; the tier counts its own reasons in ``tier.stats``.
+
+While a fetch is in flight its T2 slots belong to it, not to a node: ``check_invariants`` run in
+that window would report them; the engine checks invariants when idle (no fetch pending).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional
+
+from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.moves import demote_states
+from tiered_cache.radix.checks import common_len
+from tiered_cache.radix.node import TreeNode
+from tiered_cache.storage.format import Kind
+from tiered_cache.storage.keys import page_keys
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+WAIT_COMPLETE_BOUND_S = 60.0  # "wait for completion" still never waits forever
+
+
+@dataclasses.dataclass(eq=False)
+class _Fetch:
+    req: Any
+    salt: Optional[str]
+    toks: list
+    start: int  # tokens of the anchor's path
+    anchor: TreeNode
+    keys: list  # page keys after the anchor
+    ops: list
+    phase: str = "lookup"
+    pages: int = 0
+    slots: Optional[list] = None
+    state_slot: Optional[int] = None
+    cancelled: bool = False
+
+
+class StorageHook:
+    def __init__(self, cache: Any, tier: Any, *, policy: str = "best_effort", timeout_s: float = 1.0,
+                 write_through: bool = True) -> None:
+        if cache.host is None:
+            raise InvalidArgumentError("storage", "None without a host tier (T3 prefetches into T2)", tier)
+        if cache.mode != "mamba":
+            raise InvalidArgumentError("storage", "None in SWA mode (T3 is wired for the mamba tree only)", tier)
+        if policy not in PREFETCH_POLICIES:
+            raise InvalidArgumentError("prefetch_policy", f"one of {PREFETCH_POLICIES}", policy)
+        if tier.fingerprint.page_size != cache.page_size:
+            raise InvalidArgumentError("storage", f"a tier of page_size {cache.page_size}",
+                                       tier.fingerprint.page_size)
+        self.cache, self.tier, self.policy = cache, tier, policy
+        self.timeout_s, self.write_through = timeout_s, write_through
+        self.fetches: list[_Fetch] = []
+
+    # ----------------------------------------------------------------------------- keys
+    def _path(self, x: TreeNode) -> tuple[list, Optional[str]]:
+        parts, y, root = [], x, self.cache.root
+        while y.parent is not root:
+            parts.append(y.key)
+            y = y.parent
+        parts.append(y.key)
+        ck = y.ck
+        salt = ck[0] if isinstance(ck, tuple) and len(ck) == 2 and isinstance(ck[0], str) else None
+        toks = [t for p in reversed(parts) for t in p]
+        return toks, salt
+
+    def _node_keys(self, x: TreeNode) -> list[bytes]:
+        toks, salt = self._path(x)
+        keys = page_keys(toks, self.tier.fingerprint, salt)
+        return keys[len(keys) - len(x.key) // self.cache.page_size:]
+
+    # ----------------------------------------------------------------------------- writes
+    def on_backup(self, op: Any) -> None:
+        if not self.write_through and not getattr(op, "evicting", False):
+            return
+        c = self.cache
+        r = c.kv_region
+        for y in op.nodes:
+            if not y.alive or y.host_kv is None or y is c.root:
+                continue
+            keys = self._node_keys(y)
+            self.tier.put(keys, Kind.KV, [r.slot(s).numpy().copy() for s in y.host_kv],
+                          t2_checksums=[int(r.checksums[s]) for s in y.host_kv])
+            c.stats["t3_kv_pages_written"] += len(keys)
+
+    def on_state(self, x: TreeNode, demoted: bool) -> None:
+        """``x``'s state was cached (``demoted`` False: only under write-through) or went T1 -> T2."""
+        c = self.cache
+        if demoted == self.write_through or x is c.root or not x.alive:
+            return  # write-through wrote it when it was cached; otherwise it goes when demoted
+        r = c.state_region
+        h, tmp = x.state_host, None
+        if h is None:
+            if x.mamba_value is None:
+                return
+            got = r.alloc(1)  # a scratch T2 slot: never evicts for it
+            if got is None:
+                c.stats["t3_state_write_no_room"] += 1
+                return
+            tmp = h = got[0]
+            t = demote_states(c.engine, c.ckpt, [int(x.mamba_value)], r, [h])
+            c.engine.wait(t)
+            if not all(t.ok):
+                r.free([h])
+                return
+        try:
+            key = self._node_keys(x)[-1]
+            self.tier.put([key], Kind.STATE, [r.slot(h).numpy().copy()], t2_checksums=[int(r.checksums[h])])
+            c.stats["t3_states_written"] += 1
+        finally:
+            if tmp is not None:
+                r.free([tmp])
+
+    # ----------------------------------------------------------------------------- prefetch
+    def _anchor(self, toks: list, salt: Optional[str], end: int) -> Optional[tuple[TreeNode, int]]:
+        """The node the walk of ``toks[:end]`` stops at, at a node boundary, with pages left; else None."""
+        c = self.cache
+        ps, root = c.page_size, c.root
+        node, i = root, 0
+        while i < end:
+            ck = toks[i] if ps == 1 else tuple(toks[i:i + ps])
+            child = node.children.get(ck if node is not root or salt is None else (salt, ck))
+            if child is None:
+                return node, i
+            if child.value is None and child.host_kv is None:
+                return None
+            m = common_len(child.key, toks, i, end, ps)
+            if m < len(child.key):
+                return None
+            i += m
+            node = child
+        return None
+
+    def maybe_prefetch(self, toks: list, salt: Optional[str], req: Any) -> None:
+        c = self.cache
+        end = len(toks) // c.page_size * c.page_size
+        found = self._anchor(toks, salt, end)
+        if found is None:
+            return
+        anchor, start = found
+        if anchor is not c.root and anchor.host_kv is None and anchor.host_pending is None:
+            c.stats["t3_skip_anchor_not_on_host"] += 1  # host copies must stay a prefix from the root
+            return
+        ps = c.page_size
+        first = tuple(toks[:start + ps])
+        for f in self.fetches:
+            if f.salt == salt and tuple(f.toks[:f.start + ps]) == first:
+                return  # already being fetched
+        keys = page_keys(toks[:end], self.tier.fingerprint, salt)[start // ps:]
+        ops = [self.tier.lookup(keys, Kind.KV), self.tier.lookup(keys, Kind.STATE)]
+        f = _Fetch(req, salt, list(toks[:end]), start, anchor, keys, ops)
+        self.fetches.append(f)
+        c.stats["t3_lookups"] += 1
+        if self.policy != "best_effort":
+            bound = WAIT_COMPLETE_BOUND_S if self.policy == "wait_complete" else self.timeout_s
+            deadline = time.monotonic() + bound
+            while f in self.fetches and f.ops:
+                for op in f.ops:
+                    self.tier.wait(op, max(0.0, deadline - time.monotonic()))
+                if not all(op.done for op in f.ops):
+                    c.stats["t3_wait_timed_out"] += 1  # it goes on in the background
+                    return
+                self._advance(f)
+
+    def poll(self) -> None:
+        self.tier.poll()
+        for f in list(self.fetches):
+            if all(op.done for op in f.ops):
+                self._advance(f)
+
+    def cancel(self, req: Any) -> None:
+        for f in self.fetches:
+            if f.req is req and not f.cancelled:
+                f.cancelled = True
+                for op in f.ops:
+                    self.tier.cancel(op)
+                self.cache.stats["t3_cancelled"] += 1
+
+    def drain(self) -> None:
+        """For ``reset``: stop every fetch and give its slots back (bounded by the backend timeouts)."""
+        for f in self.fetches:
+            f.cancelled = True
+            for op in f.ops:
+                self.tier.cancel(op)
+        for f in list(self.fetches):
+            for op in f.ops:
+                self.tier.wait(op, WAIT_COMPLETE_BOUND_S)
+            self._drop(f)
+
+    def _drop(self, f: _Fetch) -> None:
+        c = self.cache
+        if any(not op.done for op in f.ops):  # a worker may still write the slots: leak rather than reuse
+            c.stats["t3_slots_abandoned"] += 1
+        else:
+            if f.slots:
+                c.kv_region.free(f.slots)
+            if f.state_slot is not None:
+                c.state_region.free([f.state_slot])
+        f.slots, f.state_slot = None, None
+        if f in self.fetches:
+            self.fetches.remove(f)
+
+    def _advance(self, f: _Fetch) -> None:
+        c = self.cache
+        if f.cancelled:
+            self._drop(f)
+            return
+        if f.phase == "lookup":
+            kv, st = f.ops[0].hits, f.ops[1].hits
+            p = 0
+            for j in range(len(f.keys)):
+                if not kv[j]:
+                    break
+                if st[j]:
+                    p = j + 1
+            if p == 0 or not f.anchor.alive:
+                c.stats["t3_miss"] += 1
+                self._drop(f)
+                return
+            got = c._alloc_host_pages([(c.kv_region, p)], f.anchor)
+            h = c.state_region.alloc(1) if got is not None else None
+            if got is None or h is None:
+                if got is not None:
+                    c.kv_region.free(got[0])
+                c.stats["t3_no_room"] += 1
+                self._drop(f)
+                return
+            f.slots, f.state_slot, f.pages, f.phase = got[0], h[0], p, "prefetch"
+            f.ops = [self.tier.prefetch(f.keys[:p], Kind.KV, c.kv_region, f.slots),
+                     self.tier.prefetch([f.keys[p - 1]], Kind.STATE, c.state_region, [f.state_slot])]
+            return
+        kv_op, st_op = f.ops
+        ok = kv_op.hit_prefix == f.pages and st_op.hit_prefix == 1
+        again = self._anchor(f.toks, f.salt, len(f.toks)) if ok else None
+        if not ok or again is None or again[0] is not f.anchor or again[1] != f.start or not f.anchor.alive or (
+                f.anchor is not c.root and f.anchor.host_kv is None and f.anchor.host_pending is None):
+            c.stats["t3_miss" if not ok else "t3_tree_changed"] += 1
+            self._drop(f)
+            return
+        ps = c.page_size
+        key = f.toks[f.start:f.start + f.pages * ps]
+        x = TreeNode(c._token, f.anchor, key, None)
+        ck = key[0] if ps == 1 else tuple(key[:ps])
+        x.ck = (f.salt, ck) if f.anchor is c.root and f.salt is not None else ck
+        f.anchor.children[x.ck] = x
+        x.host_kv, x.state_host = list(f.slots), f.state_slot
+        f.slots, f.state_slot = None, None
+        c.policy.touch("kv", x)
+        c.policy.touch("state", x)
+        c._sync(x)
+        c._sync(f.anchor)
+        c.stats["t3_hits"] += 1
+        c.stats["t3_hit_tokens"] += len(key)
+        self.fetches.remove(f)
