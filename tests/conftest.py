@@ -22,3 +22,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny models gain nothing from threads; on 2 shared cores two threads ran a forward 3-10x
+    slower. Engine test modules use it with ``autouse`` wrappers or ``usefixtures``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -47,13 +47,7 @@ needs_host = pytest.mark.skipif(not HOST_TIER_AVAILABLE, reason="the radix cache
 T2 = pytest.param(True, marks=needs_host)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model gains nothing from threads; on shared cores two threads ran 3-10x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

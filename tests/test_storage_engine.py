@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -30,12 +29,7 @@ TIERS = dict(codec="lossless", kv_pages=48, t0_states=2, t1_states=6, host_kv_pa
              prefetch_policy="wait_complete")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,7 @@ from tiered_cache.radix import requests as _req
 from tiered_cache.radix.checks import (
     check_callers_kv,
     check_node,
+    check_prev_prefix_len,
     check_state_allocated,
     common_len,
     desc,
@@ -294,8 +295,7 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         value = params.value
         self._check_value("value", value, n)
         prev = params.prev_prefix_len
-        if not isinstance(prev, int) or isinstance(prev, bool) or not 0 <= prev <= n or prev % ps:
-            raise InvalidArgumentError("prev_prefix_len", f"a multiple of page_size={ps} in [0, {n}]", prev)
+        check_prev_prefix_len(prev, n, ps)
         slot = None if params.mamba_value is None else state_slot(self, "mamba_value", params.mamba_value)
         aligned = n // ps * ps
         if aligned == 0:

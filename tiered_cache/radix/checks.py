@@ -27,6 +27,12 @@ def common_len(node_key: list[int], key: list[int], start: int, end: int, page_s
     return i // page_size * page_size
 
 
+def check_prev_prefix_len(prev: Any, n: int, page_size: int) -> None:
+    """``InsertParams.prev_prefix_len``: a whole number of pages inside the key."""
+    if not isinstance(prev, int) or isinstance(prev, bool) or not 0 <= prev <= n or prev % page_size:
+        raise InvalidArgumentError("prev_prefix_len", f"a multiple of page_size={page_size} in [0, {n}]", prev)
+
+
 def check_node(cache, node: Any) -> None:
     if not isinstance(node, TreeNode) or node.owner is not cache._token or not node.alive:
         raise InvalidArgumentError("node", "a live node of this cache", node)

@@ -28,7 +28,7 @@ import torch
 
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.radix.cache import HiMambaRadixCache
-from tiered_cache.radix.checks import check_node, common_len, parse_key
+from tiered_cache.radix.checks import check_node, check_prev_prefix_len, common_len, parse_key
 from tiered_cache.radix.evict import Frees
 from tiered_cache.radix.host import Stream
 from tiered_cache.radix.node import TreeNode
@@ -154,8 +154,7 @@ class HiSWARadixCache(HiMambaRadixCache):
         self._check_value("value", params.value, n)
         self._check_value("swa_value", params.swa_value, n)
         prev, ev = params.prev_prefix_len, params.swa_evicted_seqlen
-        if not isinstance(prev, int) or isinstance(prev, bool) or not 0 <= prev <= n or prev % ps:
-            raise InvalidArgumentError("prev_prefix_len", f"a multiple of page_size={ps} in [0, {n}]", prev)
+        check_prev_prefix_len(prev, n, ps)
         if not isinstance(ev, int) or isinstance(ev, bool) or ev < 0:
             raise InvalidArgumentError("swa_evicted_seqlen", "an int >= 0", ev)
         aligned = n // ps * ps
