@@ -235,7 +235,18 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     raw: dict[str, dict] = {}
     for cname in wc.CONFIGS:
         ecfg = EngineConfig(**common, **tiers[cname])
-        raw[cname] = run_config(model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", args.progress)
+        if args.profile:  # where the time goes: cProfile per configuration (a development aid)
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            raw[cname] = prof.runcall(run_config, model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", False)
+            os.makedirs(args.profile, exist_ok=True)
+            with open(os.path.join(args.profile, f"profile-{name}-{cname}.txt"), "w") as f:
+                for key in ("tottime", "cumulative"):
+                    pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
+        else:
+            raw[cname] = run_config(model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", args.progress)
     s = {c: summarize(raw[c], raw["no_cache"] if c != "no_cache" else None) for c in wc.CONFIGS}
     for c in wc.CONFIGS[1:]:
         if s[c]["prefill_tokens_saved"] <= 0:
@@ -344,6 +355,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="override a workload param in every selected workload (e.g. clients=2 rounds=2)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on the shared 2-core machines)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a cProfile report per configuration to DIR (timings then include its overhead)")
     p.add_argument("--check-fla", action="store_true",
                    help="only check that Qwen3-Next runs through flash-linear-attention here (exit status 0/1)")
     args = p.parse_args(argv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tiered_cache.host_mirror import HostMirror, HostRegion, RegionSpec
-from tiered_cache.storage import StorageFingerprint
+from tiered_cache.storage import StorageBackend, StorageFingerprint
 from tiered_cache.storage.local_redis import REDIS_BIN, LocalRedis, free_cluster_port
 
 NO_REDIS = "redis-server binary not found (apt-get install -y redis-server; .ci/run installs it)"
@@ -107,3 +108,45 @@ def check_slots(region: HostRegion, slots, keys) -> None:
 def wait_done(tier, op, timeout_s: float = 30.0):
     assert tier.wait(op, timeout_s), f"{op.op} not done in {timeout_s} s"
     return op
+
+
+class WrapBackend(StorageBackend):
+    """A backend in front of another, for fault tests: records every call's method in ``calls``,
+    sleeps ``delay_s`` in the methods named in ``slow`` (``"get"``, ``"exists"``, ``"put"``,
+    ``"delete"``: a slow store), and calls ``before(method, n)`` ahead of call number ``n`` (0-based,
+    all methods counted together), e.g. to kill the server mid-run. Install it under a live tier with
+    ``tier.backend = WrapBackend(tier.backend, ...)`` (the tier reads ``backend`` at every call)."""
+
+    def __init__(self, inner: StorageBackend, *, delay_s: float = 0.0, slow=("get",), before=None) -> None:
+        self.inner, self.delay_s, self.slow, self.before = inner, delay_s, tuple(slow), before
+        self.name = f"wrapped {inner.name}"
+        self.calls: list[str] = []
+        self._lock = threading.Lock()
+
+    def _enter(self, method: str) -> None:
+        with self._lock:
+            n = len(self.calls)
+            self.calls.append(method)
+        if self.before is not None:
+            self.before(method, n)
+        if self.delay_s and method in self.slow:
+            time.sleep(self.delay_s)
+
+    def get_many(self, keys):
+        self._enter("get")
+        return self.inner.get_many(keys)
+
+    def exists_many(self, keys):
+        self._enter("exists")
+        return self.inner.exists_many(keys)
+
+    def put_many(self, items):
+        self._enter("put")
+        return self.inner.put_many(items)
+
+    def delete_many(self, keys):
+        self._enter("delete")
+        return self.inner.delete_many(keys)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -34,10 +34,15 @@ from tiered_cache.radix import EvictParams  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGIT_ATOL = 1e-4
 # int8 states, long-memory model, teacher-forced, max |logit| difference over all generated tokens.
-# Measured (4 clients x 4 rounds x 16 tokens, seeds 0..2): T0+T1 0.049-0.114, through T2 0.100-0.159
-# (more turns resume from a state, and each turn's cached state descends from the last one's int8
-# copy); a zeroed state: see the test's print. The bound is the largest measurement with margin.
+# Measured (4 clients x 4 rounds x 16 tokens, workload seeds 0..4): T0+T1 0.049-0.114, through T2
+# 0.109-0.159 (more turns resume from a state, and each turn's cached state descends from the last
+# one's int8 copy); every state zeroed: 3.53 (T0+T1), 3.65 (T2). The bound is the largest
+# measurement with margin.
 INT8_DRIFT_BOUND = 0.3
+# Top-1 agreement through T2, measured on the test's workload (seed 0): 0.9766; seeds 0..4:
+# 0.9609-0.9766. Its floor under the int8 design is below 0.99 (see the test): the bound is the
+# measurement with margin.
+INT8_T2_TOP1_BOUND = 0.95
 WL = WorkloadConfig(clients=4, rounds=4, question_len=12, system_len=24, max_new_tokens=16)
 COMMON = dict(page_size=4, chunk_size=16, prefill_budget=64, max_running=2)
 # T0: 48 pages of 4 tokens (the 2 running requests reserve up to 2 x 25); T1: 6 states.
@@ -161,17 +166,81 @@ def test_int8_long_memory_top1_and_drift(qwen_long, baseline):
 @pytest.mark.slow
 @needs_host
 def test_int8_long_memory_through_the_host_tier(qwen_long, baseline):
-    """Through T2 more turns resume from a state, and each turn's cached state descends from the
-    previous turn's int8 copy: roundings add up over the conversation. Every flip is still a near-tie
-    of this random model (a third of its positions have a top-2 margin under 0.1)."""
+    """Through T2 the tree keeps every conversation's states, so 14 of the 16 turns resume from an
+    int8 state (T0+T1: 7, all from the one system-prompt state, the other turns recompute exactly):
+    twice the tokens see a rounding, each turn from a rounding of its own, and each turn's cached
+    state descends from the previous turn's int8 copy. Where the loss comes from (measured, seeds
+    0..4 of this workload; all of it is the temporal state's rounding: conv windows are stored in
+    the model's fp32 and every resume is within half a step of the state it copies):
+
+        loading the exact state instead of the int8 copy         top-1 1.0, drift 0
+        every resume one rounding of the exact state (no chain)  top-1 0.969-0.981 (5-8 flips)
+        the engine (chains of 1-4 roundings)                     top-1 0.961-0.977 (6-10 flips)
+
+    So even without the chain, one int8 rounding per resume flips 2-4 % of the 224 tokens after a
+    resume: every flip is a near-tie of this random model (a fifth of its positions have a top-2
+    margin under 0.05; the flips' margins are 0.000-0.062). 99 % is out of reach of the int8 design
+    on this workload; the bound is the measurement with margin, and a zeroed state fails it."""
     e, got = _int8_run(qwen_long, baseline, host=True)
     n, top1, drift, margins = compare(baseline, got)
+    resumed = sum(t.summary["reused"] > 0 for t in got)
+    _, zgot = _int8_run(qwen_long, baseline, host=True, zero_states=True)
+    _, ztop1, zdrift, _ = compare(baseline, zgot)
     print(f"int8 through T2: {n} tokens, top-1 {top1:.4f}, drift {drift:.4f}, flips' margins {margins}, "
-          f"states from T2: {e.final_stats['hits']['T2_states']}")
+          f"turns resumed from a state {resumed}/{len(got)}, states from T2: {e.final_stats['hits']['T2_states']}; "
+          f"zeroed state: top-1 {ztop1:.4f}, drift {zdrift:.3f}")
+    assert n >= 200
     assert e.final_stats["hits"]["T2_states"] > 0
+    assert resumed >= 3 * len(got) // 4  # what makes this run harder than T0+T1's
+    for a, b in zip(baseline, got, strict=True):  # a turn that resumed from nothing is exact
+        if b.summary["reused"] == 0:
+            assert b.argmax == a.argmax and max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits)) \
+                < LOGIT_ATOL, f"client {a.client} round {a.round}"
     assert 0 < drift <= INT8_DRIFT_BOUND
-    assert all(m < drift for m in margins)
-    assert top1 >= 0.95
+    assert all(m < drift for m in margins)  # a flip is a near-tie, not a lost state
+    assert top1 >= INT8_T2_TOP1_BOUND
+    assert zdrift > INT8_DRIFT_BOUND and ztop1 < INT8_T2_TOP1_BOUND  # the bounds catch a lost state
+
+
+@pytest.mark.parametrize("host", [False, T2], ids=["T1", "T2"])
+def test_int8_resume_is_one_rounding_of_the_cached_state(qwen_long, host):
+    """The state an int8 resume hands the model is the state the previous turn cached, rounded once:
+    every element within half a quantization step of it, the step being that state's own scale (one
+    per layer, head and k-channel: amax over d_v / 127). A dequantize with the wrong scales, layout
+    or value axis is off by more; a zeroed state by up to 127 steps."""
+    p1, q2 = _two_turn_prompts()
+    e = Engine(qwen_long, EngineConfig(codec="int8", **SMALL, **(HOST if host else {})))
+    cached, resumed = {}, {}
+    finish, start = e._finish, e._start_prefill
+
+    def states(rows):  # [L, H, d_k, d_v] fp32
+        return torch.stack([r.reshape(r.shape[-3:]) for r in rows]).clone()
+
+    def on_finish(req):  # the T0 slot holds the state at slot_pos: what cache_finished_req quantizes
+        row = e.states.translate(req.mamba_pool_idx.reshape(-1))
+        cached[req.rid] = req.slot_pos, states(e.states.temporal_view_all()[:, row].unbind(0))
+        finish(req)
+
+    def on_start(req):
+        ok = start(req)
+        if ok and req.cache_protected_len:
+            rec = [req.model_cache.layers[i].recurrent_states[0] for i in e.specs.linear_layers]
+            resumed[req.cache_protected_len] = states(rec)
+        return ok
+
+    e._finish, e._start_prefill = on_finish, on_start
+    r1 = _one_turn(e, "t1", p1)
+    if host:
+        e.cache.evict(EvictParams(num_tokens=10**6, mamba_num=10**6))
+    r2 = _one_turn(e, "t2", p1 + r1.output + q2)
+    assert r2.state_tier == ("T2" if host else "T1")
+    p, x = cached["t1"]
+    assert r2.reused_tokens == p  # turn 2 resumed where turn 1's state was cached
+    y = resumed[p]
+    step = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127  # per (layer, head, k-channel)
+    err = ((y - x).abs() / step).amax().item()
+    assert 0 < err <= 0.5 + 1e-4, err  # rounded (int8, not a copy), once, with the right scales
+    assert_released(e)
 
 
 # ------------------------------------------------------------------------- split and resume, T2

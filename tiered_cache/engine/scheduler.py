@@ -81,7 +81,7 @@ class EngineConfig:
     write_policy: when KV is copied to T2 (``HostTierConfig``). checkpoint_unit: tokens between
     cached states (default page_size).
     storage_url: T3 below T2 (``storage.open_backend``: ``file:///dir``, ``redis://host:port``, ...;
-    None: no T3; needs T2). prefetch_policy / storage_write_through: ``HostTierConfig``'s.
+    None: no T3; needs T2). prefetch_policy / prefetch_timeout_s / storage_write_through: ``HostTierConfig``'s.
     storage_model_id: the model part of the storage fingerprint (default: the model class and a
     SHA-256 of its weights, so another model's entries are never served).
     """
@@ -103,6 +103,7 @@ class EngineConfig:
     check_memory: bool = True
     storage_url: Optional[str] = None
     prefetch_policy: str = "best_effort"
+    prefetch_timeout_s: float = 1.0
     storage_write_through: bool = True
     storage_model_id: Optional[str] = None
 
@@ -180,6 +181,7 @@ class Engine:
             from tiered_cache.transfer import TransferEngine
 
             hc = HostTierConfig(write_policy=cfg.write_policy, prefetch_policy=cfg.prefetch_policy,
+                                prefetch_timeout_s=cfg.prefetch_timeout_s,
                                 storage_write_through=cfg.storage_write_through)
             self.host = HostMirror([RegionSpec(hc.kv_region, self.kv.entry_bytes, cfg.host_kv_pages),
                                     RegionSpec(hc.state_region, self.ckpt.slot_bytes, cfg.host_states)],

@@ -171,6 +171,8 @@ class EvictionMixin:
         self._n_dev_freed += len(x.key)
         self._sync(x)
         self._sync(x.parent)
+        if self.t3 is not None:  # T3 without write-through gets KV when eviction demotes it
+            self.t3.on_kv_demoted(x)
 
     def _evict_states(self, num: int) -> tuple[int, int]:
         f = Frees()

@@ -235,7 +235,6 @@ class HostTierMixin:
         for t in op.tickets.values():
             self.engine.wait(t)  # the victim's pages are freed right after: the copy must have read them
         self._ops.remove(op)
-        op.evicting = True  # T3 without write-through still gets what eviction pushes down
         self._apply_backup(op)
         return True
 

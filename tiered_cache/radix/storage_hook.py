@@ -1,10 +1,12 @@
 """T3 in the radix cache: T2 entries written to a ``StorageTier``, and T3 -> T2 prefetch on a miss.
 
-The tree calls four things (all on the engine's thread; none blocks except the ``wait_complete`` /
+The tree calls these (all on the engine's thread; none blocks except the ``wait_complete`` /
 ``timeout`` prefetch policies, always bounded)::
 
     on_backup(op)          a T2 backup landed: its KV pages go to T3 (a snapshot of the host slots,
-                           so the tree may free them at once); write-through, or eviction only
+                           so the tree may free them at once); write-through only
+    on_kv_demoted(node)    eviction freed the node's device KV, its T2 copy stays: without
+                           write-through, its KV pages go to T3 now
     on_state(node)         a state was cached (write-through) or demoted T1 -> T2: it goes to T3
     maybe_prefetch(...)    match_prefix: the walk stopped at a node boundary (root included) whose
                            node is on the host, and pages follow: ask T3 which of them it holds
@@ -92,17 +94,27 @@ class StorageHook:
 
     # ----------------------------------------------------------------------------- writes
     def on_backup(self, op: Any) -> None:
-        if not self.write_through and not getattr(op, "evicting", False):
-            return
-        c = self.cache
-        r = c.kv_region
+        """A T2 backup landed: under write-through its KV pages go to T3 now."""
+        if not self.write_through:
+            return  # they go when eviction demotes them (on_kv_demoted), not when copied
         for y in op.nodes:
-            if not y.alive or y.host_kv is None or y is c.root:
-                continue
-            keys = self._node_keys(y)
-            self.tier.put(keys, Kind.KV, [r.slot(s).numpy().copy() for s in y.host_kv],
-                          t2_checksums=[int(r.checksums[s]) for s in y.host_kv])
-            c.stats["t3_kv_pages_written"] += len(keys)
+            self._put_kv(y)
+
+    def on_kv_demoted(self, x: TreeNode) -> None:
+        """``x``'s device KV was evicted and its complete T2 copy stays: without write-through, this
+        is when its KV pages go to T3 (with it, they went when the backup landed)."""
+        if not self.write_through:
+            self._put_kv(x)
+
+    def _put_kv(self, y: TreeNode) -> None:
+        c = self.cache
+        if not y.alive or y.host_kv is None or y is c.root:
+            return
+        r = c.kv_region
+        keys = self._node_keys(y)
+        self.tier.put(keys, Kind.KV, [r.slot(s).numpy().copy() for s in y.host_kv],
+                      t2_checksums=[int(r.checksums[s]) for s in y.host_kv])
+        c.stats["t3_kv_pages_written"] += len(keys)
 
     def on_state(self, x: TreeNode, demoted: bool) -> None:
         """``x``'s state was cached (``demoted`` False: only under write-through) or went T1 -> T2."""
