@@ -33,6 +33,15 @@ from tiered_cache.moves import demote_kv, demote_states, load_kv, promote_states
 from tiered_cache.transfer import TransferEngine  # noqa: E402
 
 
+def _off(eng, fn):
+    """``fn()`` with ``eng``'s checksums switched off."""
+    eng.checksums = False
+    try:
+        return fn()
+    finally:
+        eng.checksums = True
+
+
 def timed(fn, reps: int) -> float:
     """Median wall seconds of ``fn`` (which must end synchronized)."""
     out = []
@@ -44,6 +53,9 @@ def timed(fn, reps: int) -> float:
         torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
+
+
+PIPELINE = 4  # calls in flight for the sustained numbers (an engine keeps several tickets queued)
 
 
 def contiguous_baseline(name: str, nbytes: int, dev: torch.device, reps: int) -> dict:
@@ -60,7 +72,18 @@ def contiguous_baseline(name: str, nbytes: int, dev: torch.device, reps: int) ->
         with torch.cuda.stream(s2):
             devb2.copy_(host2, non_blocking=True)
 
+    def many(fn, k=PIPELINE):
+        def run():
+            for _ in range(k):
+                fn()
+        return run
+
+    d2h = lambda: host.copy_(devb, non_blocking=True)  # noqa: E731
+    h2d = lambda: devb.copy_(host, non_blocking=True)  # noqa: E731
     return {
+        f"contig_{name}_d2h_sustained_GBps": PIPELINE * nbytes / timed(many(d2h), reps) / 1e9,
+        f"contig_{name}_h2d_sustained_GBps": PIPELINE * nbytes / timed(many(h2d), reps) / 1e9,
+        f"contig_{name}_bidir_sustained_GBps": 2 * PIPELINE * nbytes / timed(many(both), reps) / 1e9,
         f"contig_{name}_d2h_GBps": nbytes / timed(lambda: host.copy_(devb, non_blocking=True), reps) / 1e9,
         f"contig_{name}_h2d_GBps": nbytes / timed(lambda: devb.copy_(host, non_blocking=True), reps) / 1e9,
         f"contig_{name}_bidir_GBps": 2 * nbytes / timed(both, reps) / 1e9,
@@ -140,24 +163,53 @@ def main() -> None:
             eng.wait(a_)
             eng.wait(b_)
 
-    # programs of the mapped-memory kernel: few enough to leave SMs to compute, enough to fill PCIe
+    def pipelined(fn, eng, direction):
+        """``PIPELINE`` submissions of ``fn``'s moves, then one wait for all (the same slots each time:
+        the host slots are busy only until each ticket completes, so later calls queue behind)."""
+        if direction == "bidir":
+            for _ in range(PIPELINE):
+                submit(fn, eng, "d2h_b")
+                submit(fn, eng, "h2d")
+        else:
+            for _ in range(PIPELINE):
+                submit(fn, eng, direction)
+        eng.wait_all()
+
+    def submit(fn, eng, direction):
+        states = fn is run_states
+        if direction == "d2h":
+            return (demote_states(eng, t1, src_st, sreg, hs_st[:n_st]) if states
+                    else demote_kv(eng, full, src_pg, kreg, hs_pg[:n_pg]))
+        if direction == "d2h_b":
+            return (demote_states(eng, t1, src_st, sreg, hs_st[n_st:]) if states
+                    else demote_kv(eng, full, src_pg, kreg, hs_pg[n_pg:]))
+        return (promote_states(eng, sreg, hs_st[:n_st], t1, dst_st) if states
+                else load_kv(eng, kreg, hs_pg[:n_pg], full, dst_pg, layerwise=False))
+
+    # the mapped-memory kernel's settings: few programs leave SMs to compute; block and warps set how
+    # many reads each program keeps in flight over PCIe
     eng = TransferEngine(dev, method={"d2h": "kernel", "h2d": "kernel"})
     run_kv(eng, "d2h")
     sweep = {}
-    for progs in (8, 16, 32, 64, 132):
-        eng.kernel_programs = progs
-        d = pg_bytes / timed(lambda: run_kv(eng, "d2h"), a.reps) / 1e9
-        h = pg_bytes / timed(lambda: run_kv(eng, "h2d"), a.reps) / 1e9
-        metrics[f"kv_kernel_{progs}prog_d2h_GBps"] = d
-        metrics[f"kv_kernel_{progs}prog_h2d_GBps"] = h
-        sweep[progs] = d + h
-    best_progs = max(sweep, key=sweep.get)
-    metrics["kernel_programs"] = best_progs
+    for progs in (8, 16, 32, 132):
+        for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
+            eng.kernel_programs, eng.kernel_block_words, eng.kernel_warps = progs, block, warps
+            d = pg_bytes / timed(lambda: run_kv(eng, "d2h"), a.reps) / 1e9
+            h = pg_bytes / timed(lambda: run_kv(eng, "h2d"), a.reps) / 1e9
+            metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_d2h_GBps"] = d
+            metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_h2d_GBps"] = h
+            sweep[(progs, block, warps)] = d + h
+    # the best setting with at most 32 programs (a quarter of the SMs at most)
+    best_progs, best_block, best_warps = max((k for k in sweep if k[0] <= 32), key=sweep.get)
+    metrics.update(kernel_programs=best_progs, kernel_block_words=best_block, kernel_warps=best_warps)
+
+    def tuned(eng):
+        eng.kernel_programs, eng.kernel_block_words, eng.kernel_warps = best_progs, best_block, best_warps
+        return eng
 
     rows = []
     for method in ("copy", "staging", "kernel", "auto"):
-        eng = TransferEngine(dev, method={"d2h": method, "h2d": method}, staging_bytes=max(st_bytes, pg_bytes))
-        eng.kernel_programs = best_progs
+        eng = tuned(TransferEngine(dev, method={"d2h": method, "h2d": method}, staging_bytes=max(st_bytes, pg_bytes)))
         run_states(eng, "d2h")  # first demote makes the host copies valid for the promotes
         run_kv(eng, "d2h")
         eng.wait(demote_states(eng, t1, src_st, sreg, hs_st[n_st:]))
@@ -175,10 +227,15 @@ def main() -> None:
                 gbps = (2 if d == "bidir" else 1) * nbytes / sec / 1e9
                 rows.append({"method": method, "data": what, "direction": d, "GBps": round(gbps, 2),
                              "vs_contiguous": round(gbps / metrics[f"contig_{what}_{d}_GBps"], 3)})
+                # sustained: PIPELINE calls submitted back to back, then one wait (against the same
+                # number of contiguous copies back to back)
+                sec = timed(lambda fn=fn, eng=eng, d=d: pipelined(fn, eng, d), a.reps)
+                gbps = (2 if d == "bidir" else 1) * PIPELINE * nbytes / sec / 1e9
+                rows.append({"method": method, "data": f"{what} sustained", "direction": d, "GBps": round(gbps, 2),
+                             "vs_contiguous": round(gbps / metrics[f"contig_{what}_{d}_sustained_GBps"], 3)})
     # KV pages whose host slots are consecutive, as one node's pages get them from the host allocator
     # (lowest free ids first): "auto" moves each run as one DMA copy through the staging buffer.
-    eng = TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes))
-    eng.kernel_programs = best_progs
+    eng = tuned(TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes)))
     run_a, run_b = sorted(hs_pg[:n_pg]), sorted(hs_pg[n_pg:])
     eng.wait(demote_kv(eng, full, src_pg, kreg, run_a))
     t = load_kv(eng, kreg, run_a, full, dst_pg, layerwise=False)
@@ -198,29 +255,33 @@ def main() -> None:
                      "vs_contiguous": round(gbps / metrics[f"contig_kv_{d}_GBps"], 3)})
         metrics[f"kv_runs_{d}_GBps"] = gbps
 
-    # the headline numbers are what the engine runs by default: method "auto"
-    best = {d: next(r for r in rows if r["data"] == "state" and r["direction"] == d and r["method"] == "auto")
-            for d in ("d2h", "h2d", "bidir")}
-    for d in ("d2h", "h2d", "bidir"):
-        kv = next(r for r in rows if r["data"] == "kv" and r["direction"] == d and r["method"] == "auto")
-        metrics[f"kv_{d}_GBps"] = kv["GBps"]
-        metrics[f"kv_{d}_vs_contiguous"] = kv["vs_contiguous"]
-    metrics["d2h_GBps"] = best["d2h"]["GBps"]
-    metrics["h2d_GBps"] = best["h2d"]["GBps"]
-    metrics["bidir_GBps"] = best["bidir"]["GBps"]
-    metrics["d2h_vs_contiguous"] = best["d2h"]["vs_contiguous"]
-    metrics["h2d_vs_contiguous"] = best["h2d"]["vs_contiguous"]
-    for r in rows:
-        metrics[f"{r['data']}_{r['direction']}_{r['method']}_GBps"] = r["GBps"]
+    # The headline numbers are what the engine runs by default (method "auto"), sustained: several
+    # calls in flight, as the engine keeps them, against as many contiguous copies back to back.
+    # The single-call numbers (one call, then a wait) are kept beside them.
+    def row(data, d, method="auto"):
+        return next(r for r in rows if r["data"] == data and r["direction"] == d and r["method"] == method)
 
-    # checksum overhead: the same scattered state demote with the checksum kernel switched off
-    eng = TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes))
-    eng.kernel_programs = best_progs
-    with_cs = timed(lambda: run_states(eng, "bidir"), a.reps)
+    for d in ("d2h", "h2d", "bidir"):
+        for data, key in (("state", ""), ("kv", "kv_")):
+            r, one = row(f"{data} sustained", d), row(data, d)
+            metrics[f"{key}{d}_GBps"] = r["GBps"]
+            metrics[f"{key}{d}_vs_contiguous"] = r["vs_contiguous"]
+            metrics[f"{key}{d}_single_call_GBps"] = one["GBps"]
+            metrics[f"{key}{d}_single_call_vs_contiguous"] = one["vs_contiguous"]
+    for r in rows:
+        metrics[f"{r['data'].replace(' ', '_')}_{r['direction']}_{r['method']}_GBps"] = r["GBps"]
+
+    # checksum overhead: the same scattered state moves, sustained both ways, with the checksum
+    # kernels switched off
+    eng = tuned(TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes)))
+    with_cs = timed(lambda: pipelined(run_states, eng, "bidir"), a.reps)
     eng.checksums = False
-    without = timed(lambda: run_states(eng, "bidir"), a.reps)
+    without = timed(lambda: pipelined(run_states, eng, "bidir"), a.reps)
     eng.checksums = True
     metrics["checksum_overhead"] = with_cs / without - 1
+    metrics["checksum_overhead_single_call"] = (timed(lambda: run_states(eng, "bidir"), a.reps)
+                                                / _off(eng, lambda: timed(lambda: run_states(eng, "bidir"), a.reps))
+                                                - 1)
 
     # GEMM alone vs with transfers running on the copy streams
     x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -230,7 +291,22 @@ def main() -> None:
         for _ in range(n):
             torch.mm(x, y)
 
+    def gpu_ms(n=20) -> float:
+        """Median GPU time of ``n`` GEMMs on the compute stream (CUDA events: what the GPU spends,
+        not when a Python thread got to launch them)."""
+        out = []
+        gemms(2)
+        for _ in range(a.reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            gemms(n)
+            e1.record()
+            e1.synchronize()
+            out.append(e0.elapsed_time(e1) / n)
+        return statistics.median(out)
+
     alone = timed(gemms, a.reps)
+    alone_gpu = gpu_ms()
     stop = threading.Event()
 
     def mover():
@@ -242,11 +318,13 @@ def main() -> None:
     th.start()
     time.sleep(0.2)
     busy = timed(gemms, a.reps)
+    busy_gpu = gpu_ms()
     stop.set()
     th.join()
-    metrics["gemm_alone_ms"] = alone * 1e3 / 20
-    metrics["gemm_with_transfers_ms"] = busy * 1e3 / 20
-    metrics["gemm_slowdown"] = busy / alone - 1
+    metrics["gemm_alone_ms"] = alone_gpu
+    metrics["gemm_with_transfers_ms"] = busy_gpu
+    metrics["gemm_slowdown"] = busy_gpu / alone_gpu - 1
+    metrics["gemm_slowdown_wall"] = busy / alone - 1  # wall clock: includes the GIL the mover thread holds
     metrics["state_envelope_bytes"] = t1.slot_bytes
     metrics["kv_page_bytes"] = full.entry_bytes
     path = write_results("transfer", metrics, rows=rows, out_dir=a.out,

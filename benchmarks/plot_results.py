@@ -51,12 +51,16 @@ def plot_kernels(rec: dict, path: str) -> None:
 def plot_transfer(rec: dict, path: str) -> None:
     rows = rec.get("rows", [])
     methods = sorted({r["method"] for r in rows}, key=["copy", "staging", "kernel", "auto"].index)
-    labels = [f"{d}\n{k}" for k in ("state", "kv") for d in ("d2h", "h2d", "bidir")]
+    # sustained (several calls in flight) where the run measured it, else single calls
+    sus = any(r["data"].endswith("sustained") for r in rows)
+    kinds = ("state sustained", "kv sustained") if sus else ("state", "kv")
+    labels = [f"{d}\n{k}" for k in kinds for d in ("d2h", "h2d", "bidir")]
     got = {(r["method"], r["data"], r["direction"]): r["GBps"] for r in rows}
-    series = {meth: [got.get((meth, k, d), 0.0) for k in ("state", "kv") for d in ("d2h", "h2d", "bidir")]
+    series = {meth: [got.get((meth, k, d), 0.0) for k in kinds for d in ("d2h", "h2d", "bidir")]
               for meth in methods}
     m = rec["metrics"]
-    series["contiguous pinned copy"] = [m.get(f"contig_{k}_{d}_GBps", 0.0) for k in ("state", "kv")
+    suffix = "_sustained" if sus else ""
+    series["contiguous pinned copy"] = [m.get(f"contig_{k}_{d}{suffix}_GBps", 0.0) for k in ("state", "kv")
                                         for d in ("d2h", "h2d", "bidir")]
     fig, ax = plt.subplots(figsize=(9, 4))
     _bars(ax, labels, series, "GB/s over PCIe", f"T2 transfers, {rec['device']}, {rec['date']}, {rec['commit']}")

@@ -15,11 +15,11 @@ TESTS=${TESTS:-tests}  # which test paths to run (default: all)
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   echo "== pytest -m gpu"
   python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS 2>&1 | tail -40
-  echo "== pytest -m gpu under TORCH_CUDA_SANITIZER=1 (transfer tests)"
-  TORCH_CUDA_SANITIZER=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_transfer.py > "$OUT/sanitizer.txt" 2>&1
+  echo "== pytest -m gpu under TORCH_CUDA_SANITIZER=1 (transfer, host tier and SWA tests)"
+  TORCH_CUDA_SANITIZER=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_transfer.py tests/test_radix_host.py tests/test_radix_swa.py > "$OUT/sanitizer.txt" 2>&1
   grep -E "CSAN|passed|failed" "$OUT/sanitizer.txt" | head -20
   for b in $benches; do
     echo "== bench_$b"
-    timeout 240 python3 "benchmarks/bench_$b.py" --out "$OUT/results" 2>&1 | tail -40
+    timeout 330 python3 "benchmarks/bench_$b.py" --out "$OUT/results" 2>&1 | tail -40
   done
 } 2>&1 | tee "$LOG"

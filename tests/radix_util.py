@@ -64,7 +64,7 @@ def write_swa(cache: HiSWARadixCache, ids: torch.Tensor, toks: Sequence[int], sa
         return
     ps = cache.page_size
     phys = cache.swa.translate(ids[:len(toks)])
-    h = torch.tensor(prefix_hashes(toks, salt), dtype=torch.float32) + SWA_OFFSET
+    h = torch.tensor(prefix_hashes(toks, salt), dtype=torch.float32, device=cache.device) + SWA_OFFSET
     k = cache.swa.k_view_all()
     for layer in range(k.shape[0]):
         k[layer, phys // ps, phys % ps] = (h + layer)[:, None, None]
@@ -78,7 +78,7 @@ def check_swa(cache: HiSWARadixCache, ids: torch.Tensor, toks: Sequence[int], sa
     ps = cache.page_size
     phys = cache.swa.translate(ids[start:len(toks)])
     h = torch.tensor(prefix_hashes(toks, salt)[start:], dtype=torch.float32) + SWA_OFFSET
-    got = cache.swa.k_view_all()[:, phys // ps, phys % ps]
+    got = cache.swa.k_view_all()[:, phys // ps, phys % ps].cpu()  # [L, n, H, D]
     want = (h[None, :] + torch.arange(got.shape[0])[:, None])[:, :, None, None].expand_as(got)
     assert torch.equal(got, want), "SWA KV content differs from what was inserted for these tokens"
 

@@ -258,3 +258,155 @@ def test_cache_unfinished_req_bad_swa_ids():
     req.swa_kv_indices = cache.swa.alloc(2)  # too short
     with pytest.raises(InvalidArgumentError, match="swa_kv_indices"):
         cache.cache_unfinished_req(req)
+
+
+# ----------------------------------------------------------------------------- real streams (CUDA)
+# The bodies take the device; the gpu-marked tests run them on CUDA (with TORCH_CUDA_SANITIZER=1 on
+# the H200), the unmarked ones run the same code on CPU, where every ticket completes on submission.
+def _rows(side, ids, ps=2):
+    return side.rows_bytes()[side.translate(ids[::ps]) // ps].clone()
+
+
+def _nothing(cache):
+    return torch.empty(0, dtype=torch.int64, device=cache.device)
+
+
+def _load(cache, toks):
+    """Match ``toks``, start loading its host part, wait on every layer and ticket, apply the events."""
+    m = match(cache, toks)
+    req = CacheReq(token_ids=list(toks), kv_indices=_nothing(cache))
+    ids, node = cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+    h = req.load_back
+    assert node is m.best_match_node and len(ids) == m.host_hit_length and set(h.tickets) == {"kv", "swa"}
+    assert ids.device == cache.device and h.swa_indices.device == cache.device and len(h.swa_indices) == len(ids)
+    for layer in range(cache.kv.spec.num_layers):
+        h.wait_layer(layer)  # compute waits on full-KV layer k while k+1 may still be in flight
+    for layer in range(cache.swa.spec.num_layers):
+        h.wait_layer(layer, kind="swa")
+    for t in h.tickets.values():
+        assert cache.engine.wait(t, timeout=10)
+    assert not h.done  # the tree changes only in check_hicache_events
+    cache.check_hicache_events()
+    assert h.done
+    return m, ids, h
+
+
+def _offloaded_window_loads_back_on(device, policy):
+    cache = three(write_policy=policy, device=device)
+    cache.check_hicache_events()
+    toks = list(range(1, 11))
+    a, b, c = node_at(cache, [1, 2, 3, 4]), node_at(cache, range(1, 9)), node_at(cache, toks)
+    saved_full = _rows(cache.kv, torch.cat([b.value, c.value]))
+    saved_swa = _rows(cache.swa, torch.cat([b.swa_value, c.swa_value]))
+    assert saved_full.device == cache.device and saved_swa.device == cache.device
+    match(cache, [1, 2, 3, 4])
+    assert cache.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6  # C, then B: demoted with their SWA KV
+    for x in (b, c):
+        assert x.value is None and x.swa_value is None and not x.swa_tomb
+        assert x.host_kv is not None and x.swa_host is not None
+    m = match(cache, toks)
+    assert (len(m.device_indices), m.host_hit_length, m.swa_host_hit_length) == (4, 6, 6)
+    assert m.best_match_node is c and m.last_device_node is a
+    req = CacheReq(token_ids=toks, kv_indices=_nothing(cache))
+    ids, node = cache.init_load_back(InitLoadBackParams(c, 6, req=req))
+    h = req.load_back
+    assert node is c and len(ids) == 6 and len(h.swa_indices) == 6 and set(h.tickets) == {"kv", "swa"}
+    assert ids.device == cache.device and h.swa_indices.device == cache.device
+    assert a.full_lock_ref == b.full_lock_ref == c.full_lock_ref == 1  # the load's own lock
+    assert b.value is None and c.value is None  # the tree changes only when the tickets complete
+    cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
+    for layer in range(cache.kv.spec.num_layers):
+        h.wait_layer(layer)  # compute waits on full-KV layer k while k+1 may still be in flight
+    for layer in range(cache.swa.spec.num_layers):
+        h.wait_layer(layer, kind="swa")
+    for t in h.tickets.values():
+        assert cache.engine.wait(t, timeout=10)
+    cache.check_hicache_events()
+    assert h.done and h.ok
+    assert torch.equal(torch.cat([b.value, c.value]), ids)
+    assert torch.equal(torch.cat([b.swa_value, c.swa_value]), h.swa_indices)
+    assert torch.equal(_rows(cache.kv, ids), saved_full)  # full KV byte-equal to what was demoted
+    assert torch.equal(_rows(cache.swa, h.swa_indices), saved_swa)  # SWA KV too
+    check_kv(cache, torch.cat([m.device_indices, ids]), toks)
+    check_swa(cache, torch.cat([m.swa_device_indices, h.swa_indices]), toks)
+    for x in (b, c):
+        assert x.host_kv is not None and x.swa_host is not None and not x.swa_tomb  # host copies stay
+        assert not x.tickets
+    assert a.full_lock_ref == b.full_lock_ref == c.full_lock_ref == 0  # locks released
+    cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
+    m = match(cache, toks)
+    assert len(m.device_indices) == 10 and m.host_hit_length == 0 and m.swa_host_hit_length == 0
+    check_kv(cache, m.device_indices, toks)
+    check_swa(cache, m.swa_device_indices, toks)
+
+
+def _demotion_write_back_and_corrupt_swa_on(device):
+    cache = three(write_policy="write_back", device=device)
+    toks = list(range(1, 11))
+    b, c = node_at(cache, range(1, 9)), node_at(cache, toks)
+    assert all(x.host_kv is None and x.swa_host is None for x in (b, c))  # write_back: nothing on the host yet
+    saved_full, saved_swa = _rows(cache.kv, b.value), _rows(cache.swa, b.swa_value)
+    match(cache, [1, 2, 3, 4])
+    assert cache.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6  # written back, then demoted
+    for x in (b, c):
+        assert x.alive and x.value is None and x.swa_value is None and not x.swa_tomb and not x.tickets
+        assert x.host_kv is not None and x.swa_host is not None
+    cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
+    cache.swa_region.flip_bit(c.swa_host[0], 1, 2)  # C's full KV intact, its SWA page not
+    m, ids, h = _load(cache, toks[:8])  # B alone: intact
+    assert h.ok and m.best_match_node is b and len(ids) == 4
+    assert torch.equal(_rows(cache.kv, ids), saved_full) and torch.equal(_rows(cache.swa, h.swa_indices), saved_swa)
+    check_swa(cache, torch.cat([m.swa_device_indices, h.swa_indices]), toks[:8])
+    m, ids, h = _load(cache, toks)  # C: its SWA page fails the checksum
+    assert m.best_match_node is c and len(ids) == 2
+    assert not h.ok and not c.alive and b.children == {}
+    assert cache.engine.stats["checksum_failures"] == 1 and cache.stats["corrupt_host_kv_dropped"] == 1
+    assert c.value is None and c.swa_value is None  # its loaded pages went back, never served
+    cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
+    m = match(cache, toks)  # a miss for C: the hit ends at B, on the device
+    assert len(m.device_indices) == 8 and m.host_hit_length == 0 and m.swa_host_hit_length == 0
+    assert m.best_match_node is b and m.last_device_node is b
+    check_kv(cache, m.device_indices, toks[:8])
+    check_swa(cache, m.swa_device_indices, toks[:8])
+    assert b.full_lock_ref == 0 and not b.tickets
+    cache.evict(EvictParams(num_tokens=100))  # A and B demoted: nothing leaked on the device
+    assert cache.kv.allocator.num_live == 0 and cache.swa.allocator.num_live == 0
+    assert len(match(cache, toks).device_indices) == 0
+    cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_an_offloaded_window_loads_back_through_the_stream_path_on_cpu(policy):
+    _offloaded_window_loads_back_on("cpu", policy)
+
+
+def test_demotion_under_write_back_and_a_corrupt_swa_page_on_cpu():
+    _demotion_write_back_and_corrupt_swa_on("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_an_offloaded_window_loads_back_on_cuda(policy):
+    _offloaded_window_loads_back_on("cuda", policy)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_demotion_under_write_back_and_a_corrupt_swa_page_on_cuda():
+    _demotion_write_back_and_corrupt_swa_on("cuda")
+    torch.cuda.synchronize()
+
+
+def test_wait_layer_kind_is_checked():
+    cache = three()
+    match(cache, [1, 2, 3, 4])
+    assert cache.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6  # C and B go to the host
+    m = match(cache, list(range(1, 11)))
+    assert m.host_hit_length
+    req = CacheReq(token_ids=list(range(1, 11)), kv_indices=_nothing(cache))
+    cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+    with pytest.raises(InvalidArgumentError, match="kind"):
+        req.load_back.wait_layer(0, kind="state")
+    req.load_back.wait_layer(0, kind="swa")
+    cache.check_hicache_events()
+    assert req.load_back.done and req.load_back.ok

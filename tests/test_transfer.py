@@ -307,3 +307,29 @@ def test_round_trips_on_cuda(method):
     assert eng.wait(t, timeout=10) and t.ok == [True, True, False, True]
     got = full.rows_bytes()[full.translate(toks[::4]) // 4]
     assert torch.equal(got[[0, 1, 3]], saved[[0, 1, 3]])
+
+
+@pytest.mark.parametrize("block_words,num_warps,progs", [(64, 1, 1), (256, 8, 3), (2048, 4, 16)])
+def test_copy_items_kernel_settings_match_reference(block_words, num_warps, progs):
+    """Every (block, warps, programs) setting the benchmark sweeps moves exactly the reference's words."""
+    from tiered_cache.kernels.hostcopy import copy_items
+    from tiered_cache.kernels.reference import copy_items_reference
+
+    g = torch.Generator().manual_seed(block_words)
+    src = torch.randint(-2**31, 2**31 - 1, (4000,), dtype=torch.int32, generator=g)
+    so = torch.tensor([0, 900, 1800, 3000, 2700], dtype=torch.int64)
+    do = torch.tensor([1500, 0, 3100, 600, 2300], dtype=torch.int64)
+    want = torch.full((4000,), -7, dtype=torch.int32)
+    got = want.clone()
+    copy_items_reference(src, so, want, do, 300)
+    copy_items(src, so, got, do, 300, progs, block_words, num_warps)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kw,arg", [({"block_words": 100}, "block_words"), ({"num_warps": 3}, "num_warps")])
+def test_copy_items_bad_settings_name_the_argument(kw, arg):
+    from tiered_cache.kernels.hostcopy import copy_items
+
+    x = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match=arg):
+        copy_items(x, torch.tensor([0]), x.clone(), torch.tensor([0]), 4, **kw)

@@ -104,6 +104,8 @@ class TransferEngine:
         self.max_inflight_bytes = max_inflight_bytes
         self.room_timeout_s = room_timeout_s  # how long a blocking submit waits for room
         self.kernel_programs = 16  # programs of the mapped-memory copy kernel (few: leave SMs to compute)
+        self.kernel_block_words = 2048  # int32 words a program moves per step (power of two)
+        self.kernel_warps = 4  # warps per program
         self.backend = backend
         self.streams = {name: dev.new_stream(self.device) for name in ("d2h", "h2d", "cs_d2h", "cs_h2d")}
         self._queues: dict[str, collections.deque[Ticket]] = {"d2h": collections.deque(), "h2d": collections.deque()}
@@ -356,9 +358,11 @@ class TransferEngine:
             d_t = torch.tensor(d_off, dtype=torch.int64, device=self.device)
             h_t = torch.tensor(h_off, dtype=torch.int64, device=self.device)
             if direction == "d2h":
-                copy_items(dev_words, d_t, host_words, h_t, n // 4, self.kernel_programs)
+                copy_items(dev_words, d_t, host_words, h_t, n // 4, self.kernel_programs, self.kernel_block_words,
+                           self.kernel_warps)
             else:
-                copy_items(host_words, h_t, dev_words, d_t, n // 4, self.kernel_programs)
+                copy_items(host_words, h_t, dev_words, d_t, n // 4, self.kernel_programs, self.kernel_block_words,
+                           self.kernel_warps)
 
     def _get_staging(self, direction: str, row_bytes: int) -> torch.Tensor:
         """The direction's staging buffer (one per direction: D2H and H2D run at the same time)."""

@@ -35,18 +35,25 @@ def _copy_items_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, n_items, n_wo
 
 
 def copy_items(src_words: torch.Tensor, src_offsets: torch.Tensor, dst_words: torch.Tensor,
-               dst_offsets: torch.Tensor, n_words: int, num_programs: int = 16) -> None:
+               dst_offsets: torch.Tensor, n_words: int, num_programs: int = 16, block_words: int = 2048,
+               num_warps: int = 4) -> None:
     """For each item ``i``: ``dst_words[dst_offsets[i] : +n_words] = src_words[src_offsets[i] : +n_words]``.
 
     ``src_words`` / ``dst_words``: int32 tensors, one on the GPU and one in pinned host memory (or both
     on CPU under the interpreter); offsets: int64 word offsets on the launching device.
+    ``block_words`` (a power of two) and ``num_warps``: words each program moves per step and the warps
+    that move them (more of either puts more reads in flight over PCIe).
     """
+    if block_words < 1 or block_words & (block_words - 1):
+        raise InvalidArgumentError("block_words", "a power of two >= 1", block_words)
+    if num_warps not in (1, 2, 4, 8, 16, 32):
+        raise InvalidArgumentError("num_warps", "one of 1, 2, 4, 8, 16, 32", num_warps)
     if src_offsets.numel() != dst_offsets.numel():
         raise InvalidArgumentError("dst_offsets", f"{src_offsets.numel()} offsets", dst_offsets.numel())
     n = src_offsets.numel()
     if n == 0 or n_words == 0:
         return
     progs = max(1, min(num_programs, n))
-    block = min(2048, triton.next_power_of_2(n_words))
+    block = min(block_words, triton.next_power_of_2(n_words))
     _copy_items_kernel[(progs,)](src_words, dst_words, src_offsets, dst_offsets, n, n_words,
-                                 NUM_PROGS=progs, BLOCK=block)
+                                 NUM_PROGS=progs, BLOCK=block, num_warps=num_warps)

@@ -62,8 +62,13 @@ class LoadBack:
     done: bool = False
     ok: bool = False
 
-    def wait_layer(self, layer: int, stream: Any = None) -> None:
-        t = self.tickets.get("kv")
+    def wait_layer(self, layer: int, stream: Any = None, kind: str = "kv") -> None:
+        """Make ``stream`` (default: the current one) wait until layer ``layer`` of the ``kind`` KV
+        (``"kv"``: the full-attention layers; ``"swa"``: the sliding-window layers, in their own
+        order) has landed. A kind this load does not move has nothing to wait for."""
+        if kind not in ("kv", "swa"):
+            raise InvalidArgumentError("kind", "'kv' or 'swa'", kind)
+        t = self.tickets.get(kind)
         if t is not None:
             t.wait_layer(layer, stream)
 
