@@ -432,10 +432,23 @@ def test_stress_command_smoke(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ GPU
+def skip_if_fla(model) -> None:
+    """Exact equality holds for transformers' fp32 torch gated-delta implementation, which the GPU run
+    (scripts/gpu_run.sh) uses. With flash-linear-attention installed, transformers 5.17 runs its Triton
+    kernels, whose dot products are TF32: there a lossless cached run drifted 1.7e-2 from the no-cache
+    run (both deterministic; H200, 2026-11-30), so the comparison would test fla, not the cache."""
+    from benchmarks.bench_workload import gated_delta_impl
+
+    impl = gated_delta_impl(model)
+    if impl.startswith("fla"):
+        pytest.skip(f"gated delta runs {impl} (TF32): exact equality needs the fp32 torch implementation")
+
+
 @needs_host
 @pytest.mark.gpu
 def test_lossless_multi_turn_equals_no_cache_on_cuda():
     model = tiny_qwen3_next(seed=0, long_memory=True, device="cuda")
+    skip_if_fla(model)
     torch.backends.cuda.matmul.allow_tf32 = False
     base = run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
     e, got = run_checked(model, EngineConfig(codec="lossless", **SMALL, **HOST))
