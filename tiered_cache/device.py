@@ -121,6 +121,19 @@ def pinned_empty(nbytes: int, *, pin: bool = True) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=bool(pin and cuda_available()))
 
 
+def host_to_device(host: torch.Tensor, device: DeviceLike) -> torch.Tensor:
+    """A small host tensor on ``device``, enqueued on the current stream without blocking the caller.
+
+    On a GPU the bytes go through page-locked memory (torch's host allocator keeps the block until the
+    copy is done): a copy from pageable memory would block this thread until the copy engine reaches it,
+    behind every large host copy already queued. Elsewhere: a plain copy.
+    """
+    dev = resolve(device)
+    if dev.type != "cuda":
+        return host.to(dev)
+    return host.pin_memory().to(dev, non_blocking=True)
+
+
 def free_memory(device: DeviceLike) -> int:
     """Bytes that can still be allocated on ``device`` (GPU: ``cudaMemGetInfo``; CPU: MemAvailable)."""
     dev = resolve(device)

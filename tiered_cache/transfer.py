@@ -128,7 +128,7 @@ class TransferEngine:
         slots). The host slots are marked busy too.
         """
         rows_l, slots = self._check(rows_view, rows, region, host_slots, need_valid=False)
-        rows_t = torch.tensor(rows_l, dtype=torch.int64, device=self.device)
+        rows_t = dev.host_to_device(torch.tensor(rows_l, dtype=torch.int64), self.device)
         nbytes = len(rows_l) * region.slot_bytes
         if not self._make_room(nbytes, block):
             return None
@@ -170,14 +170,14 @@ class TransferEngine:
         rows_l, slots = self._check(rows_view, rows, region, host_slots, need_valid=True)
         if self.corrupt_hook is not None:
             self.corrupt_hook(region, slots)
-        rows_t = torch.tensor(rows_l, dtype=torch.int64, device=self.device)
+        rows_t = dev.host_to_device(torch.tensor(rows_l, dtype=torch.int64), self.device)
         nbytes = len(rows_l) * region.slot_bytes
         if not self._make_room(nbytes, block):
             return None
         t = self._ticket("h2d", kind, nbytes, slots)
         stream = self.streams["h2d"]
         # enqueued on the compute stream before the wait below, so the H2D stream sees it
-        expected = torch.from_numpy(region.checksums[slots].copy()).to(self.device)
+        expected = dev.host_to_device(torch.from_numpy(region.checksums[slots].copy()), self.device)
         stream.wait_stream(dev.current_stream(self.device))  # compute is done with the rows we overwrite
         cs = self.streams["cs_h2d"]
         goods: list[torch.Tensor] = []
@@ -355,8 +355,8 @@ class TransferEngine:
             h_off.append((k * region.slot_bytes + off) // 4)
         for c, (d_off, h_off) in by_chunk.items():
             host_words = region.chunks[c].view(torch.int32)
-            d_t = torch.tensor(d_off, dtype=torch.int64, device=self.device)
-            h_t = torch.tensor(h_off, dtype=torch.int64, device=self.device)
+            d_t = dev.host_to_device(torch.tensor(d_off, dtype=torch.int64), self.device)
+            h_t = dev.host_to_device(torch.tensor(h_off, dtype=torch.int64), self.device)
             if direction == "d2h":
                 copy_items(dev_words, d_t, host_words, h_t, n // 4, self.kernel_programs, self.kernel_block_words,
                            self.kernel_warps)
