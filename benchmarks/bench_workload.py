@@ -214,7 +214,8 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     gpu, host = int(sec["gpu_budget_mib"] * wc.MiB), int(sec["host_budget_mib"] * wc.MiB)
     tiers = wc.split_budget(tb, gpu, host, e["max_running"], req_pages, e["kv_fraction"])
     common = dict(page_size=e["page_size"], chunk_size=e["chunk_size"], prefill_budget=e["prefill_budget"],
-                  max_running=e["max_running"], write_policy=e["write_policy"])
+                  max_running=e["max_running"], write_policy=e["write_policy"],
+                  decode_batch=bool(args.decode_batch or e.get("decode_batch", False)))
     n_req = sum(len(c.questions) for c in clients)
     print(f"\n== {name} ({args.scale}): {w['clients']} clients x {w['rounds']} rounds, prefix {w['prefix_len']} "
           f"({'own' if not w['prefix_groups'] else str(w['prefix_groups']) + ' shared'}), question "
@@ -334,6 +335,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
         record = json.load(f)
     keep = ("workload", "engine", "model", "gpu_budget_mib", "host_budget_mib")
     record["info"] = {"scale": args.scale, "environment": env, "gated_delta": gd, "models": model_info,
+                      "decode_batch_flag": bool(args.decode_batch),
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
                                                 "tier_bytes": r["tier_bytes"], "longest_request": r["longest_request"],
                                                 "tree_stats": r["tree_stats"]} for r in results}}
@@ -355,6 +357,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="override a workload param in every selected workload (e.g. clients=2 rounds=2)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on the shared 2-core machines)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--decode-batch", action="store_true",
+                   help="every configuration decodes its running requests in one batched forward per step")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a cProfile report per configuration to DIR (timings then include its overhead)")
     p.add_argument("--check-fla", action="store_true",

@@ -44,7 +44,7 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
     from benchmarks.bench_workload import main
 
     rec = main(["--scale", "small", "--workloads", "multi_turn", "long_context_qa", "--set", "clients=3", "rounds=2",
-                "--out", str(tmp_path), "--no-progress"])
+                "--out", str(tmp_path), "--no-progress", "--decode-batch"])
     m = rec["metrics"]
     for k in ("ttft_p50_speedup_vs_nocache", "throughput_vs_nocache", "hit_rate_vs_gpu_only", "ttft_p50_s_no_cache",
               "ttft_p50_s_int8_t1_t2", "requests_per_s_no_cache", "requests_per_s_int8_t1_t2", "hit_rate_gpu_only",
@@ -58,7 +58,8 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
         assert os.path.exists(tmp_path / f"workload-{wl}-cpu.png")
     assert m["multi_turn_int8_t1_t2_pcie_bytes"] > 0 and m["multi_turn_gpu_only_pcie_bytes"] == 0
     assert os.path.exists(tmp_path / "workload-cpu.md")
-    assert json.load(open(tmp_path / "workload-cpu.json"))["info"]["gated_delta"]
+    info = json.load(open(tmp_path / "workload-cpu.json"))["info"]
+    assert info["gated_delta"] and info["decode_batch_flag"]
 
 
 def test_bench_capacity_tiny(tmp_path):

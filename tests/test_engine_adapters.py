@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 from tiered_cache.checkpoint_pool import Int8CheckpointPool  # noqa: E402
 from tiered_cache.engine import (  # noqa: E402
     HybridCacheAdapter,
+    decode_batch,
     forward_chunk,
     new_cache,
     spec_for,
@@ -284,3 +285,60 @@ def test_misuse_is_refused_before_anything_changes(qwen):
     h.ad.import_kv(kv_only, h.full, h.tokens, SPLIT)
     with pytest.raises(InvalidArgumentError, match="linear layer"):
         forward_chunk(qwen, kv_only, ids[SPLIT:], SPLIT)  # would silently restart the recurrence
+
+
+# ------------------------------------------------------------------------------ batched decode
+# Batched vs one at a time, fp32: the same math over a left-padded batch (padding masked out), summed
+# in another order. Measured on the long-memory model: <= 4.1e-6 over 4 steps.
+BATCH_ATOL = 5e-5
+
+
+def test_decode_batch_equals_one_at_a_time(qwen_long):
+    """Three requests of different lengths decode 4 tokens together: each step's logits, and the
+    KV, conv windows and recurrent states left in each cache, match decoding each alone."""
+    m = qwen_long
+    lens = [5, 17, 9]
+    prompts = [_ids(s)[:n] for s, n in zip((1, 2, 3), lens)]
+    alone, together = [], []
+    for p in prompts:
+        for out in (alone, together):
+            c = new_cache(m)
+            forward_chunk(m, c, p, 0)
+            out.append(c)
+    toks = [int(t) for t in torch.randint(3, 256, (3,), generator=torch.Generator().manual_seed(9))]
+    for _ in range(4):
+        ref = [forward_chunk(m, c, torch.tensor([t]), n)[0][-1] for c, t, n in zip(alone, toks, lens)]
+        got = decode_batch(m, together, toks, lens)
+        assert got.shape == (3, m.config.vocab_size)
+        for r, g in zip(ref, got):
+            assert (r - g).abs().max().item() < BATCH_ATOL
+            assert int(r.argmax()) == int(g.argmax())
+        toks = [int(r.argmax()) for r in ref]
+        lens = [n + 1 for n in lens]
+    for a, b in zip(alone, together):
+        assert b.get_seq_length() == a.get_seq_length()
+        for la, lb in zip(a.layers, b.layers):
+            if hasattr(la, "recurrent_states"):
+                assert torch.allclose(la.recurrent_states[0], lb.recurrent_states[0], atol=BATCH_ATOL)
+                assert torch.allclose(la.conv_states[0][..., -lb.conv_states[0].shape[-1]:], lb.conv_states[0],
+                                      atol=BATCH_ATOL)
+            else:
+                assert torch.allclose(la.keys, lb.keys, atol=BATCH_ATOL)
+                assert torch.allclose(la.values, lb.values, atol=BATCH_ATOL)
+
+
+def test_decode_batch_refuses_bad_input(qwen, swa):
+    c = new_cache(qwen)
+    forward_chunk(qwen, c, _ids()[:6], 0)
+    seen = c.get_seq_length()
+    with pytest.raises(InvalidArgumentError, match="positions"):
+        decode_batch(qwen, [c], [5], [7])  # the cache holds 6 tokens
+    with pytest.raises(InvalidArgumentError, match="tokens, positions"):
+        decode_batch(qwen, [c], [5, 6], [6])
+    with pytest.raises(InvalidArgumentError, match="tokens, positions"):
+        decode_batch(qwen, [], [], [])
+    assert c.get_seq_length() == seen  # nothing changed
+    s = new_cache(swa)
+    forward_chunk(swa, s, _ids()[:6], 0)
+    with pytest.raises(InvalidArgumentError, match="model"):
+        decode_batch(swa, [s], [5], [6])

@@ -7,7 +7,7 @@ Needs the ``engine`` extra (``transformers>=5.17,<6``); imported lazily by nothi
 
 from __future__ import annotations
 
-from tiered_cache.engine.adapters import HybridCacheAdapter, forward_chunk, new_cache
+from tiered_cache.engine.adapters import HybridCacheAdapter, decode_batch, forward_chunk, new_cache
 from tiered_cache.engine.models import ModelSpecs, spec_for, tiny_qwen3_next, tiny_swa_model
 from tiered_cache.engine.request import Request, Status
 from tiered_cache.engine.scheduler import Engine, EngineConfig
@@ -21,6 +21,7 @@ __all__ = [
     "Request",
     "Status",
     "WorkloadConfig",
+    "decode_batch",
     "forward_chunk",
     "make_conversations",
     "new_cache",

@@ -80,6 +80,74 @@ def forward_chunk(model, cache, input_ids: torch.Tensor, start_pos: int) -> tupl
     return out.logits[0], cache
 
 
+@torch.no_grad()
+def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """One decode token for each of several requests, in one forward: ``caches[b]`` (batch 1) holds
+    positions ``[0, positions[b])`` and the token at ``positions[b]`` is ``tokens[b]``.
+
+    Returns the logits ``[B, vocab]``; each cache gains its token's KV and its new recurrent state, as
+    ``forward_chunk`` would have left it (up to floating-point summation order). The requests' KV is
+    gathered into one left-padded batch cache (padding masked out), so a step costs one forward
+    instead of ``B``. Models with sliding-window layers are not batched here.
+    """
+    kinds = layer_kinds(model.config)
+    if SLIDING in kinds:
+        raise InvalidArgumentError("model", "a model without sliding-window layers (batched decode)", "sliding layers")
+    n = len(caches)
+    if n == 0 or len(tokens) != n or len(positions) != n:
+        raise InvalidArgumentError("tokens, positions", f"one per cache ({n} caches, at least one)",
+                                   (len(tokens), len(positions)))
+    for b, (c, p) in enumerate(zip(caches, positions)):
+        seen = _seen_tokens(c)
+        if not isinstance(p, int) or p < 1 or (seen is not None and seen != p):
+            raise InvalidArgumentError("positions", f"positions[{b}] = {seen}, the tokens cache {b} holds", p)
+    dev = model.device
+    width = max(positions)
+    k_conv = model.config.get_text_config(decoder=True).linear_conv_kernel_dim if LINEAR in kinds else 0
+    batch = new_cache(model)
+    for i, kind in enumerate(kinds):
+        layers = [c.layers[i] for c in caches]
+        if kind == FULL:
+            k0, v0 = layers[0].keys, layers[0].values
+            keys = k0.new_zeros((n, k0.shape[1], width, k0.shape[3]))
+            values = v0.new_zeros((n, v0.shape[1], width, v0.shape[3]))
+            for b, (lay, p) in enumerate(zip(layers, positions)):
+                keys[b, :, width - p:] = lay.keys[0]
+                values[b, :, width - p:] = lay.values[0]
+            batch.layers[i].update(keys, values)
+        else:
+            for b, lay in enumerate(layers):
+                if not all(lay.has_previous_state.values()):
+                    raise InvalidArgumentError("caches", f"a state in linear layer {i} of cache {b}", "none")
+            conv = torch.cat([lay.conv_states[0][..., -k_conv:] for lay in layers])
+            rec = torch.cat([lay.recurrent_states[0] for lay in layers])
+            target = batch.layers[i]
+            target.is_conv_states_initialized[0] = False
+            target.has_previous_state[0] = False
+            target.update_conv_state(conv.clone(), 0, conv_kernel_size=k_conv)
+            target.update_recurrent_state(rec.clone(), 0)
+    mask = torch.zeros((n, width + 1), dtype=torch.long, device=dev)
+    for b, p in enumerate(positions):
+        mask[b, width - p:] = 1
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=dev).view(n, 1)
+    pos = torch.as_tensor(list(positions), dtype=torch.long, device=dev).view(n, 1)
+    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **{_cache_kwarg(model): batch})
+    for i, kind in enumerate(kinds):
+        src = batch.layers[i]
+        for b, c in enumerate(caches):
+            lay = c.layers[i]
+            if kind == FULL:
+                lay.update(src.keys[b:b + 1, :, -1:], src.values[b:b + 1, :, -1:])
+                continue
+            conv, rec = src.conv_states[0][b:b + 1, ..., -k_conv:], src.recurrent_states[0][b:b + 1]
+            if lay.conv_states[0].shape == conv.shape:
+                lay.conv_states[0].copy_(conv)
+            else:
+                lay.conv_states[0] = conv.clone()
+            lay.recurrent_states[0].copy_(rec)
+    return out.logits[:, -1]
+
+
 def _seen_tokens(cache) -> Optional[int]:
     try:
         return int(cache.get_seq_length())
@@ -298,4 +366,4 @@ class HybridCacheAdapter:
         return spec
 
 
-__all__ = ["FULL", "LINEAR", "SLIDING", "HybridCacheAdapter", "forward_chunk", "new_cache"]
+__all__ = ["FULL", "LINEAR", "SLIDING", "HybridCacheAdapter", "decode_batch", "forward_chunk", "new_cache"]

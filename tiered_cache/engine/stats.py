@@ -68,6 +68,7 @@ class EngineStats:
                          "admission_retries": c["admission_retries"]},
             "tokens": {"prompt": prompt, "computed": c["computed_tokens"], "reused": c["reused_tokens"],
                        "reused_from_host": c["reused_host_tokens"], "decoded": c["decode_tokens"],
+                       "decode_forwards": c["decode_forwards"],
                        "reuse_rate": (c["reused_tokens"] / prompt) if prompt else 0.0,
                        "recomputed_after_abort": c["aborted_computed_tokens"]},
             "hits": {"T0_kv_tokens": c["hit_t0_kv_tokens"], "T1_states": c["hit_t1_states"],
