@@ -2,6 +2,9 @@
 # One call on the GPU machine: the GPU tests (also under the CUDA sanitizer), then the benchmarks.
 # Results land in $OUT/results (copy them into benchmarks/results/ to commit); the log in $OUT/log.txt.
 # Usage: bash scripts/gpu_run.sh [bench ...]   (default: pool kernels transfer)
+#   bench "workload" runs bench_workload.py with $WORKLOAD_ARGS (default: the full-scale multi-turn
+#   workload, batched decode) and, when .whl/ holds the flash-linear-attention wheels (carry .whl),
+#   installs them for that benchmark only: the tests keep transformers' fp32 torch gated delta.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -10,6 +13,7 @@ mkdir -p "$OUT/results"
 LOG=$OUT/log.txt
 benches=${*:-pool kernels transfer}
 TESTS=${TESTS:-tests}  # which test paths to run (default: all)
+WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-batch --no-progress}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -20,6 +24,16 @@ TESTS=${TESTS:-tests}  # which test paths to run (default: all)
   grep -E "CSAN|passed|failed" "$OUT/sanitizer.txt" | head -20
   for b in $benches; do
     echo "== bench_$b"
+    if [ "$b" = workload ]; then
+      site=$PYTHONPATH
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+          && site=/tmp/site:$PYTHONPATH
+      fi
+      # shellcheck disable=SC2086
+      PYTHONPATH=$site timeout 540 python3 benchmarks/bench_workload.py $WORKLOAD_ARGS --out "$OUT/results" 2>&1 | tail -40
+      continue
+    fi
     timeout 330 python3 "benchmarks/bench_$b.py" --out "$OUT/results" 2>&1 | tail -40
   done
 } 2>&1 | tee "$LOG"
