@@ -333,3 +333,26 @@ def test_copy_items_bad_settings_name_the_argument(kw, arg):
     x = torch.zeros(8, dtype=torch.int32)
     with pytest.raises(InvalidArgumentError, match=arg):
         copy_items(x, torch.tensor([0]), x.clone(), torch.tensor([0]), 4, **kw)
+
+
+def _runs_one_by_one(slots, per_chunk):
+    """The run grouping spelled out slot by slot (the twin of ``HostRegion.runs``)."""
+    out = []
+    for pos, s in enumerate(slots):
+        if out and s == out[-1][1] + out[-1][2] and s // per_chunk == out[-1][1] // per_chunk:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((pos, s, 1))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_runs_match_the_slot_by_slot_grouping(seed):
+    m = HostMirror([RegionSpec("x", 48, 40)], chunk_bytes=48 * 7)  # 7 slots a chunk
+    r = m.region("x")
+    g = torch.Generator().manual_seed(seed)
+    for n in (0, 1, 5, 40):
+        base = sorted(torch.randperm(40, generator=g)[:n].tolist())
+        mixed = base[: n // 2] + torch.randperm(40, generator=g)[: n - n // 2].tolist()  # runs, then strays
+        for slots in (base, mixed, list(range(n))):
+            assert r.runs(slots) == _runs_one_by_one(slots, r.per_chunk)

@@ -96,15 +96,14 @@ class HostRegion:
 
         Returns ``(first_position, first_slot, length)``; a run is one contiguous host range.
         """
-        out: list[tuple[int, int, int]] = []
-        for pos, s in enumerate(slots):
-            if out:
-                p0, s0, n = out[-1]
-                if s == s0 + n and s // self.per_chunk == s0 // self.per_chunk and pos == p0 + n:
-                    out[-1] = (p0, s0, n + 1)
-                    continue
-            out.append((pos, s, 1))
-        return out
+        s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if s.size == 0:
+            return []
+        starts = np.ones(s.size, dtype=bool)  # a run starts where the next slot is not the one after
+        starts[1:] = (s[1:] != s[:-1] + 1) | (s[1:] // self.per_chunk != s[:-1] // self.per_chunk)
+        first = np.flatnonzero(starts)
+        lengths = np.diff(np.append(first, s.size))
+        return list(zip(first.tolist(), s[first].tolist(), lengths.tolist()))
 
     def run_view(self, first_slot: int, n: int) -> torch.Tensor:
         c, r = divmod(first_slot, self.per_chunk)

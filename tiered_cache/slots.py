@@ -25,6 +25,10 @@ def id_list(arg: str, ids: IdsLike) -> list[int]:
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise InvalidArgumentError(arg, "a 1-D integer tensor", (tuple(ids.shape), ids.dtype))
         return ids.tolist()
+    if isinstance(ids, (list, tuple, np.ndarray)) and len(ids):
+        arr = np.asarray(ids)
+        if arr.ndim == 1 and arr.dtype.kind in "iu":  # the common case, checked in C
+            return arr.astype(np.int64).tolist()
     try:
         out = [int(i) for i in ids]
     except (TypeError, ValueError):
@@ -91,8 +95,12 @@ class SlotAllocator(BusyMarks):
     def check(self, arg: str, ids: IdsLike, *, unique: bool = True) -> list[int]:
         """Validate allocated ids (typed errors); returns them as a list."""
         lst = id_list(arg, ids)
-        bad = [i for i in lst if not 1 <= i <= self.num_slots or not self._allocated[i]]
-        if bad:
+        arr = np.asarray(lst, dtype=np.int64)
+        inside = (arr >= 1) & (arr <= self.num_slots)
+        ok = inside.copy()
+        ok[inside] = self._allocated[arr[inside]]
+        if not ok.all():
+            bad = arr[~ok].tolist()
             raise SlotStateError(arg, f"allocated {self.name} ids in [1, {self.num_slots}]", bad[:16])
         if unique and len(set(lst)) != len(lst):
             raise SlotStateError(arg, "distinct ids", lst[:16])

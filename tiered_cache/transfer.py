@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from tiered_cache import device as dev
@@ -278,9 +279,10 @@ class TransferEngine:
             raise InvalidArgumentError("rows", "distinct destination rows", rows_l[:16])
         if len(rows_l) != len(slots):
             raise InvalidArgumentError("host_slots", f"{len(rows_l)} slots, one per row", len(slots))
-        bad = [r for r in rows_l if not 0 <= r < rows_view.shape[0]]
-        if bad:
-            raise InvalidArgumentError("rows", f"rows in [0, {rows_view.shape[0]})", bad[:16])
+        rows_a = np.asarray(rows_l, dtype=np.int64)
+        out = (rows_a < 0) | (rows_a >= rows_view.shape[0])
+        if out.any():
+            raise InvalidArgumentError("rows", f"rows in [0, {rows_view.shape[0]})", rows_a[out][:16].tolist())
         if need_valid:
             missing = [s for s in slots if not region.valid[s]]
             if missing:
@@ -346,17 +348,16 @@ class TransferEngine:
         """One few-program launch per host chunk touched (``kernels/hostcopy.py``)."""
         # Plain dtype views: offsets count int32 words from the view's first byte.
         dev_words = rows_view.view(torch.int32)
-        dev_base, stride_w = 0, dev_words.stride(0)
-        by_chunk: dict[int, tuple[list[int], list[int]]] = {}
-        for r, s in zip(rows_l, slots):
-            c, k = divmod(s, region.per_chunk)
-            d_off, h_off = by_chunk.setdefault(c, ([], []))
-            d_off.append(dev_base + r * stride_w + off // 4)
-            h_off.append((k * region.slot_bytes + off) // 4)
-        for c, (d_off, h_off) in by_chunk.items():
+        stride_w = dev_words.stride(0)
+        rows_a = np.asarray(rows_l, dtype=np.int64)
+        chunk, k = np.divmod(np.asarray(slots, dtype=np.int64), region.per_chunk)
+        for c in np.unique(chunk).tolist():
+            sel = chunk == c
+            d_off = rows_a[sel] * stride_w + off // 4
+            h_off = (k[sel] * region.slot_bytes + off) // 4
             host_words = region.chunks[c].view(torch.int32)
-            d_t = dev.host_to_device(torch.tensor(d_off, dtype=torch.int64), self.device)
-            h_t = dev.host_to_device(torch.tensor(h_off, dtype=torch.int64), self.device)
+            d_t = dev.host_to_device(torch.from_numpy(d_off), self.device)
+            h_t = dev.host_to_device(torch.from_numpy(h_off), self.device)
             if direction == "d2h":
                 copy_items(dev_words, d_t, host_words, h_t, n // 4, self.kernel_programs, self.kernel_block_words,
                            self.kernel_warps)
