@@ -33,7 +33,6 @@ from tiered_cache.radix import EvictParams  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGIT_ATOL = 1e-4
-BATCH_ATOL = 1e-4  # batched decode: the same math summed in another order (measured <= 1e-5 here)
 # int8 states, long-memory model, teacher-forced, max |logit| difference over all generated tokens.
 # Measured (4 clients x 4 rounds x 16 tokens, workload seeds 0..4): T0+T1 0.049-0.114, through T2
 # 0.109-0.159 (more turns resume from a state, and each turn's cached state descends from the last
@@ -101,9 +100,13 @@ def compare(base, got):
 
 
 # ------------------------------------------------------------------------------ lossless equality
+@pytest.mark.parametrize("batch", [False, True], ids=["one-by-one", "decode-batch"])
 @pytest.mark.parametrize("host", [False, T2], ids=["T0-T1", "T0-T1-T2"])
-def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host):
-    cfg = EngineConfig(codec="lossless", **SMALL, **(HOST if host else {}))
+def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
+    """Through the tiers (lossless) every token equals the no-cache run, decoding one request per
+    forward or (``decode_batch``) the step's decode tokens in one forward: the same math summed in
+    another order (drift measured 1.1e-5 with T2)."""
+    cfg = EngineConfig(codec="lossless", decode_batch=batch, **SMALL, **(HOST if host else {}))
     e, got = run_checked(qwen_long, cfg)
     for a, b in zip(baseline, got, strict=True):
         assert b.output == a.output, f"client {a.client} round {a.round}"
@@ -116,21 +119,8 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host):
         assert st["hits"]["T2_kv_tokens"] > 0 and st["hits"]["T2_states"] > 0
         assert st["bytes"]["T2_d2h"] > 0 and st["bytes"]["T2_h2d"] > 0
         assert e.cache.stats["state_demotes"] > 0
-
-
-@pytest.mark.parametrize("host", [False, T2], ids=["T0-T1", "T0-T1-T2"])
-def test_batched_decode_through_the_cache_equals_no_cache(qwen_long, baseline, host):
-    """``decode_batch``: each step's decode tokens in one forward. Through the tiers (lossless) every
-    token still equals the one-at-a-time no-cache run and logits stay within the batch tolerance."""
-    cfg = EngineConfig(codec="lossless", decode_batch=True, **SMALL, **(HOST if host else {}))
-    e, got = run_checked(qwen_long, cfg)
-    for a, b in zip(baseline, got, strict=True):
-        assert b.output == a.output, f"client {a.client} round {a.round}"
-    n, top1, drift, _ = compare(baseline, got)
-    assert n >= 200 and top1 == 1.0 and drift < BATCH_ATOL, drift
-    st = e.final_stats
-    assert st["tokens"]["decode_forwards"] < st["tokens"]["decoded"]  # some steps did batch
-    assert st["tokens"]["reused"] > 0
+    if batch:
+        assert st["tokens"]["decode_forwards"] < st["tokens"]["decoded"]  # some steps did batch
 
 
 @needs_host
@@ -413,6 +403,7 @@ def test_swa_model_through_the_cache_equals_no_cache(host):
     (dict(codec="fp4"), "codec"),
     (dict(host_kv_pages=8), "host_kv_pages"),
     (dict(prefill_budget=8, chunk_size=16), "prefill_budget"),
+    (dict(decode_batch="yes"), "decode_batch"),
 ])
 def test_config_misuse_names_the_argument(kw, arg):
     with pytest.raises(InvalidArgumentError, match=arg):

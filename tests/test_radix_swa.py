@@ -263,12 +263,24 @@ def test_cache_unfinished_req_bad_swa_ids():
 # ----------------------------------------------------------------------------- real streams (CUDA)
 # The bodies take the device; the gpu-marked tests run them on CUDA (with TORCH_CUDA_SANITIZER=1 on
 # the H200), the unmarked ones run the same code on CPU, where every ticket completes on submission.
-def _rows(side, ids, ps=2):
+def _rows(side, ids):
+    ps = side.page_size
     return side.rows_bytes()[side.translate(ids[::ps]) // ps].clone()
 
 
 def _nothing(cache):
     return torch.empty(0, dtype=torch.int64, device=cache.device)
+
+
+def _wait(cache, h):
+    """Wait on every full-KV and SWA layer of the load ``h`` (compute on layer k may start while
+    k+1 is in flight), then on each ticket, with a timeout."""
+    for layer in range(cache.kv.spec.num_layers):
+        h.wait_layer(layer)
+    for layer in range(cache.swa.spec.num_layers):
+        h.wait_layer(layer, kind="swa")
+    for t in h.tickets.values():
+        assert cache.engine.wait(t, timeout=10)
 
 
 def _load(cache, toks):
@@ -279,12 +291,7 @@ def _load(cache, toks):
     h = req.load_back
     assert node is m.best_match_node and len(ids) == m.host_hit_length and set(h.tickets) == {"kv", "swa"}
     assert ids.device == cache.device and h.swa_indices.device == cache.device and len(h.swa_indices) == len(ids)
-    for layer in range(cache.kv.spec.num_layers):
-        h.wait_layer(layer)  # compute waits on full-KV layer k while k+1 may still be in flight
-    for layer in range(cache.swa.spec.num_layers):
-        h.wait_layer(layer, kind="swa")
-    for t in h.tickets.values():
-        assert cache.engine.wait(t, timeout=10)
+    _wait(cache, h)
     assert not h.done  # the tree changes only in check_hicache_events
     cache.check_hicache_events()
     assert h.done
@@ -315,12 +322,7 @@ def _offloaded_window_loads_back_on(device, policy):
     assert a.full_lock_ref == b.full_lock_ref == c.full_lock_ref == 1  # the load's own lock
     assert b.value is None and c.value is None  # the tree changes only when the tickets complete
     cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
-    for layer in range(cache.kv.spec.num_layers):
-        h.wait_layer(layer)  # compute waits on full-KV layer k while k+1 may still be in flight
-    for layer in range(cache.swa.spec.num_layers):
-        h.wait_layer(layer, kind="swa")
-    for t in h.tickets.values():
-        assert cache.engine.wait(t, timeout=10)
+    _wait(cache, h)
     cache.check_hicache_events()
     assert h.done and h.ok
     assert torch.equal(torch.cat([b.value, c.value]), ids)

@@ -326,7 +326,8 @@ def test_copy_items_kernel_settings_match_reference(block_words, num_warps, prog
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kw,arg", [({"block_words": 100}, "block_words"), ({"num_warps": 3}, "num_warps")])
+@pytest.mark.parametrize("kw,arg", [({"block_words": 100}, "block_words"), ({"num_warps": 3}, "num_warps"),
+                                    ({"num_programs": 0}, "num_programs")])
 def test_copy_items_bad_settings_name_the_argument(kw, arg):
     from tiered_cache.kernels.hostcopy import copy_items
 

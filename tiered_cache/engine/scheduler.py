@@ -116,6 +116,9 @@ class EngineConfig:
         for name in ("page_size", "chunk_size", "prefill_budget", "max_running", "kv_pages", "t0_states",
                      "t1_states"):
             _pos_int(name, getattr(self, name))
+        for name in ("use_cache", "check_memory", "storage_write_through", "decode_batch"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(name, "a bool", getattr(self, name))
         if self.chunk_size % self.page_size:
             raise InvalidArgumentError("chunk_size", f"a multiple of page_size={self.page_size}", self.chunk_size)
         if self.prefill_budget < self.chunk_size:
@@ -537,11 +540,15 @@ class Engine:
             return logits
         ids = torch.tensor(req.tokens[start:end], dtype=torch.long, device=self.device)
         logits, _ = forward_chunk(self.model, req.model_cache, ids, start)
+        self._ran(req, start, end)
+        return logits
+
+    def _ran(self, req: Request, start: int, end: int) -> None:
+        """Positions ``[start, end)`` ran on the request's model cache: their KV goes to T0."""
         if self.cache is not None:
             self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, start, end)
             self.stats.add("t0_kv_write_bytes", (end - start) * self.kv_token_bytes)
         req.filled = end
-        return logits
 
     def _checkpoint(self, req: Request, pos: int, kind: str) -> None:
         """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there."""
@@ -584,10 +591,7 @@ class Engine:
         logits = decode_batch(self.model, [r.model_cache for r in reqs], [r.tokens[p] for r, p in zip(reqs, pos)], pos)
         self.stats.add("decode_forwards")
         for req, p, row in zip(reqs, pos, logits):
-            if self.cache is not None:
-                self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, p, p + 1)
-                self.stats.add("t0_kv_write_bytes", self.kv_token_bytes)
-            req.filled = p + 1
+            self._ran(req, p, p + 1)
             self._decoded(req, row)
 
     def _decoded(self, req: Request, row: torch.Tensor) -> None:

@@ -44,6 +44,8 @@ def copy_items(src_words: torch.Tensor, src_offsets: torch.Tensor, dst_words: to
     ``block_words`` (a power of two) and ``num_warps``: words each program moves per step and the warps
     that move them (more of either puts more reads in flight over PCIe).
     """
+    if not isinstance(num_programs, int) or isinstance(num_programs, bool) or num_programs < 1:
+        raise InvalidArgumentError("num_programs", "an int >= 1", num_programs)
     if block_words < 1 or block_words & (block_words - 1):
         raise InvalidArgumentError("block_words", "a power of two >= 1", block_words)
     if num_warps not in (1, 2, 4, 8, 16, 32):
