@@ -35,8 +35,8 @@ from tiered_cache.engine.stats import percentile  # noqa: E402
 
 METRICS = ("hit_rate", "hit_rate_t0", "hit_rate_t2", "state_hit_rate", "prefill_tokens_saved", "computed_tokens",
            "ttft_p50_s", "ttft_p90_s", "ttft_admitted_p50_s", "ttft_admitted_p90_s", "ttft_p50_round3plus_s",
-           "requests_per_s", "pcie_bytes", "hits_t1_states", "hits_t2_states", "state_misses",
-           "argmax_agreement_vs_nocache", "wall_s")
+           "requests_per_s", "requests_per_s_round3plus", "pcie_bytes", "hits_t1_states", "hits_t2_states",
+           "state_misses", "argmax_agreement_vs_nocache", "wall_s")
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -146,6 +146,17 @@ def run_config(model, ecfg, clients, w: dict, label: str, progress: bool) -> dic
     return st
 
 
+def steady_throughput(turns: list) -> float:
+    """Requests per second once rounds >= 3 began: every request (of any round) that finished after the
+    first round-3 request was sent, over the time from that send to the last finish. Rounds 1-2 are the
+    warm-up that fills the cache; without round 3 (one- or two-round workloads) it is the whole run."""
+    late = [t.submitted_s for t in turns if t.round >= 2]
+    start = min(late) if late else 0.0
+    n = sum(1 for t in turns if t.finished_s > start)
+    span = max(t.finished_s for t in turns) - start if turns else 0.0
+    return n / span if span > 0 else 0.0
+
+
 def summarize(st: dict, base: Optional[dict]) -> dict[str, float]:
     tok, hits, by = st["tokens"], st["hits"], st["bytes"]
     prompt = max(1, tok["prompt"])
@@ -168,6 +179,7 @@ def summarize(st: dict, base: Optional[dict]) -> dict[str, float]:
         "ttft_admitted_p90_s": st["ttft_s"]["from_admission_p90"],
         "ttft_p50_round3plus_s": percentile(late, 50) if late else st["ttft_s"]["p50"],
         "requests_per_s": len(st["turns"]) / st["wall_s"],
+        "requests_per_s_round3plus": steady_throughput(st["turns"]),
         "pcie_bytes": by.get("T2_d2h", 0) + by.get("T2_h2d", 0),
         "hits_t1_states": hits["T1_states"], "hits_t2_states": hits["T2_states"], "state_misses": hits["misses"],
         "argmax_agreement_vs_nocache": agree, "wall_s": st["wall_s"],
@@ -182,10 +194,13 @@ def ratios(s: dict[str, dict[str, float]]) -> dict[str, float]:
         "ttft_p50_speedup_vs_nocache": div(nc["ttft_p50_s"], t2["ttft_p50_s"]),
         "ttft_p50_round3plus_speedup_vs_nocache": div(nc["ttft_p50_round3plus_s"], t2["ttft_p50_round3plus_s"]),
         "throughput_vs_nocache": div(t2["requests_per_s"], nc["requests_per_s"]),
+        "throughput_round3plus_vs_nocache": div(t2["requests_per_s_round3plus"], nc["requests_per_s_round3plus"]),
         "hit_rate_vs_gpu_only": div(t2["hit_rate"], go["hit_rate"]),
         "int8_hit_rate_vs_gpu_only": div(s["int8_t1"]["hit_rate"], go["hit_rate"]),
         "ttft_p50_s_no_cache": nc["ttft_p50_s"], "ttft_p50_s_int8_t1_t2": t2["ttft_p50_s"],
         "requests_per_s_no_cache": nc["requests_per_s"], "requests_per_s_int8_t1_t2": t2["requests_per_s"],
+        "requests_per_s_round3plus_no_cache": nc["requests_per_s_round3plus"],
+        "requests_per_s_round3plus_int8_t1_t2": t2["requests_per_s_round3plus"],
         "hit_rate_gpu_only": go["hit_rate"], "hit_rate_int8_t1": s["int8_t1"]["hit_rate"],
         "hit_rate_int8_t1_t2": t2["hit_rate"],
     }
@@ -311,6 +326,7 @@ def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
                          "states T1/T2/miss": f"{s['hits_t1_states']}/{s['hits_t2_states']}/{s['state_misses']}",
                          "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
                          "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
+                         "req_per_s_r3+": s["requests_per_s_round3plus"],
                          "pcie_MiB": s["pcie_bytes"] / 2**20, "argmax_agree": s["argmax_agreement_vs_nocache"]})
     return metrics, rows
 

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -169,6 +170,8 @@ class Finished:
     prompt_len: int
     summary: dict
     argmax: list[int]
+    submitted_s: float = 0.0  # seconds since the drive began
+    finished_s: float = 0.0
 
 
 async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[Finished], None]) -> None:
@@ -192,6 +195,8 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
     ready = collections.deque((c, 0) for c in order)
     prompts: dict[int, list[int]] = {}
     live: dict[str, tuple[int, int]] = {}
+    sent_at: dict[str, float] = {}
+    t0 = time.perf_counter()
     total = sum(len(c.questions) for c in clients)
     state = {"sent": 0, "done": 0}
     window = 1.0
@@ -203,6 +208,7 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
         prompts[cid] = prompt
         rid = f"c{cid}r{rnd}"
         live[rid] = (cid, rnd)
+        sent_at[rid] = time.perf_counter() - t0
         engine.submit(Request(rid=rid, prompt=prompt, max_new_tokens=max_new, forced_output=plan.answers[rnd]))
         state["sent"] += 1
 
@@ -227,7 +233,8 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
             for req in engine.step():
                 cid, rnd = live.pop(req.rid)
                 state["done"] += 1
-                on_done(Finished(cid, rnd, len(req.prompt), req.summary(), list(req.argmax)))
+                on_done(Finished(cid, rnd, len(req.prompt), req.summary(), list(req.argmax),
+                                 sent_at.pop(req.rid), time.perf_counter() - t0))
                 if rnd + 1 < len(clients[cid].questions):
                     ready.append((cid, rnd + 1))
             await asyncio.sleep(0)

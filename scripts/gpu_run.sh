@@ -13,15 +13,20 @@ mkdir -p "$OUT/results"
 LOG=$OUT/log.txt
 benches=${*:-pool kernels transfer}
 TESTS=${TESTS:-tests}  # which test paths to run (default: all)
+SKIP_TESTS=${SKIP_TESTS:-0}  # 1: benchmarks only (the tests ran in an earlier call on the same tree)
 WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-batch --no-progress}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "== pytest -m gpu"
-  python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS 2>&1 | tail -40
-  echo "== pytest -m gpu under TORCH_CUDA_SANITIZER=1 (transfer, host tier and SWA tests)"
-  TORCH_CUDA_SANITIZER=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_transfer.py tests/test_radix_host.py tests/test_radix_swa.py > "$OUT/sanitizer.txt" 2>&1
-  grep -E "CSAN|passed|failed" "$OUT/sanitizer.txt" | head -20
+  if [ "$SKIP_TESTS" != 1 ]; then
+    echo "== pytest -m gpu"
+    # shellcheck disable=SC2086
+    python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS 2>&1 | tail -40
+    echo "== pytest -m gpu under TORCH_CUDA_SANITIZER=1 (transfer, host tier and SWA tests)"
+    TORCH_CUDA_SANITIZER=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_transfer.py \
+      tests/test_radix_host.py tests/test_radix_swa.py > "$OUT/sanitizer.txt" 2>&1
+    grep -E "CSAN|passed|failed" "$OUT/sanitizer.txt" | head -20
+  fi
   for b in $benches; do
     echo "== bench_$b"
     if [ "$b" = workload ]; then

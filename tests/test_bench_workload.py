@@ -46,7 +46,8 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
     rec = main(["--scale", "small", "--workloads", "multi_turn", "long_context_qa", "--set", "clients=3", "rounds=2",
                 "--out", str(tmp_path), "--no-progress", "--decode-batch"])
     m = rec["metrics"]
-    for k in ("ttft_p50_speedup_vs_nocache", "throughput_vs_nocache", "hit_rate_vs_gpu_only", "ttft_p50_s_no_cache",
+    for k in ("ttft_p50_speedup_vs_nocache", "throughput_vs_nocache", "throughput_round3plus_vs_nocache",
+              "hit_rate_vs_gpu_only", "ttft_p50_s_no_cache",
               "ttft_p50_s_int8_t1_t2", "requests_per_s_no_cache", "requests_per_s_int8_t1_t2", "hit_rate_gpu_only",
               "hit_rate_int8_t1_t2", "long_context_qa_hit_rate_vs_gpu_only", "fla_used"):
         assert k in m, k
@@ -75,3 +76,18 @@ def test_bench_capacity_tiny(tmp_path):
     assert m["hit_rate_int8_t1_t2_gpu4_host16"] > 0
     assert {r["sweep"] for r in rec["rows"]} == {"gpu", "host"}
     assert os.path.exists(path[:-5] + ".md") and os.path.exists(tmp_path / "capacity-cpu.png")
+
+
+def test_steady_throughput_counts_what_finished_after_round_3_began():
+    from benchmarks.bench_workload import steady_throughput
+    from benchmarks.workload_common import Finished
+
+    def f(rnd, sent, done):
+        return Finished(0, rnd, 1, {}, [], sent, done)
+
+    # round 3 (index 2) first sent at t=4; after it 4 requests of any round finish, the last at t=8: 4 / 4 s
+    turns = [f(0, 0, 2), f(1, 2, 5), f(2, 4, 6), f(2, 4.5, 7), f(3, 6, 8), f(0, 0, 3.9)]
+    assert steady_throughput(turns) == 4 / 4
+    # no round 3: the whole run, from t=0
+    assert steady_throughput([f(0, 1, 3), f(1, 2, 5)]) == 2 / 5
+    assert steady_throughput([]) == 0.0
