@@ -183,11 +183,15 @@ def summarize(st: dict, base: Optional[dict]) -> dict[str, float]:
         "pcie_bytes": by.get("T2_d2h", 0) + by.get("T2_h2d", 0),
         "hits_t1_states": hits["T1_states"], "hits_t2_states": hits["T2_states"], "state_misses": hits["misses"],
         "argmax_agreement_vs_nocache": agree, "wall_s": st["wall_s"],
+        **{f"phase_{k}_s": v for k, v in sorted(st.get("phase_s", {}).items())},
     }
 
 
 def ratios(s: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The acceptance ratios, (4) against (1) and (2), with the raw values behind them."""
+    """The acceptance ratios, (4) against (1) and (2), with the raw values behind them (none when
+    ``--configs`` left one of the three out)."""
+    if not {"no_cache", "gpu_only", "int8_t1", "int8_t1_t2"} <= set(s):
+        return {}
     nc, go, t2 = s["no_cache"], s["gpu_only"], s["int8_t1_t2"]
     div = lambda a, b: a / b if b else None  # undefined (omitted from the results): JSON has no inf
     return {
@@ -230,7 +234,8 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     tiers = wc.split_budget(tb, gpu, host, e["max_running"], req_pages, e["kv_fraction"])
     common = dict(page_size=e["page_size"], chunk_size=e["chunk_size"], prefill_budget=e["prefill_budget"],
                   max_running=e["max_running"], write_policy=e["write_policy"],
-                  decode_batch=bool(args.decode_batch or e.get("decode_batch", False)))
+                  decode_batch=bool(args.decode_batch or e.get("decode_batch", False)),
+                  phase_timing=args.phase_timing)
     n_req = sum(len(c.questions) for c in clients)
     print(f"\n== {name} ({args.scale}): {w['clients']} clients x {w['rounds']} rounds, prefix {w['prefix_len']} "
           f"({'own' if not w['prefix_groups'] else str(w['prefix_groups']) + ' shared'}), question "
@@ -249,7 +254,8 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                    "warm-up", False)
         minfo["warm"] = True
     raw: dict[str, dict] = {}
-    for cname in wc.CONFIGS:
+    configs = [c for c in wc.CONFIGS if c in args.configs]
+    for cname in configs:
         ecfg = EngineConfig(**common, **tiers[cname])
         if args.profile:  # where the time goes: cProfile per configuration (a development aid)
             import cProfile
@@ -263,13 +269,13 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                     pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
         else:
             raw[cname] = run_config(model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", args.progress)
-    s = {c: summarize(raw[c], raw["no_cache"] if c != "no_cache" else None) for c in wc.CONFIGS}
-    for c in wc.CONFIGS[1:]:
-        if s[c]["prefill_tokens_saved"] <= 0:
+    s = {c: summarize(raw[c], raw.get("no_cache") if c != "no_cache" else None) for c in configs}
+    for c in configs:
+        if c != "no_cache" and s[c]["prefill_tokens_saved"] <= 0:
             print(f"   warning: {c} reused no tokens")
     return {"name": name, "summary": s, "ratios": ratios(s), "tiers": tiers, "tier_bytes": dataclasses.asdict(tb),
             "longest_request": longest, "requests": n_req, "section": sec, "model": minfo,
-            "tree_stats": {c: raw[c].get("tree", {}) for c in wc.CONFIGS}}
+            "tree_stats": {c: raw[c].get("tree", {}) for c in configs}}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -280,26 +286,27 @@ def chart(path: str, res: dict) -> None:
     import matplotlib.pyplot as plt
 
     s = res["summary"]
-    names = [wc.LABELS[c].split(" ", 1)[0] for c in wc.CONFIGS]
+    configs = list(s)
+    names = [wc.LABELS[c].split(" ", 1)[0] for c in configs]
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
     fig.suptitle(f"{res['name']}: {res['requests']} requests, same GPU budget "
                  f"({res['section']['gpu_budget_mib']} MiB; host {res['section']['host_budget_mib']} MiB)")
-    x = range(len(wc.CONFIGS))
-    p50 = [1000 * (s[c]["ttft_p50_s"] or 0) for c in wc.CONFIGS]
-    p90 = [1000 * (s[c]["ttft_p90_s"] or 0) for c in wc.CONFIGS]
+    x = range(len(configs))
+    p50 = [1000 * (s[c]["ttft_p50_s"] or 0) for c in configs]
+    p90 = [1000 * (s[c]["ttft_p90_s"] or 0) for c in configs]
     ax[0, 0].bar([i - 0.2 for i in x], p50, 0.4, label="p50")
     ax[0, 0].bar([i + 0.2 for i in x], p90, 0.4, label="p90")
     ax[0, 0].set(title="time to first token", ylabel="ms", xticks=list(x), xticklabels=names)
     ax[0, 0].legend()
-    ax[0, 1].bar(names, [s[c]["requests_per_s"] for c in wc.CONFIGS], color="tab:green")
+    ax[0, 1].bar(names, [s[c]["requests_per_s"] for c in configs], color="tab:green")
     ax[0, 1].set(title="throughput", ylabel="requests / s")
-    t0 = [s[c]["hit_rate_t0"] for c in wc.CONFIGS]
-    t2 = [s[c]["hit_rate_t2"] for c in wc.CONFIGS]
+    t0 = [s[c]["hit_rate_t0"] for c in configs]
+    t2 = [s[c]["hit_rate_t2"] for c in configs]
     ax[1, 0].bar(names, t0, label="KV from T0 (GPU)")
     ax[1, 0].bar(names, t2, bottom=t0, label="KV loaded back from T2 (host)")
     ax[1, 0].set(title="prompt tokens reused (hit rate)", ylim=(0, 1))
     ax[1, 0].legend()
-    ax[1, 1].bar(names, [s[c]["pcie_bytes"] / 2**20 for c in wc.CONFIGS], color="tab:purple")
+    ax[1, 1].bar(names, [s[c]["pcie_bytes"] / 2**20 for c in configs], color="tab:purple")
     ax[1, 1].set(title="bytes over PCIe (T2, both ways)", ylabel="MiB")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -315,10 +322,9 @@ def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
         if name == "multi_turn":
             metrics.update(r)
         metrics.update({f"{name}_{k}": v for k, v in r.items()})
-        for c in wc.CONFIGS:
-            for k in METRICS:
-                v = res["summary"][c][k]
-                if v is not None:
+        for c in res["summary"]:
+            for k, v in res["summary"][c].items():
+                if v is not None and (k in METRICS or k.startswith("phase_")):
                     metrics[f"{name}_{c}_{k}"] = v
             s = res["summary"][c]
             rows.append({"workload": name, "config": wc.LABELS[c], "hit_rate": s["hit_rate"],
@@ -375,6 +381,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--decode-batch", action="store_true",
                    help="every configuration decodes its running requests in one batched forward per step")
+    p.add_argument("--configs", nargs="+", default=list(wc.CONFIGS), choices=wc.CONFIGS,
+                   help="run only these configurations (the ratios need all four)")
+    p.add_argument("--phase-timing", action="store_true",
+                   help="EngineConfig.phase_timing: seconds per engine phase (syncs the device at each boundary, "
+                        "so the run is slower; a development aid)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a cProfile report per configuration to DIR (timings then include its overhead)")
     p.add_argument("--check-fla", action="store_true",
@@ -405,16 +416,22 @@ def main(argv: Optional[list[str]] = None) -> dict:
         results.append(res)
         os.makedirs(args.out, exist_ok=True)
         chart(os.path.join(args.out, f"workload-{name}-{device_tag()}.png"), res)
-        for c in wc.CONFIGS:
-            s = res["summary"][c]
+        for c, s in res["summary"].items():
             print(f"   {wc.LABELS[c]:>24}: hit {s['hit_rate']:.3f} (T0 {s['hit_rate_t0']:.3f}, "
                   f"T2 {s['hit_rate_t2']:.3f}), "
                   f"TTFT p50 {1000 * (s['ttft_p50_s'] or 0):.1f} ms p90 {1000 * (s['ttft_p90_s'] or 0):.1f} ms, "
                   f"{s['requests_per_s']:.2f} req/s, PCIe {s['pcie_bytes'] / 2**20:.1f} MiB, "
                   f"argmax agree {s['argmax_agreement_vs_nocache']:.3f}")
+            phases = sorted(((k[6:-2], v) for k, v in s.items() if k.startswith("phase_")), key=lambda kv: -kv[1])
+            if phases:
+                print(f"   {'':>24}  phases (s, of {s['wall_s']:.1f} s): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in phases))
         r = {k: ("n/a" if v is None else f"{v:.2f}x") for k, v in res["ratios"].items()}
-        print(f"   (4) vs (1): TTFT p50 {r['ttft_p50_speedup_vs_nocache']}, throughput "
-              f"{r['throughput_vs_nocache']}; (4) vs (2) hit rate {r['hit_rate_vs_gpu_only']}")
+        if r:
+            print(f"   (4) vs (1): TTFT p50 {r['ttft_p50_speedup_vs_nocache']} (rounds >= 3: "
+                  f"{r['ttft_p50_round3plus_speedup_vs_nocache']}), throughput {r['throughput_vs_nocache']} "
+                  f"(rounds >= 3: {r['throughput_round3plus_vs_nocache']}); (4) vs (2) hit rate "
+                  f"{r['hit_rate_vs_gpu_only']}")
         path, record, metrics = save(results, models, env, args, t_start)
     print(f"\nwrote {path} (+ .md, {len(results)} charts) in {metrics['total_s']:.1f} s")
     return record

@@ -105,8 +105,10 @@ def compare(base, got):
 def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
     """Through the tiers (lossless) every token equals the no-cache run, decoding one request per
     forward or (``decode_batch``) the step's decode tokens in one forward: the same math summed in
-    another order (drift measured 1.1e-5 with T2)."""
-    cfg = EngineConfig(codec="lossless", decode_batch=batch, **SMALL, **(HOST if host else {}))
+    another order (drift measured 1.1e-5 with T2). The batched run with T2 also times its phases
+    (``phase_timing``: synchronizes, changes no result)."""
+    timed = batch and bool(host)
+    cfg = EngineConfig(codec="lossless", decode_batch=batch, phase_timing=timed, **SMALL, **(HOST if host else {}))
     e, got = run_checked(qwen_long, cfg)
     for a, b in zip(baseline, got, strict=True):
         assert b.output == a.output, f"client {a.client} round {a.round}"
@@ -121,6 +123,33 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
         assert e.cache.stats["state_demotes"] > 0
     if batch:
         assert st["tokens"]["decode_forwards"] < st["tokens"]["decoded"]  # some steps did batch
+    if timed:
+        ph = st["phase_s"]
+        for k in ("events", "admit", "build_cache", "prefill_forward", "export_kv", "checkpoint", "decode_forward",
+                  "emit", "finish"):
+            assert ph.get(k, 0) > 0, (k, ph)
+    else:
+        assert "phase_s" not in st
+
+
+def test_phase_clock_counts_each_phase_once():
+    """Nested phases are exclusive: the outer one is paused while the inner one runs."""
+    import collections
+    import time
+
+    from tiered_cache.engine.scheduler import PhaseClock
+
+    tot = collections.Counter()
+    clock = PhaseClock(tot, torch.device("cpu"))
+    t = time.perf_counter()
+    with clock("outer"):
+        time.sleep(0.02)
+        with clock("inner"):
+            time.sleep(0.03)
+        time.sleep(0.01)
+    wall = time.perf_counter() - t
+    assert 0.03 <= tot["inner"] < 0.03 + 0.02 and 0.03 <= tot["outer"] < 0.03 + 0.02, tot
+    assert tot["inner"] + tot["outer"] <= wall
 
 
 @needs_host
@@ -404,6 +433,7 @@ def test_swa_model_through_the_cache_equals_no_cache(host):
     (dict(host_kv_pages=8), "host_kv_pages"),
     (dict(prefill_budget=8, chunk_size=16), "prefill_budget"),
     (dict(decode_batch="yes"), "decode_batch"),
+    (dict(phase_timing=1), "phase_timing"),
 ])
 def test_config_misuse_names_the_argument(kw, arg):
     with pytest.raises(InvalidArgumentError, match=arg):

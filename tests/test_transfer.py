@@ -50,6 +50,17 @@ def test_checksum_kernel_matches_reference(entry_bytes):
     assert got[2] == got[3] and got[0] != got[1]
 
 
+@pytest.mark.gpu
+def test_checksum_kernel_reads_row_ids_from_page_locked_host_memory():
+    """The transfer engine hands the kernel its row ids in pinned host memory (no copy on any stream)."""
+    rows = torch.randint(0, 256, (9, 8192 + 48), dtype=torch.uint8).cuda()
+    ids = torch.tensor([8, 0, 3, 3, 5])
+    got = row_checksums(rows, ids.pin_memory(), backend="triton")
+    assert got.is_cuda and torch.equal(got.cpu(), row_checksums_reference(rows.cpu(), ids))
+    with pytest.raises(InvalidArgumentError, match="page-locked"):
+        row_checksums(rows, ids, backend="triton")  # pageable host ids: refused
+
+
 def test_checksum_detects_every_single_bit_flip_in_a_row():
     rows = torch.randint(0, 256, (1, 64), dtype=torch.uint8)
     base = row_checksums_reference(rows, torch.tensor([0]))
@@ -279,11 +290,19 @@ def test_kv_round_trip_through_other_methods(method):
     assert torch.equal(full.rows_bytes()[full.translate(toks[::4]) // 4], saved.flip(0))
 
 
+@pytest.mark.parametrize("bad", [1, "high", True, 0.5])
+def test_stream_priority_is_checked(bad):
+    with pytest.raises(InvalidArgumentError, match="stream_priority"):
+        TransferEngine("cpu", stream_priority=bad)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["copy", "staging", "kernel", "auto"])
-def test_round_trips_on_cuda(method):
+@pytest.mark.parametrize("method, priority", [("copy", -1), ("staging", -1), ("kernel", -1), ("kernel", 0),
+                                              ("auto", -1)])
+def test_round_trips_on_cuda(method, priority):
     pool, t1, mirror, _ = setup("cuda")
-    eng = TransferEngine("cuda", method={"d2h": method, "h2d": method})
+    eng = TransferEngine("cuda", method={"d2h": method, "h2d": method}, stream_priority=priority)
+    assert eng.streams["h2d"].priority <= priority
     region = mirror.region("state")
     src = t1.alloc(4).tolist()
     fill_random(t1.envelopes, 5)

@@ -34,6 +34,7 @@ preemption; a request that does not fit waits, after the tree evicted what it co
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -67,6 +68,37 @@ def _pos_int(name: str, v: Any, lo: int = 1) -> None:
         raise InvalidArgumentError(name, f"an int >= {lo}", v)
 
 
+class PhaseClock:
+    """Seconds per named phase, exclusive: a phase entered inside another pauses the outer one. The
+    device is synchronized at every boundary (``EngineConfig.phase_timing``)."""
+
+    def __init__(self, totals: collections.Counter, device: torch.device) -> None:
+        self.totals, self.device = totals, device
+        self.stack: list[list] = []  # [name, started]
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        from tiered_cache import device as dev
+
+        dev.synchronize(self.device)
+        now = time.perf_counter()
+        if self.stack:
+            outer = self.stack[-1]
+            self.totals[outer[0]] += now - outer[1]
+        self.stack.append([name, now])
+        try:
+            yield
+        finally:
+            dev.synchronize(self.device)
+            now = time.perf_counter()
+            self.totals[name] += now - self.stack.pop()[1]
+            if self.stack:
+                self.stack[-1][1] = now
+
+
+_NO_PHASE = contextlib.nullcontext()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs and how big its tiers are.
@@ -88,6 +120,9 @@ class EngineConfig:
     the requests' KV gathered into one left-padded cache) after the step's prefill chunks, instead of
     one forward per request. Logits then differ from batch-1 decoding by summation order only
     (~1e-6 in fp32). Models with sliding-window layers always decode one request at a time.
+    phase_timing: measure where a step's time goes (``stats_dict()["phase_s"]``: seconds per phase,
+    each phase's own time, nested ones apart). The device is synchronized at every phase boundary so
+    GPU work counts in the phase that queued it; that costs overlap, so leave it off for timings.
     """
 
     use_cache: bool = True
@@ -111,12 +146,13 @@ class EngineConfig:
     storage_write_through: bool = True
     storage_model_id: Optional[str] = None
     decode_batch: bool = False
+    phase_timing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "chunk_size", "prefill_budget", "max_running", "kv_pages", "t0_states",
                      "t1_states"):
             _pos_int(name, getattr(self, name))
-        for name in ("use_cache", "check_memory", "storage_write_through", "decode_batch"):
+        for name in ("use_cache", "check_memory", "storage_write_through", "decode_batch", "phase_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "a bool", getattr(self, name))
         if self.chunk_size % self.page_size:
@@ -163,6 +199,8 @@ class Engine:
         self.specs = spec_for(model, cfg.page_size)
         self.adapter = HybridCacheAdapter(model, self.specs)
         self.stats = EngineStats()
+        clock = PhaseClock(self.stats.phase_s, self.device) if cfg.phase_timing else None
+        self._phase = clock if clock is not None else (lambda name: _NO_PHASE)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.cache: Optional[HiMambaRadixCache] = None
@@ -307,8 +345,9 @@ class Engine:
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""
         if self.cache is not None:
-            self.cache.check_hicache_events()
-            self._poll_loads()
+            with self._phase("events"):
+                self.cache.check_hicache_events()
+                self._poll_loads()
         self._admit_waiting()
         finished: list[Request] = []
         budget = self.cfg.prefill_budget
@@ -334,7 +373,9 @@ class Engine:
     def _admit_waiting(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
-            if not self._admit(req):
+            with self._phase("admit"):
+                ok = self._admit(req)
+            if not ok:
                 self.stats.add("admission_retries")
                 if not self.running:
                     need = _ceil(len(req.tokens) + req.max_new_tokens, self.cfg.page_size)
@@ -422,8 +463,10 @@ class Engine:
             return False
         st, p = self.stats, req.cache_protected_len
         if p:
-            req.model_cache = self.adapter.build_cache(self.kv, req.kv_indices, self.states, req.mamba_pool_idx,
-                                                       n_tokens=p, swa_side=self.swa, swa_token_ids=req.swa_kv_indices)
+            with self._phase("build_cache"):
+                req.model_cache = self.adapter.build_cache(self.kv, req.kv_indices, self.states,
+                                                           req.mamba_pool_idx, n_tokens=p, swa_side=self.swa,
+                                                           swa_token_ids=req.swa_kv_indices)
             st.add("t0_kv_read_bytes", p * self.kv_token_bytes)
             if self.states is not None:
                 st.add("t0_state_read_bytes", self.states.entry_bytes)
@@ -455,8 +498,9 @@ class Engine:
         """Block until the request's host load (if any) has landed and been applied to the tree:
         nothing may be freed while a transfer still writes it."""
         handle, req.load_back = req.load_back, None
-        while handle is not None and not handle.done:
-            self.cache.check_hicache_events()
+        with self._phase("load_wait"):
+            while handle is not None and not handle.done:
+                self.cache.check_hicache_events()
 
     def _alloc_kv(self, n: int, side=None) -> Optional[torch.Tensor]:
         """``n`` T0 KV token ids (whole pages) of ``side`` (default the full KV), evicting cached KV (LRU)
@@ -522,7 +566,7 @@ class Engine:
             self._emit(req, logits[-1])
         return end - start
 
-    def _forward(self, req: Request, start: int, end: int) -> torch.Tensor:
+    def _forward(self, req: Request, start: int, end: int, phase: str = "prefill_forward") -> torch.Tensor:
         """Run positions ``[start, end)`` on the request's model cache and write their KV to T0."""
         if self.swa is not None:
             # a sliding layer keeps only its last ``window`` tokens: run pieces no longer than that and
@@ -531,27 +575,35 @@ class Engine:
             for s in range(start, end, w):
                 e = min(end, s + w)
                 ids = torch.tensor(req.tokens[s:e], dtype=torch.long, device=self.device)
-                logits, _ = forward_chunk(self.model, req.model_cache, ids, s)
-                self.adapter.export_kv(req.model_cache, self.swa, req.swa_kv_indices, s, e)
-                self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, s, e)
+                with self._phase(phase):
+                    logits, _ = forward_chunk(self.model, req.model_cache, ids, s)
+                with self._phase("export_kv"):
+                    self.adapter.export_kv(req.model_cache, self.swa, req.swa_kv_indices, s, e)
+                    self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, s, e)
             self.stats.add("t0_kv_write_bytes", (end - start) * (self.kv_token_bytes + self.swa.entry_bytes
                                                                  // self.cfg.page_size))
             req.filled = end
             return logits
         ids = torch.tensor(req.tokens[start:end], dtype=torch.long, device=self.device)
-        logits, _ = forward_chunk(self.model, req.model_cache, ids, start)
+        with self._phase(phase):
+            logits, _ = forward_chunk(self.model, req.model_cache, ids, start)
         self._ran(req, start, end)
         return logits
 
     def _ran(self, req: Request, start: int, end: int) -> None:
         """Positions ``[start, end)`` ran on the request's model cache: their KV goes to T0."""
         if self.cache is not None:
-            self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, start, end)
+            with self._phase("export_kv"):
+                self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, start, end)
             self.stats.add("t0_kv_write_bytes", (end - start) * self.kv_token_bytes)
         req.filled = end
 
     def _checkpoint(self, req: Request, pos: int, kind: str) -> None:
         """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there."""
+        with self._phase("checkpoint"):
+            self._checkpoint_now(req, pos, kind)
+
+    def _checkpoint_now(self, req: Request, pos: int, kind: str) -> None:
         if self.states is not None:
             self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
@@ -579,7 +631,7 @@ class Engine:
     # ------------------------------------------------------------------------------ decode
     def _decode(self, req: Request) -> None:
         pos = req.filled
-        logits = self._forward(req, pos, pos + 1)
+        logits = self._forward(req, pos, pos + 1, "decode_forward")
         self.stats.add("decode_forwards")
         self._decoded(req, logits[-1])
 
@@ -588,7 +640,9 @@ class Engine:
         if len(reqs) == 1:
             return self._decode(reqs[0])
         pos = [r.filled for r in reqs]
-        logits = decode_batch(self.model, [r.model_cache for r in reqs], [r.tokens[p] for r, p in zip(reqs, pos)], pos)
+        with self._phase("decode_forward"):
+            logits = decode_batch(self.model, [r.model_cache for r in reqs], [r.tokens[p] for r, p in zip(reqs, pos)],
+                                  pos)
         self.stats.add("decode_forwards")
         for req, p, row in zip(reqs, pos, logits):
             self._ran(req, p, p + 1)
@@ -600,7 +654,8 @@ class Engine:
         if self.states is not None and req.filled % self.unit == 0:
             # Keep the state at the last aligned position: the turn is cached up to there at finish
             # (a state is valid at one position only, and only page-aligned prefixes are cached).
-            self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
+            with self._phase("checkpoint"):
+                self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
             self.stats.add("decode_checkpoints")
             req.slot_pos = req.filled
@@ -608,7 +663,8 @@ class Engine:
 
     def _emit(self, req: Request, row: torch.Tensor) -> None:
         """The model's next-token distribution ``row``: pick (greedy, or the forced token) and record."""
-        am = int(row.argmax())
+        with self._phase("emit"):
+            am = int(row.argmax())
         i = len(req.output)
         tok = am if req.forced_output is None else int(req.forced_output[i])
         req.output.append(tok)
@@ -630,7 +686,8 @@ class Engine:
             # cache_finished_req frees the rest of the request's pages, its slot and its lock.
             assert req.slot_pos >= req.cache_protected_len
             # SWA: no state, every written position's KV is in T0
-            self.cache.cache_finished_req(self._view(req, req.filled if self.swa is not None else req.slot_pos))
+            with self._phase("finish"):
+                self.cache.cache_finished_req(self._view(req, req.filled if self.swa is not None else req.slot_pos))
             req.swa_kv_indices = None
             req.mamba_pool_idx, req.last_node, req.cache_protected_len = None, None, 0
         self._drop(req, Status.FINISHED)

@@ -56,6 +56,7 @@ class EngineStats:
         self.c: collections.Counter = collections.Counter()
         self.ttft: list[float] = []  # from submission (queueing included)
         self.ttft_admitted: list[float] = []  # from admission
+        self.phase_s: collections.Counter = collections.Counter()  # EngineConfig.phase_timing
 
     def add(self, key: str, n: int = 1) -> None:
         self.c[key] += n
@@ -84,6 +85,8 @@ class EngineStats:
                        "from_admission_p50": percentile(self.ttft_admitted, 50),
                        "from_admission_p90": percentile(self.ttft_admitted, 90)},
         }
+        if self.phase_s:
+            out["phase_s"] = dict(self.phase_s)
         if ckpt is not None:
             out["bytes"]["T1_stored"] = ckpt.counts["store_bytes"]
             out["bytes"]["T1_loaded"] = ckpt.counts["load_bytes"]

@@ -43,7 +43,8 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     """Checksums (int64, on the view's device) of ``rows_view[rows]``.
 
     ``rows_view``: ``[R, E]`` uint8 with ``E % 16 == 0`` and a unit inner stride (a pool's rows view);
-    ``rows``: 1-D int64 row ids on the same device.
+    ``rows``: 1-D int64 row ids on the same device, or (GPU) in page-locked host memory, which the
+    kernel reads through mapped memory: no copy on any stream.
     """
     if not isinstance(rows_view, torch.Tensor) or rows_view.dtype != torch.uint8 or rows_view.dim() != 2:
         raise InvalidArgumentError("rows_view", "a 2-D uint8 tensor [rows, bytes]", getattr(rows_view, "shape", None))
@@ -52,12 +53,14 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
                                    (tuple(rows_view.shape), rows_view.stride()))
     if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
         raise InvalidArgumentError("rows", "a 1-D int32/int64 tensor", getattr(rows, "dtype", type(rows)))
-    if rows.device != rows_view.device:
-        raise InvalidArgumentError("rows", f"a tensor on {rows_view.device}", rows.device)
+    mapped = rows_view.is_cuda and rows.device.type == "cpu" and rows.is_pinned()
+    if rows.device != rows_view.device and not mapped:
+        raise InvalidArgumentError("rows", f"a tensor on {rows_view.device} (or page-locked host memory)",
+                                   rows.device)
     if rows.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows_view.device)
     if not use_triton(rows_view.device, backend):
-        return row_checksums_reference(rows_view, rows)
+        return row_checksums_reference(rows_view, rows.to(rows_view.device))
     if rows_view.data_ptr() % 16:
         raise InvalidArgumentError("rows_view", "a 16-byte aligned start", rows_view.data_ptr())
     row_words = rows_view.shape[1] // 4
