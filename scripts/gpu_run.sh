@@ -2,6 +2,8 @@
 # One call on the GPU machine: the GPU tests (also under the CUDA sanitizer), then the benchmarks.
 # Results land in $OUT/results (copy them into benchmarks/results/ to commit); the log in $OUT/log.txt.
 # Usage: bash scripts/gpu_run.sh [bench ...]   (default: pool kernels transfer)
+#   Results record TIERED_CACHE_COMMIT when set: set it from your own checkout (the device copy's .git
+#   may be stale; on 2026-11-30 it reported an older commit than the files that ran).
 #   bench "workload" runs bench_workload.py with $WORKLOAD_ARGS (default: the full-scale multi-turn
 #   workload, batched decode) and, when .whl/ holds the flash-linear-attention wheels (carry .whl),
 #   installs them for that benchmark only: the tests keep transformers' fp32 torch gated delta.
