@@ -50,15 +50,37 @@ def test_checksum_kernel_matches_reference(entry_bytes):
     assert got[2] == got[3] and got[0] != got[1]
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_checksum_kernel_writes_into_out(backend):
+    rows = torch.randint(0, 256, (7, 8192 + 48), dtype=torch.uint8)
+    ids = torch.tensor([6, 0, 3])
+    out = torch.full((4,), -1, dtype=torch.int64)
+    got = row_checksums(rows, ids, backend=backend, out=out[1:])  # a view: the engine fills slices
+    assert got.data_ptr() == out[1:].data_ptr() and out[0] == -1
+    assert torch.equal(out[1:], row_checksums_reference(rows, ids))
+    for bad in (torch.empty(2, dtype=torch.int64), torch.empty(3, dtype=torch.int32),
+                torch.empty(6, dtype=torch.int64)[::2]):
+        with pytest.raises(InvalidArgumentError, match="out"):
+            row_checksums(rows, ids, backend=backend, out=bad)
+
+
 @pytest.mark.gpu
-def test_checksum_kernel_reads_row_ids_from_page_locked_host_memory():
-    """The transfer engine hands the kernel its row ids in pinned host memory (no copy on any stream)."""
+def test_checksum_kernel_reads_row_ids_from_and_writes_sums_to_page_locked_host_memory():
+    """The transfer engine hands the kernel its row ids in pinned host memory and takes the sums back
+    the same way (no copy on any stream, none in a copy engine's queue)."""
     rows = torch.randint(0, 256, (9, 8192 + 48), dtype=torch.uint8).cuda()
     ids = torch.tensor([8, 0, 3, 3, 5])
+    want = row_checksums_reference(rows.cpu(), ids)
     got = row_checksums(rows, ids.pin_memory(), backend="triton")
-    assert got.is_cuda and torch.equal(got.cpu(), row_checksums_reference(rows.cpu(), ids))
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    out = torch.full((5,), -1, dtype=torch.int64).pin_memory()
+    row_checksums(rows, ids.pin_memory(), backend="triton", out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
     with pytest.raises(InvalidArgumentError, match="page-locked"):
         row_checksums(rows, ids, backend="triton")  # pageable host ids: refused
+    with pytest.raises(InvalidArgumentError, match="out"):
+        row_checksums(rows, ids.cuda(), backend="triton", out=torch.empty(5, dtype=torch.int64))  # pageable
 
 
 def test_checksum_detects_every_single_bit_flip_in_a_row():

@@ -152,10 +152,11 @@ class TransferEngine:
             # and the ticket ends on both events (the next ticket's copies never wait for this checksum).
             cs.wait_stream(cur)
             with dev.use_stream(cs):
-                sums = self._to_host(row_checksums(rows_view, rows_t, self.backend))
+                sums = row_checksums(rows_view, rows_t, self.backend, out=self._host_sums(len(rows_l)))
                 t.check_event = cs.record_event(dev.new_event(self.device))
+        keep: list = []
         with dev.use_stream(stream):
-            self._copy_rows("d2h", rows_view, rows_t, rows_l, region, slots)
+            self._copy_rows("d2h", rows_view, rows_t, rows_l, region, slots, keep=keep)
             t.event = stream.record_event(dev.new_event(self.device))
 
         def finish(tk: Ticket) -> None:
@@ -164,7 +165,7 @@ class TransferEngine:
             region.valid[slots] = True
             tk.ok = [True] * len(slots)
 
-        self._start(t, finish, [(region.allocator, slots), *busy], [rows_view, rows_t, sums])
+        self._start(t, finish, [(region.allocator, slots), *busy], [rows_view, rows_t, sums, keep])
         return t
 
     def load(self, region: HostRegion, host_slots: Sequence[int], rows_view: torch.Tensor, rows: Sequence[int],
@@ -189,31 +190,31 @@ class TransferEngine:
         stream = self.streams["h2d"]
         stream.wait_stream(dev.current_stream(self.device))  # compute is done with the rows we overwrite
         cs = self.streams["cs_h2d"]
-        sums: list[torch.Tensor] = []
+        sums = self._host_sums(len(rows_l)) if self.checksums else None
+        keep: list = []
         with dev.use_stream(stream):
             if layer_ranges:
                 for off, n in layer_ranges:
-                    self._copy_rows("h2d", rows_view, rows_t, rows_l, region, slots, (off, n))
+                    self._copy_rows("h2d", rows_view, rows_t, rows_l, region, slots, (off, n), keep=keep)
                     t.layer_events.append(stream.record_event(dev.new_event(self.device)))
-                if self.checksums:  # after the last layer: one pass over whole rows
+                if sums is not None:  # after the last layer: one pass over whole rows
                     cs.wait_stream(stream)
                     with dev.use_stream(cs):
-                        sums.append(row_checksums(rows_view, rows_t, self.backend))
+                        row_checksums(rows_view, rows_t, self.backend, out=sums)
             else:
                 # Checksum group g on the checksum stream while group g+1 is still copying.
                 n_rows = len(rows_l)
                 step = max(1, -(-n_rows // 4))
                 for g0 in range(0, n_rows, step):
                     g1 = min(n_rows, g0 + step)
-                    self._copy_rows("h2d", rows_view, rows_t[g0:g1], rows_l[g0:g1], region, slots[g0:g1])
-                    if self.checksums:
+                    self._copy_rows("h2d", rows_view, rows_t[g0:g1], rows_l[g0:g1], region, slots[g0:g1],
+                                    keep=keep)
+                    if sums is not None:
                         cs.wait_stream(stream)
                         with dev.use_stream(cs):
-                            sums.append(row_checksums(rows_view, rows_t[g0:g1], self.backend))
-            if sums:
-                with dev.use_stream(cs):
-                    sums = [self._to_host(torch.cat(sums))]
-                    t.check_event = cs.record_event(dev.new_event(self.device))
+                            row_checksums(rows_view, rows_t[g0:g1], self.backend, out=sums[g0:g1])
+            if sums is not None:
+                t.check_event = cs.record_event(dev.new_event(self.device))
             if after is not None:
                 after()  # reads only the landed bytes: it need not wait for their checksum
             t.event = stream.record_event(dev.new_event(self.device))
@@ -221,12 +222,12 @@ class TransferEngine:
         def finish(tk: Ticket) -> None:
             # The checksums of the landed bytes were taken on the GPU; an entry is served only if
             # they equal the ones taken as it left.
-            tk.ok = (sums[0].numpy() == expected).tolist() if sums else [True] * len(rows_l)
+            tk.ok = (sums.numpy() == expected).tolist() if sums is not None else [True] * len(rows_l)
             bad = tk.ok.count(False)
             if bad:
                 self.stats["checksum_failures"] += bad
 
-        self._start(t, finish, [(region.allocator, slots), *busy], [rows_view, rows_t, sums])
+        self._start(t, finish, [(region.allocator, slots), *busy], [rows_view, rows_t, sums, keep])
         return t
 
     # ---------------------------------------------------------------------------- tickets
@@ -285,14 +286,11 @@ class TransferEngine:
         t = torch.tensor(rows_l, dtype=torch.int64)
         return t.pin_memory() if self.device.type == "cuda" else t
 
-    def _to_host(self, sums: torch.Tensor) -> torch.Tensor:
-        """``sums`` copied to host memory on the current (side) stream, without blocking: read once the
-        ticket's check event has fired."""
-        if self.device.type != "cuda":
-            return sums
-        out = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-        out.copy_(sums, non_blocking=True)
-        return out
+    def _host_sums(self, n: int) -> torch.Tensor:
+        """Where a ticket's checksums land: host memory the checksum kernel writes through mapped memory
+        on a GPU (page-locked), so no tiny copy waits in a copy engine behind the large copies; read
+        once the ticket's check event has fired."""
+        return torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
 
     # ----------------------------------------------------------------------------- helpers
     def _check(self, rows_view, rows, region, host_slots, need_valid: bool):
@@ -341,12 +339,13 @@ class TransferEngine:
             return "copy"  # CPU without the interpreter: the kernel cannot run here
         return method
 
-    def _copy_rows(self, direction, rows_view, rows_t, rows_l, region, slots, sub=None):
+    def _copy_rows(self, direction, rows_view, rows_t, rows_l, region, slots, sub=None, keep=None):
+        """``keep`` collects host tensors a kernel reads after this returns (held until the ticket ends)."""
         off, n = sub if sub is not None else (0, region.slot_bytes)
         runs = region.runs(slots)
         method = self._pick(direction, region.slot_bytes, runs, sub is not None)
         if method == "kernel":
-            self._copy_rows_kernel(direction, rows_view, rows_l, region, slots, off, n)
+            self._copy_rows_kernel(direction, rows_view, rows_l, region, slots, off, n, keep)
             return
         if method == "staging":
             self._copy_rows_staging(direction, rows_view, rows_t, region, slots)
@@ -382,8 +381,10 @@ class TransferEngine:
             if direction == "h2d":
                 rows_view.index_copy_(0, idx, stage)
 
-    def _copy_rows_kernel(self, direction, rows_view, rows_l, region, slots, off, n):
-        """One few-program launch per host chunk touched (``kernels/hostcopy.py``)."""
+    def _copy_rows_kernel(self, direction, rows_view, rows_l, region, slots, off, n, keep):
+        """One few-program launch per host chunk touched (``kernels/hostcopy.py``). The item offsets stay
+        in page-locked host memory, read by the kernel through mapped memory: a host-to-device copy of
+        them would wait in the H2D copy engine behind the large loads in flight (a demote beside loads)."""
         # Plain dtype views: offsets count int32 words from the view's first byte.
         dev_words = rows_view.view(torch.int32)
         stride_w = dev_words.stride(0)
@@ -394,8 +395,10 @@ class TransferEngine:
             d_off = rows_a[sel] * stride_w + off // 4
             h_off = (k[sel] * region.slot_bytes + off) // 4
             host_words = region.chunks[c].view(torch.int32)
-            d_t = dev.host_to_device(torch.from_numpy(d_off), self.device)
-            h_t = dev.host_to_device(torch.from_numpy(h_off), self.device)
+            d_t, h_t = torch.from_numpy(d_off), torch.from_numpy(h_off)
+            if self.device.type == "cuda":
+                d_t, h_t = d_t.pin_memory(), h_t.pin_memory()
+                keep += [d_t, h_t]  # read by the kernel until it ends: not freed (nor reused) before
             if direction == "d2h":
                 copy_items(dev_words, d_t, host_words, h_t, n // 4, self.kernel_programs, self.kernel_block_words,
                            self.kernel_warps)

@@ -9,10 +9,13 @@ catches swapped words. Addition mod 2**64 is associative, so block-wise partial 
 reference's whole-row sum exactly. The 32 x 32 -> 64-bit products keep it near memory speed, and the
 transfer engine runs it beside the copy on its own stream.
 
-Bytes moved: each row read once (``len(rows) * E``), 8 bytes written per (row, block).
+Bytes moved: each row read once (``len(rows) * E``), 8 bytes written per (row, block), then read
+once more and 8 bytes written per row by the sum of the parts.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -39,12 +42,26 @@ def _checksum_kernel(words_ptr, rows_ptr, out_ptr, row_stride_words, row_words, 
     tl.store(out_ptr + i * n_blocks + part, tl.sum(acc, axis=0))
 
 
-def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """Checksums (int64, on the view's device) of ``rows_view[rows]``.
+@triton.jit
+def _sum_parts_kernel(parts_ptr, out_ptr, n_parts, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(0, n_parts, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(parts_ptr + i * n_parts + offs, mask=offs < n_parts, other=0)
+    tl.store(out_ptr + i, tl.sum(acc, axis=0))  # wraps mod 2**64, as the reference's sum
+
+
+def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto",
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Checksums (int64) of ``rows_view[rows]``, on the view's device or written into ``out``.
 
     ``rows_view``: ``[R, E]`` uint8 with ``E % 16 == 0`` and a unit inner stride (a pool's rows view);
     ``rows``: 1-D int64 row ids on the same device, or (GPU) in page-locked host memory, which the
     kernel reads through mapped memory: no copy on any stream.
+    ``out``: a 1-D int64 tensor of ``len(rows)``, on the view's device or (GPU) in page-locked host
+    memory, which the last kernel writes through mapped memory: the sums reach the host without a
+    copy-engine transfer (one would queue behind every large copy already in that engine). Returned.
     """
     if not isinstance(rows_view, torch.Tensor) or rows_view.dtype != torch.uint8 or rows_view.dim() != 2:
         raise InvalidArgumentError("rows_view", "a 2-D uint8 tensor [rows, bytes]", getattr(rows_view, "shape", None))
@@ -57,10 +74,19 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     if rows.device != rows_view.device and not mapped:
         raise InvalidArgumentError("rows", f"a tensor on {rows_view.device} (or page-locked host memory)",
                                    rows.device)
+    if out is not None:
+        out_mapped = rows_view.is_cuda and out.device.type == "cpu" and out.is_pinned()
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.shape != (rows.numel(),)
+                or not out.is_contiguous() or (out.device != rows_view.device and not out_mapped)):
+            raise InvalidArgumentError("out", f"a contiguous int64 tensor of shape ({rows.numel()},) on "
+                                       f"{rows_view.device} (or page-locked host memory)",
+                                       (getattr(out, "dtype", type(out)), tuple(getattr(out, "shape", ())),
+                                        getattr(out, "device", None)))
     if rows.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64, device=rows_view.device)
+        return out if out is not None else torch.zeros(0, dtype=torch.int64, device=rows_view.device)
     if not use_triton(rows_view.device, backend):
-        return row_checksums_reference(rows_view, rows.to(rows_view.device))
+        res = row_checksums_reference(rows_view, rows.to(rows_view.device))
+        return res if out is None else out.copy_(res)
     if rows_view.data_ptr() % 16:
         raise InvalidArgumentError("rows_view", "a 16-byte aligned start", rows_view.data_ptr())
     row_words = rows_view.shape[1] // 4
@@ -69,9 +95,12 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     # chip; in the interpreter, one program per row.
     iters = max(1, min(8, triton.cdiv(row_words, block))) if rows_view.is_cuda else triton.cdiv(row_words, block)
     n_blocks = triton.cdiv(row_words, block * iters)
-    out = torch.empty(rows.numel(), n_blocks, dtype=torch.int64, device=rows_view.device)
+    parts = torch.empty(rows.numel(), n_blocks, dtype=torch.int64, device=rows_view.device)
     # A plain dtype view (no set_ on the storage: the CUDA sanitizer counts that as a write).
     words = rows_view.view(torch.int32)
-    _checksum_kernel[(rows.numel(), n_blocks)](words, rows, out, words.stride(0), row_words, n_blocks,
+    _checksum_kernel[(rows.numel(), n_blocks)](words, rows, parts, words.stride(0), row_words, n_blocks,
                                                 BLOCK=block, ITERS=iters)
-    return out.sum(dim=1)
+    if out is None:
+        out = torch.empty(rows.numel(), dtype=torch.int64, device=rows_view.device)
+    _sum_parts_kernel[(rows.numel(),)](parts, out, n_blocks, BLOCK=min(1024, triton.next_power_of_2(n_blocks)))
+    return out

@@ -40,7 +40,8 @@ def copy_items(src_words: torch.Tensor, src_offsets: torch.Tensor, dst_words: to
     """For each item ``i``: ``dst_words[dst_offsets[i] : +n_words] = src_words[src_offsets[i] : +n_words]``.
 
     ``src_words`` / ``dst_words``: int32 tensors, one on the GPU and one in pinned host memory (or both
-    on CPU under the interpreter); offsets: int64 word offsets on the launching device.
+    on CPU under the interpreter); offsets: int64 word offsets on the launching device or, on a GPU, in
+    pinned host memory (each program reads its items' offsets through mapped memory).
     ``block_words`` (a power of two) and ``num_warps``: words each program moves per step and the warps
     that move them (more of either puts more reads in flight over PCIe).
     """
