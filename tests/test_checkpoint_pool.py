@@ -164,8 +164,11 @@ def test_lossless_codec_is_exact(value_axis):
     assert torch.equal(views.convs[0][:, [1, 2]], ref.convs[0][:, [2, 0]])
 
 
+@pytest.mark.parametrize("ids_as", ["tensor", "list"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_through_a_unified_pool_with_virtual_ids(backend):
+def test_through_a_unified_pool_with_virtual_ids(backend, ids_as):
+    """Virtual ids as device tensors (translated on the device, checked by reading back) or as host
+    lists (translated and checked on the host table, sent once: no device round trip)."""
     spec = make_spec(value_axis=2)
     t0 = UnifiedPool(KVSpec(2, 2, 16), spec, low_slots=4, high_slots=8, device="cpu", backend=backend)
     side = t0.side("mamba")
@@ -179,13 +182,17 @@ def test_through_a_unified_pool_with_virtual_ids(backend):
     pool.store_from_active(side, ids, slots)
     fresh = side.alloc(3)
     side.free(ids[:1])  # compaction moves live rows: the load must go through the new table
-    pool.load_to_active(slots, side, fresh)
+    as_ids = (lambda t: t) if ids_as == "tensor" else (lambda t: t.tolist())
+    pool.load_to_active(as_ids(slots), side, as_ids(fresh))
     got_t, got_c = temporal[:, side.translate(fresh)], conv[:, side.translate(fresh)]
     want = canonical(dequantize_reference(*quantize_reference(canonical(before[0], spec)), spec.temporal_dtype), spec)
     assert torch.equal(got_t, want) and torch.equal(got_c, before[1])
-    with pytest.raises(InvalidArgumentError) as err:  # a freed virtual id translates to -1
-        pool.load_to_active(slots[:1], side, ids[:1])
-    assert err.value.arg == "active_ids"
+    snapshot = temporal.clone()
+    for bad in (ids[:1], torch.tensor([1 << 20]), torch.cat([fresh[:1], fresh[:1]])):  # freed, unknown, repeated
+        with pytest.raises(InvalidArgumentError) as err:
+            pool.load_to_active(as_ids(slots[:len(bad)]), side, as_ids(bad))
+        assert err.value.arg == "active_ids"
+    assert torch.equal(temporal, snapshot)  # nothing changed
     with pytest.raises(InvalidArgumentError):
         pool.store_from_active(t0.side("full"), fresh, slots)
 

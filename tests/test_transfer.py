@@ -292,11 +292,12 @@ def test_host_mirror_budget_and_chunks():
     assert r.runs([1, 2, 3, 7, 6]) == [(0, 1, 1), (1, 2, 2), (3, 7, 1), (4, 6, 1)]
 
 
-@pytest.mark.parametrize("method", ["kernel", "staging"])
-def test_kv_round_trip_through_other_methods(method):
-    """The mapped-memory kernel (interpreter on CPU) and the staging path move the same bytes."""
+@pytest.mark.parametrize("method, backend", [("kernel", "triton"), ("staging", "triton"), ("staging", "torch")])
+def test_kv_round_trip_through_other_methods(method, backend):
+    """The mapped-memory kernel (interpreter on CPU) and the staging path (its gather by the same kernel,
+    or by torch's index ops) move the same bytes."""
     pool, t1, mirror, _ = setup()
-    eng = TransferEngine("cpu", method={"d2h": method, "h2d": method}, backend="triton")
+    eng = TransferEngine("cpu", method={"d2h": method, "h2d": method}, backend=backend)
     full, region = pool.side("full"), mirror.region("full")
     toks = full.alloc(16)
     fill_random(full.rows_bytes(), 9)

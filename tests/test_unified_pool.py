@@ -98,6 +98,27 @@ def test_page_aware_ids(page_size):
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_host_translate_equals_device_translate(page_size):
+    """``translate_host`` (the host table, no device work) maps every id as ``translate`` does, freed
+    ids to negative rows, and names unknown ids."""
+    import numpy as np
+
+    pool = make(page_size=page_size, low_slots=6)
+    full, mamba = pool.side("full"), pool.side("mamba")
+    a, b, s = full.alloc(3 * page_size), full.alloc(2 * page_size), mamba.alloc(2)
+    full.free(a[:page_size])  # compaction moves a live page
+    for side, live, dead in ((full, torch.cat([a[page_size:], b]), a[:page_size]), (mamba, s, None)):
+        perm = live[torch.randperm(len(live), generator=torch.Generator().manual_seed(page_size))]
+        assert np.array_equal(side.allocator.translate_host(perm.numpy()), side.translate(perm).numpy())
+        if dead is not None:
+            assert (side.allocator.translate_host(dead.numpy()) < 0).all()
+        with pytest.raises(InvalidArgumentError, match="ids"):
+            side.allocator.translate_host(np.array([-1]))
+        with pytest.raises(InvalidArgumentError, match="ids"):
+            side.allocator.translate_host(np.array([1 << 30]))
+
+
 def test_eager_and_lazy_give_same_contents():
     results = []
     for lazy in (False, True):

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError, SlotBusyError, SlotStateError
 from tiered_cache.slots import BusyMarks
 
@@ -275,6 +276,18 @@ class MultiEndedAllocator(BusyMarks):
             return self._table[ids]
         return self._table[ids // self.page_size] * self.page_size + ids % self.page_size
 
+    def translate_host(self, ids: np.ndarray) -> np.ndarray:
+        """``translate`` on the host table (no device work): free ids map to negative rows."""
+        ids = np.asarray(ids, dtype=np.int64)
+        pages = ids // self.page_size
+        bad = ids[(ids < 0) | (pages >= self._v2p.shape[0])]
+        if bad.size:
+            raise InvalidArgumentError("ids", f"virtual ids in [0, {self._v2p.shape[0] * self.page_size})",
+                                       bad[:16].tolist())
+        if self.page_size == 1:
+            return self._v2p[ids]
+        return self._v2p[pages] * self.page_size + ids % self.page_size
+
     def translate_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
         """Virtual page (slot) ids -> physical rows."""
         self.sync_table()
@@ -291,7 +304,10 @@ class MultiEndedAllocator(BusyMarks):
         if not self._dirty:
             return
         idx = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
-        self._table[torch.from_numpy(idx).to(self.device)] = torch.from_numpy(self._v2p[idx]).to(self.device)
+        # through pinned memory, without blocking: a pageable copy would hold this thread until the
+        # H2D copy engine reached it, behind every large load in flight
+        self._table[dev.host_to_device(torch.from_numpy(idx), self.device)] = \
+            dev.host_to_device(torch.from_numpy(self._v2p[idx]), self.device)
         self._dirty.clear()
 
     # ------------------------------------------------------------------------------ invariants

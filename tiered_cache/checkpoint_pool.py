@@ -255,11 +255,17 @@ class Int8CheckpointPool:
             if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
                 raise InvalidArgumentError(name, "a 1-D int32/int64 tensor", (ids.dtype, tuple(ids.shape)))
             return ids
-        return torch.from_numpy(self._host_ids(name, ids)).to(self.device)
+        return dev.host_to_device(torch.from_numpy(self._host_ids(name, ids)), self.device)
 
     def _checked_slots(self, name: str, ids: IdsLike, unique: bool) -> torch.Tensor:
-        slots = self._device_ids(name, ids)
-        host = slots.detach().to("cpu", torch.int64).numpy()
+        # Host ids (lists) are checked where they are and sent once, without blocking (pinned memory);
+        # device tensors are read back for the check.
+        if isinstance(ids, torch.Tensor):
+            slots = self._device_ids(name, ids)
+            host = slots.detach().to("cpu", torch.int64).numpy()
+        else:
+            host = self._host_ids(name, ids)
+            slots = None
         out = host[(host < 1) | (host > self.num_slots)]
         if out.size:
             raise InvalidArgumentError(name, f"checkpoint slot ids in [1, {self.num_slots}]", out.tolist())
@@ -268,27 +274,40 @@ class Int8CheckpointPool:
             raise SlotStateError(name, "allocated checkpoint slots", unalloc.tolist())
         if unique and np.unique(host).size != host.size:
             raise InvalidArgumentError(name, "distinct destination slots", host.tolist())
-        return slots
+        return slots if slots is not None else dev.host_to_device(torch.from_numpy(host), self.device)
 
     def _resolve_active(self, side, active_ids: IdsLike, unique: bool
                         ) -> tuple[torch.Tensor, Sequence[torch.Tensor], torch.Tensor]:
         """-> (temporal view, conv views, physical rows), all checked against the spec and device."""
         spec, n_conv = self.spec, len(self.spec.conv_shapes)
-        ids = self._device_ids("active_ids", active_ids)
+        host_ids = not isinstance(active_ids, torch.Tensor)
+        ids = None if host_ids else self._device_ids("active_ids", active_ids)
+        host = None
         if hasattr(side, "translate") and hasattr(side, "temporal_view_all"):
             if getattr(side, "spec", None) != spec:
                 raise InvalidArgumentError("side", f"a T0 side whose spec is {spec}", getattr(side, "spec", None))
             temporal = side.temporal_view_all()
             convs: Sequence[torch.Tensor] = [side.conv_view_all(i) for i in range(n_conv)]
-            try:
-                rows = side.translate(ids)
-            except (IndexError, RuntimeError):
-                raise InvalidArgumentError("active_ids", "virtual ids of the T0 side", ids.tolist()) from None
             what = "live virtual ids of the T0 side"  # translate maps a free id to -1
+            if host_ids:  # translated on the host (the allocator's table): no device round trip
+                vids = self._host_ids("active_ids", active_ids)
+                try:
+                    host = side.allocator.translate_host(vids)
+                except InvalidArgumentError:
+                    raise InvalidArgumentError("active_ids", "virtual ids of the T0 side", vids.tolist()) from None
+            else:
+                try:
+                    rows = side.translate(ids)
+                except (IndexError, RuntimeError):
+                    raise InvalidArgumentError("active_ids", "virtual ids of the T0 side", ids.tolist()) from None
         elif isinstance(side, ActiveViews) or isinstance(side, torch.Tensor):
             temporal = side.temporal if isinstance(side, ActiveViews) else side
             convs = tuple(side.convs) if isinstance(side, ActiveViews) else ()
-            rows, what = ids, "physical rows"
+            what = "physical rows"
+            if host_ids:
+                host = self._host_ids("active_ids", active_ids)
+            else:
+                rows = ids
         else:
             raise InvalidArgumentError("side", "a T0 SubPool, ActiveViews or a temporal tensor", type(side).__name__)
         self._check_view("side.temporal", temporal, spec.temporal_shape, spec.temporal_dtype)
@@ -296,11 +315,14 @@ class Int8CheckpointPool:
             raise InvalidArgumentError("side", f"{n_conv} conv views (spec.conv_shapes)", len(convs))
         for i, c in enumerate(convs):
             self._check_view(f"side.convs[{i}]", c, spec.conv_shapes[i], spec.conv_dtype, temporal.shape[1])
-        host = rows.detach().to("cpu", torch.int64).numpy()
+        if host is None:
+            host = rows.detach().to("cpu", torch.int64).numpy()
         if host.size and (host.min() < 0 or host.max() >= temporal.shape[1]):
             raise InvalidArgumentError("active_ids", f"{what} (rows in [0, {temporal.shape[1]}))", host.tolist())
         if unique and np.unique(host).size != host.size:
             raise InvalidArgumentError("active_ids", "distinct destination states", host.tolist())
+        if host_ids:
+            rows = dev.host_to_device(torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64)), self.device)
         return temporal, convs, rows
 
     def _check_view(self, name: str, t: object, inner: tuple[int, ...], dtype: torch.dtype,

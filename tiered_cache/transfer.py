@@ -114,6 +114,9 @@ class TransferEngine:
         self.kernel_programs = 16  # programs of the mapped-memory copy kernel (few: leave SMs to compute)
         self.kernel_block_words = 2048  # int32 words a program moves per step (power of two)
         self.kernel_warps = 4  # warps per program
+        # programs of the staging gather / scatter (device to device: many, to run near HBM speed)
+        self.staging_programs = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else 4
         self.backend = backend
         self.stream_priority = stream_priority
         self.streams = {name: dev.new_stream(self.device, stream_priority)
@@ -348,7 +351,7 @@ class TransferEngine:
             self._copy_rows_kernel(direction, rows_view, rows_l, region, slots, off, n, keep)
             return
         if method == "staging":
-            self._copy_rows_staging(direction, rows_view, rows_t, region, slots)
+            self._copy_rows_staging(direction, rows_view, rows_t, region, slots, keep)
             return
         for pos, s0, k in runs:
             for j in range(k):  # device rows are scattered: one copy per row
@@ -360,7 +363,7 @@ class TransferEngine:
                 else:
                     devrow.copy_(host, non_blocking=True)
 
-    def _copy_rows_staging(self, direction, rows_view, rows_t, region, slots):
+    def _copy_rows_staging(self, direction, rows_view, rows_t, region, slots, keep):
         """Gather device rows into a staging buffer (one kernel), then one DMA copy per run of
         consecutive host slots (or the reverse), in groups that fit the buffer."""
         e = region.slot_bytes
@@ -369,9 +372,8 @@ class TransferEngine:
         for g0 in range(0, len(slots), per):
             g1 = min(len(slots), g0 + per)
             stage = staging[: (g1 - g0) * e].view(g1 - g0, e)
-            idx = rows_t[g0:g1].to(self.device, non_blocking=True)  # on this (side) stream
             if direction == "d2h":
-                torch.index_select(rows_view, 0, idx, out=stage)
+                self._stage_rows(rows_view, rows_t[g0:g1], stage, True, keep)
             for pos, s0, k in region.runs(slots[g0:g1]):
                 host, dev_part = region.run_view(s0, k), stage[pos:pos + k].reshape(-1)
                 if direction == "d2h":
@@ -379,7 +381,29 @@ class TransferEngine:
                 else:
                     dev_part.copy_(host, non_blocking=True)
             if direction == "h2d":
-                rows_view.index_copy_(0, idx, stage)
+                self._stage_rows(rows_view, rows_t[g0:g1], stage, False, keep)
+
+    def _stage_rows(self, rows_view, ids, stage, to_stage: bool, keep) -> None:
+        """``stage[i] = rows_view[ids[i]]`` (``to_stage``) or the reverse, on the current (side) stream.
+        With Triton: one ``copy_items`` launch over many programs (device to device) that reads the row
+        offsets from page-locked host memory, since a host-to-device copy of the ids would queue in the
+        H2D copy engine behind the large loads in flight. Without: torch's index ops."""
+        e = stage.shape[1]
+        if use_triton(self.device, self.backend) and e % 4 == 0:
+            rows_w, stage_w = rows_view.view(torch.int32), stage.view(torch.int32)
+            r_off = ids.cpu() * rows_w.stride(0)
+            s_off = torch.arange(len(ids), dtype=torch.int64) * stage_w.stride(0)
+            if self.device.type == "cuda":
+                r_off, s_off = r_off.pin_memory(), s_off.pin_memory()
+                keep += [r_off, s_off]  # read by the kernel until it ends
+            src, dst = ((rows_w, r_off), (stage_w, s_off)) if to_stage else ((stage_w, s_off), (rows_w, r_off))
+            copy_items(src[0], src[1], dst[0], dst[1], e // 4, self.staging_programs, 4096, 8)
+            return
+        idx = ids.to(self.device, non_blocking=True)
+        if to_stage:
+            torch.index_select(rows_view, 0, idx, out=stage)
+        else:
+            rows_view.index_copy_(0, idx, stage)
 
     def _copy_rows_kernel(self, direction, rows_view, rows_l, region, slots, off, n, keep):
         """One few-program launch per host chunk touched (``kernels/hostcopy.py``). The item offsets stay
