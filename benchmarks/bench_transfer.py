@@ -12,7 +12,8 @@ All in one run:
 - the mapped-memory kernel's settings swept (programs x words per step x warps);
 - a bf16 GEMM on the compute stream alone, then while transfers run (``gemm_slowdown``: GPU time by
   CUDA events; ``gemm_slowdown_wall``: wall clock);
-- the checksum's cost: the same state moves with checksums switched off (``checksum_overhead``);
+- the checksum's cost: the same state moves with checksums switched off (``checksum_overhead``), and
+  a diagnostic of which direction's checksums slow sustained both-ways moves (``diag_bidir_*``);
 - pinning 1 GiB with ``pin_memory`` against ``cudaHostRegister``.
 GB/s counts bytes crossing PCIe (one side of each copy).
 """
@@ -282,6 +283,29 @@ def main() -> None:
     for name, fn in (("checksum_overhead", lambda: pipelined(run_states, eng, "bidir")),
                      ("checksum_overhead_single_call", lambda: run_states(eng, "bidir"))):
         metrics[name] = timed(fn, a.reps) / _off(eng, lambda fn=fn: timed(fn, a.reps)) - 1
+
+    # Diagnostic: which direction's checksums stall sustained both-ways moves. Demotes and promotes go
+    # through two engines (each its own in-flight bound), checksums on or off per direction.
+    e_d, e_p = eng, tuned(TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes)))
+
+    def split_bidir():
+        for _ in range(PIPELINE):
+            demote_states(e_d, t1, src_st, sreg, hs_st[n_st:])
+            promote_states(e_p, sreg, hs_st[:n_st], t1, dst_st)
+        e_d.wait_all()
+        e_p.wait_all()
+
+    try:  # a diagnostic: should it break, say so and keep the run's other numbers
+        for d_on, h_on in ((True, True), (True, False), (False, True), (False, False)):
+            e_d.checksums, e_p.checksums = d_on, h_on
+            gbps = 2 * PIPELINE * st_bytes / timed(split_bidir, a.reps) / 1e9
+            metrics[f"diag_bidir_two_engines_checksums_d2h_{'on' if d_on else 'off'}_h2d_{'on' if h_on else 'off'}"
+                    "_GBps"] = gbps
+    except Exception as exc:  # noqa: BLE001
+        print(f"diag_bidir failed: {exc!r}")
+        metrics["diag_bidir_failed"] = 1.0
+    finally:
+        e_d.checksums = e_p.checksums = True
 
     # GEMM alone vs with transfers running on the copy streams
     x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
