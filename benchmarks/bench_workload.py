@@ -235,6 +235,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     common = dict(page_size=e["page_size"], chunk_size=e["chunk_size"], prefill_budget=e["prefill_budget"],
                   max_running=e["max_running"], write_policy=e["write_policy"],
                   decode_batch=bool(args.decode_batch or e.get("decode_batch", False)),
+                  decode_graphs=bool(args.decode_graphs),
                   phase_timing=args.phase_timing)
     n_req = sum(len(c.questions) for c in clients)
     print(f"\n== {name} ({args.scale}): {w['clients']} clients x {w['rounds']} rounds, prefix {w['prefix_len']} "
@@ -358,6 +359,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
     keep = ("workload", "engine", "model", "gpu_budget_mib", "host_budget_mib")
     record["info"] = {"scale": args.scale, "environment": env, "gated_delta": gd, "models": model_info,
                       "decode_batch_flag": bool(args.decode_batch),
+                      "decode_graphs_flag": bool(args.decode_graphs),
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
                                                 "tier_bytes": r["tier_bytes"], "longest_request": r["longest_request"],
                                                 "tree_stats": r["tree_stats"]} for r in results}}
@@ -381,6 +383,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--decode-batch", action="store_true",
                    help="every configuration decodes its running requests in one batched forward per step")
+    p.add_argument("--decode-graphs", action="store_true",
+                   help="every configuration decodes through the static-buffer graph decoder (CUDA graphs on a GPU)")
     p.add_argument("--configs", nargs="+", default=list(wc.CONFIGS), choices=wc.CONFIGS,
                    help="run only these configurations (the ratios need all four)")
     p.add_argument("--phase-timing", action="store_true",

@@ -5,8 +5,9 @@
 #   Results record TIERED_CACHE_COMMIT when set: set it from your own checkout (the device copy's .git
 #   may be stale; on 2026-11-30 it reported an older commit than the files that ran).
 #   bench "workload" runs bench_workload.py with $WORKLOAD_ARGS (default: the full-scale multi-turn
-#   workload, batched decode) and, when .whl/ holds the flash-linear-attention wheels (carry .whl),
-#   installs them for that benchmark only: the tests keep transformers' fp32 torch gated delta.
+#   workload, decoding through CUDA graphs; --decode-batch instead for eager batched decode) and, when
+#   .whl/ holds the flash-linear-attention wheels (carry .whl), installs them for that benchmark only:
+#   the tests keep transformers' fp32 torch gated delta.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -16,7 +17,7 @@ LOG=$OUT/log.txt
 benches=${*:-pool kernels transfer}
 TESTS=${TESTS:-tests}  # which test paths to run (default: all)
 SKIP_TESTS=${SKIP_TESTS:-0}  # 1: benchmarks only (the tests ran in an earlier call on the same tree)
-WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-batch --no-progress}
+WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-graphs --no-progress}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

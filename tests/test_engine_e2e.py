@@ -100,15 +100,17 @@ def compare(base, got):
 
 
 # ------------------------------------------------------------------------------ lossless equality
-@pytest.mark.parametrize("batch", [False, True], ids=["one-by-one", "decode-batch"])
+@pytest.mark.parametrize("batch", [False, True, "static"], ids=["one-by-one", "decode-batch", "decode-static"])
 @pytest.mark.parametrize("host", [False, T2], ids=["T0-T1", "T0-T1-T2"])
 def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
     """Through the tiers (lossless) every token equals the no-cache run, decoding one request per
-    forward or (``decode_batch``) the step's decode tokens in one forward: the same math summed in
-    another order (drift measured 1.1e-5 with T2). The batched run with T2 also times its phases
-    (``phase_timing``: synchronizes, changes no result)."""
-    timed = batch and bool(host)
-    cfg = EngineConfig(codec="lossless", decode_batch=batch, phase_timing=timed, **SMALL, **(HOST if host else {}))
+    forward, (``decode_batch``) the step's decode tokens in one forward, or (``decode_graphs``, run
+    eagerly on CPU) through the graph decoder's static buffers: the same math summed in another order
+    (drift measured 1.1e-5 with T2). The batched run with T2 also times its phases (``phase_timing``:
+    synchronizes, changes no result)."""
+    timed = batch is True and bool(host)
+    cfg = EngineConfig(codec="lossless", decode_batch=batch is True, decode_graphs=batch == "static",
+                       phase_timing=timed, **SMALL, **(HOST if host else {}))
     e, got = run_checked(qwen_long, cfg)
     for a, b in zip(baseline, got, strict=True):
         assert b.output == a.output, f"client {a.client} round {a.round}"
@@ -123,6 +125,8 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
         assert e.cache.stats["state_demotes"] > 0
     if batch:
         assert st["tokens"]["decode_forwards"] < st["tokens"]["decoded"]  # some steps did batch
+    if batch == "static":
+        assert e.graph_decoder.stats["steps"] == st["tokens"]["decode_forwards"] > 0
     if timed:
         ph = st["phase_s"]
         for k in ("events", "admit", "build_cache", "prefill_forward", "export_kv", "checkpoint", "decode_forward",
@@ -390,6 +394,8 @@ def test_swa_model_runs_through_the_no_cache_path():
         logits, _ = forward_chunk(model, new_cache(model), torch.tensor(toks), 0)
         toks.append(int(logits[-1].argmax()))
     assert req.output == toks[len(prompt):]
+    with pytest.raises(InvalidArgumentError, match="decode_graphs"):
+        Engine(model, EngineConfig(use_cache=False, decode_graphs=True, **COMMON))
 
 
 @pytest.mark.parametrize("host", [False, T2], ids=["T0", "T0-T2"])
@@ -434,6 +440,7 @@ def test_swa_model_through_the_cache_equals_no_cache(host):
     (dict(prefill_budget=8, chunk_size=16), "prefill_budget"),
     (dict(decode_batch="yes"), "decode_batch"),
     (dict(phase_timing=1), "phase_timing"),
+    (dict(decode_graphs="on"), "decode_graphs"),
 ])
 def test_config_misuse_names_the_argument(kw, arg):
     with pytest.raises(InvalidArgumentError, match=arg):
@@ -483,12 +490,16 @@ def skip_if_fla(model) -> None:
 
 @needs_host
 @pytest.mark.gpu
-def test_lossless_multi_turn_equals_no_cache_on_cuda():
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs):
+    """Through every tier on the GPU, and (``decode_graphs``) with decode steps replayed as CUDA graphs."""
     model = tiny_qwen3_next(seed=0, long_memory=True, device="cuda")
     skip_if_fla(model)
     torch.backends.cuda.matmul.allow_tf32 = False
     base = run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
-    e, got = run_checked(model, EngineConfig(codec="lossless", **SMALL, **HOST))
+    e, got = run_checked(model, EngineConfig(codec="lossless", decode_graphs=graphs, **SMALL, **HOST))
+    if graphs:
+        assert e.graph_decoder.stats["replays"] > 0
     for a, b in zip(base, got, strict=True):
         assert b.output == a.output
     n, top1, drift, _ = compare(base, got)

@@ -44,6 +44,7 @@ import torch
 
 from tiered_cache.checkpoint_pool import CODECS
 from tiered_cache.engine.adapters import HybridCacheAdapter, decode_batch, forward_chunk
+from tiered_cache.engine.graph_decode import GraphDecoder
 from tiered_cache.engine.models import spec_for
 from tiered_cache.engine.request import Request, Status
 from tiered_cache.engine.stats import CountingCheckpointPool, EngineStats
@@ -120,6 +121,11 @@ class EngineConfig:
     the requests' KV gathered into one left-padded cache) after the step's prefill chunks, instead of
     one forward per request. Logits then differ from batch-1 decoding by summation order only
     (~1e-6 in fp32). Models with sliding-window layers always decode one request at a time.
+    decode_graphs: run the step's decode tokens through ``graph_decode.GraphDecoder``: static buffers
+    and, on a GPU, one CUDA-graph replay per step instead of an eager forward (batched as with
+    ``decode_batch``; full + linear attention models, SDPA). Its buffers (keys and values of
+    ``max_running`` requests at the longest context, in buckets of 4,096 tokens) are outside the tier
+    budgets.
     phase_timing: measure where a step's time goes (``stats_dict()["phase_s"]``: seconds per phase,
     each phase's own time, nested ones apart). The device is synchronized at every phase boundary so
     GPU work counts in the phase that queued it; that costs overlap, so leave it off for timings.
@@ -146,13 +152,15 @@ class EngineConfig:
     storage_write_through: bool = True
     storage_model_id: Optional[str] = None
     decode_batch: bool = False
+    decode_graphs: bool = False
     phase_timing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "chunk_size", "prefill_budget", "max_running", "kv_pages", "t0_states",
                      "t1_states"):
             _pos_int(name, getattr(self, name))
-        for name in ("use_cache", "check_memory", "storage_write_through", "decode_batch", "phase_timing"):
+        for name in ("use_cache", "check_memory", "storage_write_through", "decode_batch", "decode_graphs",
+                     "phase_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "a bool", getattr(self, name))
         if self.chunk_size % self.page_size:
@@ -198,6 +206,11 @@ class Engine:
         self.device = model.device
         self.specs = spec_for(model, cfg.page_size)
         self.adapter = HybridCacheAdapter(model, self.specs)
+        self.graph_decoder = None
+        if cfg.decode_graphs:
+            if self.specs.swa_layers:
+                raise InvalidArgumentError("decode_graphs", "False for a model with sliding-window layers", True)
+            self.graph_decoder = GraphDecoder(model, max_batch=cfg.max_running)
         self.stats = EngineStats()
         clock = PhaseClock(self.stats.phase_s, self.device) if cfg.phase_timing else None
         self._phase = clock if clock is not None else (lambda name: _NO_PHASE)
@@ -351,7 +364,7 @@ class Engine:
         self._admit_waiting()
         finished: list[Request] = []
         budget = self.cfg.prefill_budget
-        batched = self.cfg.decode_batch and not self.adapter.specs.swa_layers
+        batched = (self.cfg.decode_batch or self.graph_decoder is not None) and not self.adapter.specs.swa_layers
         decoding: list[Request] = []
         for req in list(self.running):
             if req.status is Status.PREFILL:
@@ -636,13 +649,17 @@ class Engine:
         self._decoded(req, logits[-1])
 
     def _decode_batch(self, reqs: list[Request]) -> None:
-        """One decode token for each of ``reqs`` in one forward (``cfg.decode_batch``)."""
-        if len(reqs) == 1:
+        """One decode token for each of ``reqs`` in one forward (``cfg.decode_batch``) or one step of the
+        graph decoder (``cfg.decode_graphs``)."""
+        if len(reqs) == 1 and self.graph_decoder is None:
             return self._decode(reqs[0])
         pos = [r.filled for r in reqs]
+        caches, toks = [r.model_cache for r in reqs], [r.tokens[p] for r, p in zip(reqs, pos)]
         with self._phase("decode_forward"):
-            logits = decode_batch(self.model, [r.model_cache for r in reqs], [r.tokens[p] for r, p in zip(reqs, pos)],
-                                  pos)
+            if self.graph_decoder is not None:
+                logits = self.graph_decoder.step(caches, toks, pos)
+            else:
+                logits = decode_batch(self.model, caches, toks, pos)
         self.stats.add("decode_forwards")
         for req, p, row in zip(reqs, pos, logits):
             self._ran(req, p, p + 1)

@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running", type=int, default=8, help="requests admitted at once")
     g.add_argument("--decode-batch", action="store_true",
                    help="decode the running requests in one batched forward per step (both runs)")
+    g.add_argument("--decode-graphs", action="store_true",
+                   help="decode through static buffers, replayed as CUDA graphs on a GPU (both runs)")
     g.add_argument("--kv-pages", type=int, default=176, help="T0: KV pages")
     g.add_argument("--t0-states", type=int, default=8, help="T0: state slots (>= --max-running)")
     g.add_argument("--t1-states", type=int, default=24, help="T1: checkpoint slots")
@@ -226,7 +228,8 @@ def stress(args: argparse.Namespace) -> int:
                         system_len=args.system_len, shared_system=not args.no_shared_system,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
     common = dict(page_size=args.page_size, chunk_size=args.chunk_size, prefill_budget=max(256, args.chunk_size),
-                  max_running=args.max_running, decode_batch=args.decode_batch)
+                  max_running=args.max_running, decode_batch=args.decode_batch,
+                  decode_graphs=args.decode_graphs)
     cached_cfg = EngineConfig(use_cache=True, kv_pages=args.kv_pages, t0_states=args.t0_states,
                               t1_states=args.t1_states, codec=args.codec, host_kv_pages=args.host_kv_pages,
                               host_states=args.host_states, write_policy=args.write_policy,

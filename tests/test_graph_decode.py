@@ -1,0 +1,110 @@
+"""The static-buffer decoder (``engine.graph_decode``): on CPU its eager step against one-request
+forwards; on the GPU its CUDA-graph replays against the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_cache.engine.adapters import forward_chunk, new_cache
+from tiered_cache.engine.graph_decode import GraphDecoder
+from tiered_cache.engine.models import tiny_qwen3_next, tiny_swa_model
+from tiered_cache.errors import InvalidArgumentError
+
+# Measured on the long-memory model (CPU, fp32): <= 3.5e-6 over 5 steps, as decode_batch (summation order).
+ATOL = 2e-5
+
+
+def prefilled(model, lens, device="cpu"):
+    caches = []
+    for b, n in enumerate(lens):
+        c = new_cache(model)
+        g = torch.Generator().manual_seed(100 + b)
+        forward_chunk(model, c, torch.randint(3, 200, (n,), generator=g).to(device), 0)
+        caches.append(c)
+    return caches
+
+
+def run_both(model, gd, lens, steps, device="cpu", poison=False):
+    ref, got = prefilled(model, lens, device), prefilled(model, lens, device)
+    pos = list(lens)
+    worst = 0.0
+    for s in range(steps):
+        toks = [(7 * s + 11 * b) % 200 + 3 for b in range(len(lens))]
+        want = torch.stack([forward_chunk(model, c, torch.tensor([t], device=device), p)[0][-1]
+                            for c, t, p in zip(ref, toks, pos)])
+        out = gd.step(got, toks, pos)
+        assert out.shape == want.shape and torch.isfinite(out).all()
+        worst = max(worst, (out - want).abs().max().item())
+        if poison and s == 0:  # what the buffers hold beyond each request's positions must not matter
+            for kind in ("keys", "values"):
+                for t in gd.buf[kind].values():
+                    t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(9)).to(t) * 100)
+        pos = [p + 1 for p in pos]
+    return ref, got, worst
+
+
+def assert_same_caches(ref, got):
+    for a, b in zip(ref, got):
+        for la, lb in zip(a.layers, b.layers):
+            if hasattr(la, "recurrent_states"):
+                torch.testing.assert_close(lb.recurrent_states[0], la.recurrent_states[0], atol=ATOL, rtol=0)
+                torch.testing.assert_close(lb.conv_states[0][..., -4:], la.conv_states[0][..., -4:], atol=ATOL, rtol=0)
+            else:
+                assert lb.keys.shape == la.keys.shape
+                torch.testing.assert_close(lb.keys, la.keys, atol=ATOL, rtol=0)
+                torch.testing.assert_close(lb.values, la.values, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def qwen_long():
+    return tiny_qwen3_next(seed=0, long_memory=True, device="cpu")
+
+
+@pytest.mark.parametrize("lens", [[37, 20, 51], [9]], ids=["three", "one"])
+def test_static_step_equals_one_request_forwards(qwen_long, lens):
+    """Logits, and every cache afterwards (keys, values, conv windows, states), as one-request forwards
+    give them; a bucket boundary is crossed (len_bucket 16), and garbage in the buffers beyond each
+    request's positions is masked out."""
+    gd = GraphDecoder(qwen_long, max_batch=4, len_bucket=16, use_graphs=False)
+    ref, got, worst = run_both(qwen_long, gd, lens, steps=6, poison=True)
+    assert worst < ATOL, worst
+    assert_same_caches(ref, got)
+    assert gd.stats["steps"] == 6 and gd.capacity % 16 == 0
+
+
+def test_bad_input_names_the_argument(qwen_long):
+    gd = GraphDecoder(qwen_long, max_batch=2, len_bucket=16, use_graphs=False)
+    caches = prefilled(qwen_long, [5, 6, 7])
+    with pytest.raises(InvalidArgumentError, match="caches"):
+        gd.step(caches, [3, 3, 3], [5, 6, 7])  # more than max_batch
+    with pytest.raises(InvalidArgumentError, match="positions"):
+        gd.step(caches[:2], [3, 3], [5, 5])  # cache 1 holds 6 tokens
+    with pytest.raises(InvalidArgumentError, match="positions"):
+        gd.step([new_cache(qwen_long)], [3], [1])  # a fresh cache: nothing to continue from
+    assert gd.stats["steps"] == 0
+    with pytest.raises(InvalidArgumentError, match="model"):
+        GraphDecoder(tiny_swa_model(seed=0, device="cpu"), max_batch=2)
+    with pytest.raises(InvalidArgumentError, match="model"):
+        GraphDecoder(tiny_qwen3_next(seed=0, device="cpu", attn_implementation="eager"), max_batch=2)
+    with pytest.raises(InvalidArgumentError, match="max_batch"):
+        GraphDecoder(qwen_long, max_batch=0)
+    with pytest.raises(InvalidArgumentError, match="use_graphs"):
+        GraphDecoder(qwen_long, max_batch=2, use_graphs=True)  # no CUDA here
+
+
+@pytest.mark.gpu
+def test_graph_replays_equal_one_request_forwards_on_cuda():
+    """CUDA graphs: one capture per (batch size, bucket), replays that match one-request forwards
+    (fp32, transformers' torch gated delta), and the eager static step gives the same."""
+    model = tiny_qwen3_next(seed=0, long_memory=True, device="cuda")
+    gd = GraphDecoder(model, max_batch=4, len_bucket=16)
+    assert gd.use_graphs
+    ref, got, worst = run_both(model, gd, [37, 20, 51], steps=6, device="cuda", poison=True)
+    assert worst < 1e-4, worst
+    assert_same_caches(ref, got)
+    # 6 steps reach at most 57 tokens: all in the 64-token bucket, one capture for batch 3
+    assert gd.stats["replays"] == 6 and gd.stats["captures"] == 1
+    eager = GraphDecoder(model, max_batch=4, len_bucket=16, use_graphs=False)
+    _, got_e, worst_e = run_both(model, eager, [37, 20, 51], steps=3, device="cuda")
+    assert worst_e < 1e-4

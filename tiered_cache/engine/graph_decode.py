@@ -1,0 +1,261 @@
+"""Batched decode over static buffers, replayed as CUDA graphs: one launch per step instead of the
+thousand-odd kernel launches of an eager forward.
+
+``adapters.decode_batch`` runs one eager forward per decode step; for a 24-layer hybrid that forward
+is launch-bound (about 10 ms on the H200 whatever the batch: benchmarks/results/README.md). Here the
+step runs on buffers whose addresses never change, so on a GPU it is captured once per (batch size,
+context bucket) as a CUDA graph and replayed:
+
+- full-attention layers: keys and values ``[max_batch, kv_heads, L, D]``, position ``t`` of request
+  ``b`` at index ``t``; the step writes the new token's key and value at its position (``scatter_``
+  by a position tensor) and attends through a boolean mask over ``[0, position]``;
+- linear-attention layers: conv windows and recurrent states ``[max_batch, ...]``, updated in place.
+
+Each step gathers the requests' caches into the buffers (one ``_foreach_copy_`` launch per kind),
+fills ids, positions and the mask, replays, and hands each cache its new token's key/value and its new
+state, as ``decode_batch`` does. On CPU (or ``use_graphs=False``) the same step runs eagerly, which is
+what the CPU tests compare with one-request forwards.
+
+The model sees the buffers through ``_StaticCache``, which answers the cache calls Qwen3-Next makes
+while decoding in transformers 5.17 (``has_previous_state``, ``layers[i].conv_states``,
+``update_recurrent_state``) and 5.24 (``get_conv_state``, ``get_recurrent_state``,
+``is_recording_past``), and ``update`` for attention. The attention mask goes in as the
+``{"full_attention": mask, "linear_attention": None}`` mapping both versions accept, so no mask is
+built inside the captured region. SDPA attention only; models with sliding-window layers are not
+handled (they decode through ``decode_batch``'s fallback in the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from tiered_cache.engine.adapters import _cache_kwarg, _seen_tokens
+from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
+from tiered_cache.errors import InvalidArgumentError
+
+
+class _StaticLayer:
+    """What 5.17 reads off ``cache.layers[i]`` for a linear layer while decoding."""
+
+    def __init__(self, conv: Optional[torch.Tensor], rec: Optional[torch.Tensor]) -> None:
+        self.conv_states = {0: conv}
+        self.recurrent_states = {0: rec}
+        self.record_past = False
+        self.has_previous_state = {0: True}
+
+
+class _StaticCache:
+    """The model's view of the decode buffers for one (batch, bucket) shape."""
+
+    def __init__(self, kinds, keys, values, conv, rec, write_pos: torch.Tensor) -> None:
+        self.kinds = kinds
+        self.keys, self.values, self.conv, self.rec = keys, values, conv, rec
+        self.write_pos = write_pos  # [n] int64: where each row's new token goes
+        self.layers = [_StaticLayer(conv.get(i), rec.get(i)) for i in range(len(kinds))]
+
+    # full attention (both versions)
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        idx = self.write_pos.view(-1, 1, 1, 1).expand(key_states.shape[0], key_states.shape[1], 1,
+                                                      key_states.shape[3])
+        k.scatter_(2, idx, key_states.to(k.dtype))
+        v.scatter_(2, idx, value_states.to(v.dtype))
+        return k, v
+
+    # linear attention, 5.17
+    def has_previous_state(self, layer_idx: Optional[int] = None) -> bool:
+        return True
+
+    # linear attention, 5.24
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.conv[layer_idx]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.rec[layer_idx]
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, *args, **kwargs):
+        self.rec[layer_idx].copy_(recurrent_states)
+        return self.rec[layer_idx]
+
+    def update_conv_state(self, *args, **kwargs):  # only prefill calls it; a decode step never does
+        raise InvalidArgumentError("input_ids", "one token per request (decode)", "a prefill")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always passed explicitly
+        raise InvalidArgumentError("position_ids", "explicit positions (static decode)", None)
+
+
+class GraphDecoder:
+    """One decode token for each of up to ``max_batch`` requests per ``step``.
+
+    Args:
+        model: a Qwen3-Next-like causal LM from ``engine.models`` (full + linear attention layers,
+            ``attn_implementation="sdpa"``).
+        max_batch: most requests per step (the engine's ``max_running``).
+        len_bucket: context lengths are rounded up to a multiple of this (one graph per bucket and
+            batch size; attention reads the whole bucket, masked).
+        use_graphs: capture and replay CUDA graphs (default: on a GPU).
+    """
+
+    def __init__(self, model, max_batch: int, len_bucket: int = 4096, use_graphs: Optional[bool] = None) -> None:
+        kinds = layer_kinds(model.config)
+        if SLIDING in kinds:
+            raise InvalidArgumentError("model", "a model without sliding-window layers (static decode)",
+                                       "sliding layers")
+        impl = getattr(model.config, "_attn_implementation", None)
+        if FULL in kinds and impl != "sdpa":
+            raise InvalidArgumentError("model", "attn_implementation 'sdpa' (static decode)", impl)
+        for name, v in (("max_batch", max_batch), ("len_bucket", len_bucket)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidArgumentError(name, "an int >= 1", v)
+        self.model, self.kinds = model, kinds
+        self.device = model.device
+        self.max_batch, self.len_bucket = max_batch, len_bucket
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else bool(use_graphs)
+        if self.use_graphs and self.device.type != "cuda":
+            raise InvalidArgumentError("use_graphs", "False on a device without CUDA", use_graphs)
+        cfg = model.config.get_text_config(decoder=True)
+        self.k_conv = cfg.linear_conv_kernel_dim if LINEAR in kinds else 0
+        self.capacity = 0  # tokens the key/value buffers hold per request
+        self.buf: dict[str, dict[int, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.stats = {"steps": 0, "captures": 0, "replays": 0}
+
+    # ----------------------------------------------------------------------------- buffers
+    def _ensure(self, caches: Sequence, need: int) -> None:
+        """Buffers shaped after the first cache, holding ``need`` tokens per request (grown by buckets;
+        growing drops the captured graphs, which point at the old buffers)."""
+        if self.buf and need <= self.capacity:
+            return
+        cap = -(-need // self.len_bucket) * self.len_bucket
+        c0, b = caches[0], self.max_batch
+        keys, values, conv, rec = {}, {}, {}, {}
+        for i, kind in enumerate(self.kinds):
+            lay = c0.layers[i]
+            if kind == FULL:
+                k, v = lay.keys, lay.values
+                keys[i] = k.new_zeros((b, k.shape[1], cap, k.shape[3]))
+                values[i] = v.new_zeros((b, v.shape[1], cap, v.shape[3]))
+            else:
+                cs, rs = lay.conv_states[0], lay.recurrent_states[0]
+                conv[i] = cs.new_zeros((b, cs.shape[1], self.k_conv))
+                rec[i] = rs.new_zeros((b, *rs.shape[1:]))
+        dev = self.device
+        self.buf = {"keys": keys, "values": values, "conv": conv, "rec": rec,
+                    "ids": {0: torch.zeros((b, 1), dtype=torch.long, device=dev)},
+                    "pos": {0: torch.zeros((b, 1), dtype=torch.long, device=dev)},
+                    "mask": {0: torch.zeros((b, 1, 1, cap), dtype=torch.bool, device=dev)}}
+        self.capacity = cap
+        self.graphs.clear()
+
+    def _views(self, n: int, width: int) -> tuple[_StaticCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        bf = self.buf
+        cache = _StaticCache(self.kinds, {i: t[:n, :, :width] for i, t in bf["keys"].items()},
+                             {i: t[:n, :, :width] for i, t in bf["values"].items()},
+                             {i: t[:n] for i, t in bf["conv"].items()}, {i: t[:n] for i, t in bf["rec"].items()},
+                             bf["pos"][0][:n, 0])
+        return cache, bf["ids"][0][:n], bf["pos"][0][:n], bf["mask"][0][:n, :, :, :width]
+
+    def _run(self, n: int, width: int) -> torch.Tensor:
+        cache, ids, pos, mask = self._views(n, width)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
+                         attention_mask={"full_attention": mask, "linear_attention": None},
+                         **{_cache_kwarg(self.model): cache})
+        return out.logits[:, -1]
+
+    # -------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, caches: Sequence, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """As ``adapters.decode_batch``: ``caches[b]`` (batch 1) holds positions ``[0, positions[b])``;
+        returns the logits ``[n, vocab]`` and each cache gains its token's key/value and new state."""
+        n = len(caches)
+        if n == 0 or n > self.max_batch or len(tokens) != n or len(positions) != n:
+            raise InvalidArgumentError("caches, tokens, positions", f"1 to {self.max_batch} of each, as many",
+                                       (n, len(tokens), len(positions)))
+        for b, (c, p) in enumerate(zip(caches, positions)):
+            seen = _seen_tokens(c)
+            if not isinstance(p, int) or p < 1 or (seen is not None and seen != p):
+                raise InvalidArgumentError("positions", f"positions[{b}] = {seen}, the tokens cache {b} holds", p)
+            for i, kind in enumerate(self.kinds):
+                if kind == LINEAR and not all(c.layers[i].has_previous_state.values()):
+                    raise InvalidArgumentError("caches", f"a state in linear layer {i} of cache {b}", "none")
+        self._ensure(caches, max(positions) + 1)
+        width = min(self.capacity, -(-(max(positions) + 1) // self.len_bucket) * self.len_bucket)
+        self._gather(caches, tokens, positions, width)
+        if self.use_graphs:
+            logits = self._replay(n, width)
+        else:
+            logits = self._run(n, width)
+        self._scatter(caches, positions)
+        self.stats["steps"] += 1
+        return logits.clone()
+
+    def _gather(self, caches, tokens, positions, width: int) -> None:
+        bf, n = self.buf, len(caches)
+        dst, src = [], []
+        for i, kind in enumerate(self.kinds):
+            for b, c in enumerate(caches):
+                lay = c.layers[i]
+                if kind == FULL:
+                    p = positions[b]
+                    dst += [bf["keys"][i][b, :, :p], bf["values"][i][b, :, :p]]
+                    src += [lay.keys[0], lay.values[0]]
+                else:
+                    dst += [bf["conv"][i][b], bf["rec"][i][b]]
+                    src += [lay.conv_states[0][0, :, -self.k_conv:], lay.recurrent_states[0][0]]
+        torch._foreach_copy_(dst, src)
+        pos = torch.as_tensor(list(positions), dtype=torch.long)
+        bf["ids"][0][:n, 0].copy_(torch.as_tensor(list(tokens), dtype=torch.long), non_blocking=True)
+        bf["pos"][0][:n, 0].copy_(pos, non_blocking=True)
+        mask = torch.arange(width).view(1, width) <= pos.view(n, 1)  # [0, position]: cached + the new token
+        bf["mask"][0][:n, 0, 0, :width].copy_(mask, non_blocking=True)
+
+    def _scatter(self, caches, positions) -> None:
+        bf = self.buf
+        for i, kind in enumerate(self.kinds):
+            for b, c in enumerate(caches):
+                lay = c.layers[i]
+                if kind == FULL:
+                    p = positions[b]
+                    lay.update(bf["keys"][i][b:b + 1, :, p:p + 1].clone(), bf["values"][i][b:b + 1, :, p:p + 1].clone())
+                    continue
+                conv = bf["conv"][i][b:b + 1]
+                if lay.conv_states[0].shape == conv.shape:
+                    lay.conv_states[0].copy_(conv)
+                else:
+                    lay.conv_states[0] = conv.clone()
+                lay.recurrent_states[0].copy_(bf["rec"][i][b:b + 1])
+
+    def _replay(self, n: int, width: int) -> torch.Tensor:
+        key = (n, width)
+        if key not in self.graphs:
+            # warm up on a side stream (kernel selection, autotuning, workspaces), then capture
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            saved = {k: {i: t.clone() for i, t in self.buf[k].items()} for k in ("keys", "values", "conv", "rec")}
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._restore(saved)
+                    self._run(n, width)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._restore(saved)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._run(n, width)
+            self.graphs[key] = (graph, out)
+            self.stats["captures"] += 1
+            self._restore(saved)  # capture does not run the kernels, but keep the buffers as gathered
+        graph, out = self.graphs[key]
+        graph.replay()
+        self.stats["replays"] += 1
+        return out
+
+    def _restore(self, saved) -> None:
+        for k, d in saved.items():
+            for i, t in d.items():
+                self.buf[k][i].copy_(t)
