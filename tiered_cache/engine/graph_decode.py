@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from tiered_cache import device as dev
 from tiered_cache.engine.adapters import _cache_kwarg, _seen_tokens
 from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
 from tiered_cache.errors import InvalidArgumentError
@@ -149,20 +150,21 @@ class GraphDecoder:
         self.buf = {"keys": keys, "values": values, "conv": conv, "rec": rec,
                     "ids": {0: torch.zeros((b, 1), dtype=torch.long, device=dev)},
                     "pos": {0: torch.zeros((b, 1), dtype=torch.long, device=dev)},
-                    "mask": {0: torch.zeros((b, 1, 1, cap), dtype=torch.bool, device=dev)}}
+                    "arange": {0: torch.arange(cap, dtype=torch.long, device=dev)}}
         self.capacity = cap
         self.graphs.clear()
 
-    def _views(self, n: int, width: int) -> tuple[_StaticCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _run(self, n: int, width: int) -> torch.Tensor:
+        """The step on the buffers' first ``n`` rows and ``width`` positions (what a graph captures: the
+        mask is computed from the position buffer inside it)."""
         bf = self.buf
         cache = _StaticCache(self.kinds, {i: t[:n, :, :width] for i, t in bf["keys"].items()},
                              {i: t[:n, :, :width] for i, t in bf["values"].items()},
                              {i: t[:n] for i, t in bf["conv"].items()}, {i: t[:n] for i, t in bf["rec"].items()},
                              bf["pos"][0][:n, 0])
-        return cache, bf["ids"][0][:n], bf["pos"][0][:n], bf["mask"][0][:n, :, :, :width]
-
-    def _run(self, n: int, width: int) -> torch.Tensor:
-        cache, ids, pos, mask = self._views(n, width)
+        ids, pos = bf["ids"][0][:n], bf["pos"][0][:n]
+        # [0, position]: the cached tokens and the new one
+        mask = (bf["arange"][0][:width].view(1, width) <= pos).view(n, 1, 1, width)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
                          attention_mask={"full_attention": mask, "linear_attention": None},
                          **{_cache_kwarg(self.model): cache})
@@ -186,7 +188,7 @@ class GraphDecoder:
                     raise InvalidArgumentError("caches", f"a state in linear layer {i} of cache {b}", "none")
         self._ensure(caches, max(positions) + 1)
         width = min(self.capacity, -(-(max(positions) + 1) // self.len_bucket) * self.len_bucket)
-        self._gather(caches, tokens, positions, width)
+        self._gather(caches, tokens, positions)
         if self.use_graphs:
             logits = self._replay(n, width)
         else:
@@ -195,7 +197,7 @@ class GraphDecoder:
         self.stats["steps"] += 1
         return logits.clone()
 
-    def _gather(self, caches, tokens, positions, width: int) -> None:
+    def _gather(self, caches, tokens, positions) -> None:
         bf, n = self.buf, len(caches)
         dst, src = [], []
         for i, kind in enumerate(self.kinds):
@@ -209,14 +211,15 @@ class GraphDecoder:
                     dst += [bf["conv"][i][b], bf["rec"][i][b]]
                     src += [lay.conv_states[0][0, :, -self.k_conv:], lay.recurrent_states[0][0]]
         torch._foreach_copy_(dst, src)
-        pos = torch.as_tensor(list(positions), dtype=torch.long)
-        bf["ids"][0][:n, 0].copy_(torch.as_tensor(list(tokens), dtype=torch.long), non_blocking=True)
-        bf["pos"][0][:n, 0].copy_(pos, non_blocking=True)
-        mask = torch.arange(width).view(1, width) <= pos.view(n, 1)  # [0, position]: cached + the new token
-        bf["mask"][0][:n, 0, 0, :width].copy_(mask, non_blocking=True)
+        # ids and positions through pinned memory, without blocking (a pageable copy would hold this
+        # thread until the copy engine reached it, behind any large load in flight)
+        small = dev.host_to_device(torch.tensor([list(tokens), list(positions)], dtype=torch.long), self.device)
+        bf["ids"][0][:n, 0].copy_(small[0])
+        bf["pos"][0][:n, 0].copy_(small[1])
 
     def _scatter(self, caches, positions) -> None:
         bf = self.buf
+        dst, src = [], []
         for i, kind in enumerate(self.kinds):
             for b, c in enumerate(caches):
                 lay = c.layers[i]
@@ -226,10 +229,13 @@ class GraphDecoder:
                     continue
                 conv = bf["conv"][i][b:b + 1]
                 if lay.conv_states[0].shape == conv.shape:
-                    lay.conv_states[0].copy_(conv)
+                    dst.append(lay.conv_states[0])
+                    src.append(conv)
                 else:
                     lay.conv_states[0] = conv.clone()
-                lay.recurrent_states[0].copy_(bf["rec"][i][b:b + 1])
+                dst.append(lay.recurrent_states[0])
+                src.append(bf["rec"][i][b:b + 1])
+        torch._foreach_copy_(dst, src)
 
     def _replay(self, n: int, width: int) -> torch.Tensor:
         key = (n, width)
@@ -237,7 +243,8 @@ class GraphDecoder:
             # warm up on a side stream (kernel selection, autotuning, workspaces), then capture
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            saved = {k: {i: t.clone() for i, t in self.buf[k].items()} for k in ("keys", "values", "conv", "rec")}
+            saved = {k: {i: t.clone() for i, t in self.buf[k].items()}
+                     for k in ("keys", "values", "conv", "rec", "ids", "pos")}
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._restore(saved)
