@@ -134,6 +134,11 @@ def run_config(model, ecfg, clients, w: dict, label: str, progress: bool) -> dic
     if bar is not None:
         bar.close()
     st = engine.stats_dict()
+    gd = engine.graph_decoder
+    if gd is not None:  # CUDA graphs: how many captured and replayed, and why they stopped if they did
+        st["graph_decoder"] = dict(gd.stats, capture_error=gd.capture_error)
+        if gd.capture_error:
+            print(f"   warning: {label}: graph capture failed, decoded eagerly: {gd.capture_error}")
     if engine.cache is not None:
         engine.check_invariants()
         st["tree"] = dict(engine.cache.stats)
@@ -276,7 +281,8 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
             print(f"   warning: {c} reused no tokens")
     return {"name": name, "summary": s, "ratios": ratios(s), "tiers": tiers, "tier_bytes": dataclasses.asdict(tb),
             "longest_request": longest, "requests": n_req, "section": sec, "model": minfo,
-            "tree_stats": {c: raw[c].get("tree", {}) for c in configs}}
+            "tree_stats": {c: raw[c].get("tree", {}) for c in configs},
+            "graph_decoder": {c: raw[c].get("graph_decoder") for c in configs}}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -362,7 +368,8 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
                       "decode_graphs_flag": bool(args.decode_graphs),
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
                                                 "tier_bytes": r["tier_bytes"], "longest_request": r["longest_request"],
-                                                "tree_stats": r["tree_stats"]} for r in results}}
+                                                "tree_stats": r["tree_stats"],
+                                                "graph_decoder": r["graph_decoder"]} for r in results}}
     with open(path, "w") as f:
         json.dump(record, f, indent=2, default=str)
         f.write("\n")

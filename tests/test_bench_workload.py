@@ -44,7 +44,7 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
     from benchmarks.bench_workload import main
 
     rec = main(["--scale", "small", "--workloads", "multi_turn", "long_context_qa", "--set", "clients=3", "rounds=2",
-                "--out", str(tmp_path), "--no-progress", "--decode-batch"])
+                "--out", str(tmp_path), "--no-progress", "--decode-graphs"])
     m = rec["metrics"]
     for k in ("ttft_p50_speedup_vs_nocache", "throughput_vs_nocache", "throughput_round3plus_vs_nocache",
               "hit_rate_vs_gpu_only", "ttft_p50_s_no_cache",
@@ -59,8 +59,10 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
         assert os.path.exists(tmp_path / f"workload-{wl}-cpu.png")
     assert m["multi_turn_int8_t1_t2_pcie_bytes"] > 0 and m["multi_turn_gpu_only_pcie_bytes"] == 0
     assert os.path.exists(tmp_path / "workload-cpu.md")
+    gd = rec["info"]["workloads"]["multi_turn"]["graph_decoder"]  # eager static steps on CPU
+    assert all(g["steps"] > 0 and g["replays"] == 0 and g["capture_error"] is None for g in gd.values())
     info = json.load(open(tmp_path / "workload-cpu.json"))["info"]
-    assert info["gated_delta"] and info["decode_batch_flag"]
+    assert info["gated_delta"] and info["decode_graphs_flag"] and not info["decode_batch_flag"]
 
 
 def test_bench_capacity_tiny(tmp_path):

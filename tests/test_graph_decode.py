@@ -73,6 +73,23 @@ def test_static_step_equals_one_request_forwards(qwen_long, lens):
     assert gd.stats["steps"] == 6 and gd.capacity % 16 == 0
 
 
+def test_a_failed_capture_falls_back_to_eager_steps(qwen_long, monkeypatch):
+    """If a graph cannot be captured the decoder says so (warning, ``capture_error``) and its steps
+    stay right, eagerly, from then on."""
+    gd = GraphDecoder(qwen_long, max_batch=4, len_bucket=16, use_graphs=False)
+    gd.use_graphs = True  # as on a GPU, where the capture is what fails here
+
+    def fail(n, width):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(gd, "_capture", fail)
+    with pytest.warns(UserWarning, match="capture failed"):
+        ref, got, worst = run_both(qwen_long, gd, [12, 30], steps=3)
+    assert worst < ATOL and not gd.use_graphs and "not permitted" in gd.capture_error
+    assert gd.stats["replays"] == 0 and gd.stats["steps"] == 3
+    assert_same_caches(ref, got)
+
+
 def test_bad_input_names_the_argument(qwen_long):
     gd = GraphDecoder(qwen_long, max_batch=2, len_bucket=16, use_graphs=False)
     caches = prefilled(qwen_long, [5, 6, 7])

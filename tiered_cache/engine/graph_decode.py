@@ -27,6 +27,7 @@ handled (they decode through ``decode_batch``'s fallback in the engine).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -126,6 +127,7 @@ class GraphDecoder:
         self.buf: dict[str, dict[int, torch.Tensor]] = {}
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.stats = {"steps": 0, "captures": 0, "replays": 0}
+        self.capture_error: Optional[str] = None  # set if a capture failed: the decoder then runs eagerly
 
     # ----------------------------------------------------------------------------- buffers
     def _ensure(self, caches: Sequence, need: int) -> None:
@@ -189,9 +191,8 @@ class GraphDecoder:
         self._ensure(caches, max(positions) + 1)
         width = min(self.capacity, -(-(max(positions) + 1) // self.len_bucket) * self.len_bucket)
         self._gather(caches, tokens, positions)
-        if self.use_graphs:
-            logits = self._replay(n, width)
-        else:
+        logits = self._replay(n, width) if self.use_graphs else None
+        if logits is None:
             logits = self._run(n, width)
         self._scatter(caches, positions)
         self.stats["steps"] += 1
@@ -237,14 +238,34 @@ class GraphDecoder:
                 src.append(bf["rec"][i][b:b + 1])
         torch._foreach_copy_(dst, src)
 
-    def _replay(self, n: int, width: int) -> torch.Tensor:
+    def _replay(self, n: int, width: int) -> Optional[torch.Tensor]:
+        """Replay the (n, width) graph, capturing it first. None if the capture failed: the decoder
+        says so (``capture_error``, a warning) and runs eagerly from then on; the buffers are as
+        gathered, so the eager step still computes the right thing."""
         key = (n, width)
         if key not in self.graphs:
-            # warm up on a side stream (kernel selection, autotuning, workspaces), then capture
+            try:
+                self._capture(n, width)
+            except RuntimeError as exc:
+                self.capture_error = f"{type(exc).__name__}: {exc}"[:500]
+                self.use_graphs = False
+                self.graphs.clear()
+                dev.synchronize(self.device)
+                warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.capture_error}", stacklevel=2)
+                return None
+        graph, out = self.graphs[key]
+        graph.replay()
+        self.stats["replays"] += 1
+        return out
+
+    def _capture(self, n: int, width: int) -> None:
+        """Warm up on a side stream (kernel selection, autotuning, workspaces), then capture. The
+        buffers are put back as gathered whatever happens (warm-up steps write into them)."""
+        saved = {k: {i: t.clone() for i, t in self.buf[k].items()}
+                 for k in ("keys", "values", "conv", "rec", "ids", "pos")}
+        try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            saved = {k: {i: t.clone() for i, t in self.buf[k].items()}
-                     for k in ("keys", "values", "conv", "rec", "ids", "pos")}
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._restore(saved)
@@ -254,13 +275,10 @@ class GraphDecoder:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = self._run(n, width)
-            self.graphs[key] = (graph, out)
+            self.graphs[(n, width)] = (graph, out)
             self.stats["captures"] += 1
-            self._restore(saved)  # capture does not run the kernels, but keep the buffers as gathered
-        graph, out = self.graphs[key]
-        graph.replay()
-        self.stats["replays"] += 1
-        return out
+        finally:
+            self._restore(saved)
 
     def _restore(self, saved) -> None:
         for k, d in saved.items():
