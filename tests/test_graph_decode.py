@@ -108,6 +108,8 @@ def test_bad_input_names_the_argument(qwen_long):
         GraphDecoder(qwen_long, max_batch=0)
     with pytest.raises(InvalidArgumentError, match="use_graphs"):
         GraphDecoder(qwen_long, max_batch=2, use_graphs=True)  # no CUDA here
+    with pytest.raises(InvalidArgumentError, match="use_graphs"):
+        GraphDecoder(qwen_long, max_batch=2, use_graphs="yes")
 
 
 @pytest.mark.gpu

@@ -118,7 +118,6 @@ class TransferEngine:
         self.staging_programs = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 4
         self.backend = backend
-        self.stream_priority = stream_priority
         self.streams = {name: dev.new_stream(self.device, stream_priority)
                         for name in ("d2h", "h2d", "cs_d2h", "cs_h2d")}
         self._queues: dict[str, collections.deque[Ticket]] = {"d2h": collections.deque(), "h2d": collections.deque()}
@@ -284,8 +283,8 @@ class TransferEngine:
 
     def _row_index(self, rows_l: list[int]) -> torch.Tensor:
         """Row ids as the checksum kernel and the staging copies read them, made without touching the
-        compute stream: on a GPU a page-locked host tensor (the kernel reads it through mapped memory;
-        the staging path copies it on the transfer's own stream); elsewhere a plain CPU tensor."""
+        compute stream: on a GPU a page-locked host tensor (the kernels read it through mapped memory);
+        elsewhere a plain CPU tensor."""
         t = torch.tensor(rows_l, dtype=torch.int64)
         return t.pin_memory() if self.device.type == "cuda" else t
 

@@ -132,20 +132,38 @@ def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequ
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=dev).view(n, 1)
     pos = torch.as_tensor(list(positions), dtype=torch.long, device=dev).view(n, 1)
     out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **{_cache_kwarg(model): batch})
+    full = [i for i, k in enumerate(kinds) if k == FULL]
+    linear = [i for i, k in enumerate(kinds) if k == LINEAR]
+    store_decoded(caches, kinds, k_conv, {i: batch.layers[i].keys[:, :, -1:] for i in full},
+                  {i: batch.layers[i].values[:, :, -1:] for i in full},
+                  {i: batch.layers[i].conv_states[0] for i in linear},
+                  {i: batch.layers[i].recurrent_states[0] for i in linear})
+    return out.logits[:, -1]
+
+
+def store_decoded(caches: Sequence, kinds: Sequence[str], k_conv: int, keys: dict, values: dict, conv: dict,
+                  rec: dict) -> None:
+    """After a batched decode step: hand cache ``b`` row ``b`` of each layer's results. ``keys[i]`` /
+    ``values[i]``: ``[n, kv_heads, 1, D]``, the decoded token's (appended); ``conv[i]`` (its last
+    ``k_conv`` columns are the window) and ``rec[i]``: the new conv window and state (copied in place,
+    in one foreach copy)."""
+    dst, src = [], []
     for i, kind in enumerate(kinds):
-        src = batch.layers[i]
         for b, c in enumerate(caches):
             lay = c.layers[i]
             if kind == FULL:
-                lay.update(src.keys[b:b + 1, :, -1:], src.values[b:b + 1, :, -1:])
+                lay.update(keys[i][b:b + 1], values[i][b:b + 1])
                 continue
-            conv, rec = src.conv_states[0][b:b + 1, ..., -k_conv:], src.recurrent_states[0][b:b + 1]
-            if lay.conv_states[0].shape == conv.shape:
-                lay.conv_states[0].copy_(conv)
+            cv = conv[i][b:b + 1, ..., -k_conv:]
+            if lay.conv_states[0].shape == cv.shape:
+                dst.append(lay.conv_states[0])
+                src.append(cv)
             else:
-                lay.conv_states[0] = conv.clone()
-            lay.recurrent_states[0].copy_(rec)
-    return out.logits[:, -1]
+                lay.conv_states[0] = cv.clone()
+            dst.append(lay.recurrent_states[0])
+            src.append(rec[i][b:b + 1])
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def _seen_tokens(cache) -> Optional[int]:

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.engine.adapters import _cache_kwarg, _seen_tokens
+from tiered_cache.engine.adapters import _cache_kwarg, _seen_tokens, store_decoded
 from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
 from tiered_cache.errors import InvalidArgumentError
 
@@ -118,7 +118,9 @@ class GraphDecoder:
         self.model, self.kinds = model, kinds
         self.device = model.device
         self.max_batch, self.len_bucket = max_batch, len_bucket
-        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else bool(use_graphs)
+        if use_graphs is not None and not isinstance(use_graphs, bool):
+            raise InvalidArgumentError("use_graphs", "a bool or None (None: on a GPU)", use_graphs)
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
             raise InvalidArgumentError("use_graphs", "False on a device without CUDA", use_graphs)
         cfg = model.config.get_text_config(decoder=True)
@@ -194,7 +196,7 @@ class GraphDecoder:
         logits = self._replay(n, width) if self.use_graphs else None
         if logits is None:
             logits = self._run(n, width)
-        self._scatter(caches, positions)
+        self._scatter(caches, n)
         self.stats["steps"] += 1
         return logits.clone()
 
@@ -218,25 +220,12 @@ class GraphDecoder:
         bf["ids"][0][:n, 0].copy_(small[0])
         bf["pos"][0][:n, 0].copy_(small[1])
 
-    def _scatter(self, caches, positions) -> None:
+    def _scatter(self, caches, n: int) -> None:
         bf = self.buf
-        dst, src = [], []
-        for i, kind in enumerate(self.kinds):
-            for b, c in enumerate(caches):
-                lay = c.layers[i]
-                if kind == FULL:
-                    p = positions[b]
-                    lay.update(bf["keys"][i][b:b + 1, :, p:p + 1].clone(), bf["values"][i][b:b + 1, :, p:p + 1].clone())
-                    continue
-                conv = bf["conv"][i][b:b + 1]
-                if lay.conv_states[0].shape == conv.shape:
-                    dst.append(lay.conv_states[0])
-                    src.append(conv)
-                else:
-                    lay.conv_states[0] = conv.clone()
-                dst.append(lay.recurrent_states[0])
-                src.append(bf["rec"][i][b:b + 1])
-        torch._foreach_copy_(dst, src)
+        rows, pos = torch.arange(n, device=self.device), bf["pos"][0][:n, 0]
+        new_k = {i: t[rows, :, pos].unsqueeze(2) for i, t in bf["keys"].items()}  # [n, H, 1, D], a copy
+        new_v = {i: t[rows, :, pos].unsqueeze(2) for i, t in bf["values"].items()}
+        store_decoded(caches, self.kinds, self.k_conv, new_k, new_v, bf["conv"], bf["rec"])
 
     def _replay(self, n: int, width: int) -> Optional[torch.Tensor]:
         """Replay the (n, width) graph, capturing it first. None if the capture failed: the decoder

@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from tiered_cache import device as dev
 from tiered_cache.checkpoint_pool import CODECS
 from tiered_cache.engine.adapters import HybridCacheAdapter, decode_batch, forward_chunk
 from tiered_cache.engine.graph_decode import GraphDecoder
@@ -79,8 +80,6 @@ class PhaseClock:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        from tiered_cache import device as dev
-
         dev.synchronize(self.device)
         now = time.perf_counter()
         if self.stack:
@@ -732,8 +731,8 @@ class Engine:
         st = [r.mamba_pool_idx.reshape(-1) for r in self.running if r.mamba_pool_idx is not None]
         if self.swa is not None:  # SWA mode: the requests' own SWA ids stand where the state slots do
             st = [r.swa_kv_indices[r.cache_protected_len:] for r in self.running if r.swa_kv_indices is not None]
-        dev = self.kv.device
-        cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=dev)
+        device = self.kv.device
+        cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=device)
         return cat(kv), cat(st)
 
     def check_invariants(self) -> None:
