@@ -278,6 +278,14 @@ def test_misuse_is_refused_before_anything_changes(qwen):
     with pytest.raises(InvalidArgumentError, match="slot"):
         h.ad.export_state(cache, h.state, slot)  # freed: translate maps it to -1
     assert torch.equal(h.pool.raw, before)
+    # KV ids given on the host are checked on the allocator's host table: a freed page's id (it would
+    # translate to a negative row) and an id past the table are refused, and no page is written
+    freed = h.full.alloc(PAGE)
+    h.full.free(freed)
+    for bad in (torch.cat([h.tokens[:SPLIT - 1], freed[:1]]), [10 ** 9] * SPLIT, h.tokens[:SPLIT].tolist()[:-1] + [-1]):
+        with pytest.raises(InvalidArgumentError, match="token_ids"):
+            h.ad.export_kv(cache, h.full, bad, 0, SPLIT)
+    assert torch.equal(h.pool.raw, before)
     with pytest.raises(InvalidArgumentError, match="state_side"):
         h.ad.build_cache(h.full, h.tokens, n_tokens=SPLIT)
     kv_only = new_cache(qwen)

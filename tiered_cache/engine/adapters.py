@@ -189,7 +189,21 @@ def _slot(slot: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def _physical(side: SubPool, name: str, ids: torch.Tensor) -> torch.Tensor:
     """``side.translate`` that refuses free or unknown ids: they map to -1, which would index the last row.
-    Costs one host sync; the reference engine moves whole chunks per call, so it is paid once per chunk."""
+
+    Ids on the host are checked and translated on the allocator's host table and sent to the device
+    through page-locked memory: no wait for the device. Ids on the device cost one host sync (the
+    check reads the translated ids back)."""
+    if ids.device.type == "cpu":
+        try:
+            rows = side.allocator.translate_host(ids.numpy())
+        except InvalidArgumentError:
+            rows = None
+        if rows is None or (rows.size and int(rows.min()) < 0):
+            raise InvalidArgumentError(name, f"live virtual ids of side {side.name!r}", ids.tolist())
+        t = torch.from_numpy(rows)
+        if side.device.type == "cuda":
+            return t.pin_memory().to(side.device, non_blocking=True)
+        return t.to(side.device)
     try:
         phys = side.translate(ids)
     except (IndexError, RuntimeError):
@@ -293,7 +307,8 @@ class HybridCacheAdapter:
         if end > hi or (spec.window == 0 and start < lo):
             raise InvalidArgumentError("end" if end > hi else "start",
                                        f"a range inside [{lo}, {hi}), held by the cache", (start, end))
-        ids = _ids("token_ids", token_ids, side.device)
+        # ids stay where they are given: on the host they are checked without a device round trip
+        ids = _ids("token_ids", token_ids, token_ids.device if isinstance(token_ids, torch.Tensor) else "cpu")
         if ids.numel() < end:
             raise InvalidArgumentError("token_ids", f">= {end} ids (one per position)", ids.numel())
         start = max(start, lo)

@@ -606,9 +606,18 @@ class Engine:
         """Positions ``[start, end)`` ran on the request's model cache: their KV goes to T0."""
         if self.cache is not None:
             with self._phase("export_kv"):
-                self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, start, end)
+                self.adapter.export_kv(req.model_cache, self.kv, self._kv_host(req), start, end)
             self.stats.add("t0_kv_write_bytes", (end - start) * self.kv_token_bytes)
         req.filled = end
+
+    @staticmethod
+    def _kv_host(req: Request) -> torch.Tensor:
+        """``req.kv_indices`` on the host, copied once each time the tensor is replaced (admission, a
+        checkpoint that hands pages to the tree): exporting a decode token's KV then checks and
+        translates its id on the host, without waiting for the device."""
+        if req.kv_host_of is not req.kv_indices:
+            req.kv_host, req.kv_host_of = req.kv_indices.cpu(), req.kv_indices
+        return req.kv_host
 
     def _checkpoint(self, req: Request, pos: int, kind: str) -> None:
         """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there."""
@@ -660,11 +669,13 @@ class Engine:
             else:
                 logits = decode_batch(self.model, caches, toks, pos)
         self.stats.add("decode_forwards")
-        for req, p, row in zip(reqs, pos, logits):
+        with self._phase("emit"):
+            picks = logits.argmax(-1).tolist()  # one read back for the whole batch
+        for req, p, row, am in zip(reqs, pos, logits, picks):
             self._ran(req, p, p + 1)
-            self._decoded(req, row)
+            self._decoded(req, row, am)
 
-    def _decoded(self, req: Request, row: torch.Tensor) -> None:
+    def _decoded(self, req: Request, row: torch.Tensor, am: Optional[int] = None) -> None:
         """After ``req``'s decode token ran (``req.filled`` counts it): checkpoint, then emit ``row``."""
         self.stats.add("decode_tokens")
         if self.states is not None and req.filled % self.unit == 0:
@@ -675,12 +686,14 @@ class Engine:
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
             self.stats.add("decode_checkpoints")
             req.slot_pos = req.filled
-        self._emit(req, row)
+        self._emit(req, row, am)
 
-    def _emit(self, req: Request, row: torch.Tensor) -> None:
-        """The model's next-token distribution ``row``: pick (greedy, or the forced token) and record."""
-        with self._phase("emit"):
-            am = int(row.argmax())
+    def _emit(self, req: Request, row: torch.Tensor, am: Optional[int] = None) -> None:
+        """The model's next-token distribution ``row``: pick (greedy, or the forced token) and record.
+        ``am``: ``row``'s argmax when the caller has read it back already (a batch's, in one go)."""
+        if am is None:
+            with self._phase("emit"):
+                am = int(row.argmax())
         i = len(req.output)
         tok = am if req.forced_output is None else int(req.forced_output[i])
         req.output.append(tok)
@@ -715,13 +728,13 @@ class Engine:
         self._wait_load_back(req)
         self.cache.cache_finished_req(self._view(req, req.cache_protected_len), is_insert=False)
         req.mamba_pool_idx, req.last_node, req.cache_protected_len = None, None, 0
-        req.kv_indices = req.prefix_indices = req.swa_kv_indices = None
+        req.kv_indices = req.prefix_indices = req.swa_kv_indices = req.kv_host = req.kv_host_of = None
 
     def _drop(self, req: Request, status: Status) -> None:
         req.status = status
         req.t_finish = time.perf_counter()
         req.model_cache = None
-        req.kv_indices = req.prefix_indices = None
+        req.kv_indices = req.prefix_indices = req.kv_host = req.kv_host_of = None
         self.running.remove(req)
 
     # ------------------------------------------------------------------------------ checks
