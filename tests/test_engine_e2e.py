@@ -325,6 +325,28 @@ def test_split_and_resume_through_every_tier(qwen_long, host):
 
 
 @needs_host
+def test_a_load_back_that_lands_during_the_step_prefills_in_it(qwen_long):
+    """The step polls its admissions' loads again after its forwards: one that landed meanwhile (on the
+    CPU, every one) starts its prefill in that step, not the next; the result still equals no cache."""
+    p1, q2 = _two_turn_prompts()
+    e = Engine(qwen_long, EngineConfig(codec="lossless", **SMALL, **HOST))
+    r1 = _one_turn(e, "t1", p1)
+    p2 = p1 + r1.output + q2
+    ref = _reference(qwen_long, [p2])[0]
+    e.cache.evict(EvictParams(num_tokens=10**6, mamba_num=10**6))
+    req = Request(rid="t2", prompt=p2, max_new_tokens=12, record_logits=True)
+    e.submit(req)
+    e.step()
+    assert req.reused_host_tokens > 0 and req.status is not Status.LOADING
+    assert req.filled > req.reused_tokens  # its first chunk ran in the step that admitted it
+    while e.has_work():
+        e.step()
+        e.check_invariants()
+    assert req.output == ref.output
+    assert_released(e)
+
+
+@needs_host
 def test_abort_during_load_back_and_corrupt_host_copy(qwen_long):
     p1, q2 = _two_turn_prompts()
     e = Engine(qwen_long, EngineConfig(codec="lossless", **SMALL, **HOST))
@@ -332,13 +354,17 @@ def test_abort_during_load_back_and_corrupt_host_copy(qwen_long):
     p2 = p1 + r1.output + q2
     ref = _reference(qwen_long, [p2])[0]
 
-    # 1. Abort while the load back is in flight (on the CPU its ticket ends at the next poll).
+    # 1. Abort while the load back is in flight. A slow copy: its tickets do not fire during the step
+    # (on the CPU a ticket ends at the next poll, and the step polls again before it ends).
     e.cache.evict(EvictParams(num_tokens=10**6, mamba_num=10**6))
     req = Request(rid="t2", prompt=p2, max_new_tokens=12)
     e.submit(req)
+    fired, slow = e.transfer._fired, [True]
+    e.transfer._fired = lambda t: not slow[0] and fired(t)
     e.step()
     assert req.status is Status.LOADING and req.load_back is not None and not req.load_back.done
     e.check_invariants()
+    slow[0] = False  # the copy goes on; the abort waits for it before giving anything back
     assert e.abort("t2") and req.status is Status.ABORTED
     e.check_invariants()
     assert e.cache.total_size()[0] > 0  # the load landed and stays cached; only the request's share went

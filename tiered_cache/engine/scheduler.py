@@ -380,6 +380,18 @@ class Engine:
         if decoding:
             self._decode_batch(decoding)
             finished.extend(r for r in decoding if r.status is Status.FINISHED)
+        # Loads back from T2 started by this step's admissions have usually landed by now (the step's
+        # forwards ran meanwhile): start those prefills in this step rather than the next one.
+        loading = [r for r in self.running if r.status is Status.LOADING]
+        if loading:
+            with self._phase("events"):
+                self.cache.check_hicache_events()
+                self._poll_loads()
+            for req in loading:
+                if req.status is Status.PREFILL and req in self.running and budget >= self.cfg.page_size:
+                    budget -= self._prefill_chunk(req, budget)
+                    if req.status is Status.FINISHED:
+                        finished.append(req)
         return finished
 
     def _admit_waiting(self) -> None:
