@@ -134,6 +134,10 @@ def run_config(model, ecfg, clients, w: dict, label: str, progress: bool) -> dic
     if bar is not None:
         bar.close()
     st = engine.stats_dict()
+    # forwards by kind: prefill chunks run as one forward with a state taken inside (split_forwards)
+    st["engine_counts"] = {k: int(engine.stats.c[k]) for k in ("split_forwards", "mid_checkpoints",
+                                                               "branch_checkpoints", "end_checkpoints",
+                                                               "decode_forwards", "decode_checkpoints")}
     gd = engine.graph_decoder
     if gd is not None:  # CUDA graphs: how many captured and replayed, and why they stopped if they did
         st["graph_decoder"] = dict(gd.stats, capture_error=gd.capture_error)
@@ -282,7 +286,8 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     return {"name": name, "summary": s, "ratios": ratios(s), "tiers": tiers, "tier_bytes": dataclasses.asdict(tb),
             "longest_request": longest, "requests": n_req, "section": sec, "model": minfo,
             "tree_stats": {c: raw[c].get("tree", {}) for c in configs},
-            "graph_decoder": {c: raw[c].get("graph_decoder") for c in configs}}
+            "graph_decoder": {c: raw[c].get("graph_decoder") for c in configs},
+            "engine_counts": {c: raw[c].get("engine_counts") for c in configs}}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -369,7 +374,8 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
                                                 "tier_bytes": r["tier_bytes"], "longest_request": r["longest_request"],
                                                 "tree_stats": r["tree_stats"],
-                                                "graph_decoder": r["graph_decoder"]} for r in results}}
+                                                "graph_decoder": r["graph_decoder"],
+                                                "engine_counts": r["engine_counts"]} for r in results}}
     with open(path, "w") as f:
         json.dump(record, f, indent=2, default=str)
         f.write("\n")

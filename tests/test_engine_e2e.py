@@ -123,6 +123,7 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
         assert st["hits"]["T2_kv_tokens"] > 0 and st["hits"]["T2_states"] > 0
         assert st["bytes"]["T2_d2h"] > 0 and st["bytes"]["T2_h2d"] > 0
         assert e.cache.stats["state_demotes"] > 0
+    assert e.stats.c["split_forwards"] > 0  # mid-chunk states were taken inside one forward
     if batch:
         assert st["tokens"]["decode_forwards"] < st["tokens"]["decoded"]  # some steps did batch
     if batch == "static":
@@ -134,6 +135,19 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
             assert ph.get(k, 0) > 0, (k, ph)
     else:
         assert "phase_s" not in st
+
+
+@needs_host
+def test_two_forwards_per_split_chunk_equals_no_cache(qwen_long, baseline):
+    """``split_checkpoints=False``: a chunk whose state is cached inside it runs as two forwards (what
+    models the split forward does not support do); through every tier the run still equals no cache."""
+    cfg = EngineConfig(codec="lossless", split_checkpoints=False, **SMALL, **HOST)
+    e, got = run_checked(qwen_long, cfg)
+    assert e.stats.c["split_forwards"] == 0 and e.stats.c["branch_checkpoints"] > 0
+    for a, b in zip(baseline, got, strict=True):
+        assert b.output == a.output, f"client {a.client} round {a.round}"
+    n, top1, drift, _ = compare(baseline, got)
+    assert n >= 200 and top1 == 1.0 and drift < LOGIT_ATOL, drift
 
 
 def test_phase_clock_counts_each_phase_once():
@@ -467,6 +481,7 @@ def test_swa_model_through_the_cache_equals_no_cache(host):
     (dict(decode_batch="yes"), "decode_batch"),
     (dict(phase_timing=1), "phase_timing"),
     (dict(decode_graphs="on"), "decode_graphs"),
+    (dict(split_checkpoints="auto"), "split_checkpoints"),
 ])
 def test_config_misuse_names_the_argument(kw, arg):
     with pytest.raises(InvalidArgumentError, match=arg):

@@ -248,11 +248,26 @@ class HybridCacheAdapter:
                 raise InvalidArgumentError("cache", f"a state in linear layer {i}", "none (run a chunk first)")
         k = spec.conv_shapes[0][-1]
         # record_past keeps more than the window in conv_states; the last K columns are the state.
-        conv = torch.stack([lay.conv_states[0][..., -k:] for lay in layers])
-        rec = torch.stack([lay.recurrent_states[0] for lay in layers])
-        want = ((len(layers), 1, *spec.temporal_shape), (len(layers), 1, *spec.conv_shapes[0]))
+        self._write_state(side, spec, slot, "cache", [lay.conv_states[0][..., -k:] for lay in layers],
+                          [lay.recurrent_states[0] for lay in layers])
+
+    def export_split_state(self, states, side: SubPool, slot: Union[int, torch.Tensor]) -> None:
+        """Write the state a split forward captured (``split_forward.SplitStates``: one conv window and
+        one recurrent state per linear layer) into state slot ``slot`` (virtual), as ``export_state``
+        writes a cache's."""
+        spec = self._state_side(side)
+        n = len(self.specs.linear_layers)
+        conv, rec = getattr(states, "conv", None), getattr(states, "recurrent", None)
+        if not isinstance(conv, list) or not isinstance(rec, list) or len(conv) != n or len(rec) != n:
+            raise InvalidArgumentError("states", f"a SplitStates with {n} conv windows and {n} states",
+                                       type(states).__name__)
+        self._write_state(side, spec, slot, "states", conv, rec)
+
+    def _write_state(self, side: SubPool, spec, slot, name: str, conv_l: list, rec_l: list) -> None:
+        conv, rec = torch.stack(conv_l), torch.stack(rec_l)
+        want = ((len(rec_l), 1, *spec.temporal_shape), (len(conv_l), 1, *spec.conv_shapes[0]))
         if (tuple(rec.shape), tuple(conv.shape)) != want:
-            raise InvalidArgumentError("cache", f"batch 1 states of shapes {want} (the side's spec)",
+            raise InvalidArgumentError(name, f"batch 1 states of shapes {want} (the side's spec)",
                                        (tuple(rec.shape), tuple(conv.shape)))
         row = _physical(side, "slot", _slot(slot, side.device))
         side.temporal_view_all()[:, row] = rec.to(side.device, spec.temporal_dtype)

@@ -125,6 +125,10 @@ class EngineConfig:
     ``decode_batch``; full + linear attention models, SDPA). Its buffers (keys and values of
     ``max_running`` requests at the longest context, in buckets of 4,096 tokens) are outside the tier
     budgets.
+    split_checkpoints: a prefill chunk that must cache the state at a position inside it (the last
+    aligned position of a prompt that ends off a page boundary) runs as one forward that also takes
+    the state there (``split_forward.forward_chunk_split``) instead of two forwards. None (default):
+    where the model supports it (``split_supported``); True: required (raises otherwise); False: never.
     phase_timing: measure where a step's time goes (``stats_dict()["phase_s"]``: seconds per phase,
     each phase's own time, nested ones apart). The device is synchronized at every phase boundary so
     GPU work counts in the phase that queued it; that costs overlap, so leave it off for timings.
@@ -153,6 +157,7 @@ class EngineConfig:
     decode_batch: bool = False
     decode_graphs: bool = False
     phase_timing: bool = False
+    split_checkpoints: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "chunk_size", "prefill_budget", "max_running", "kv_pages", "t0_states",
@@ -162,6 +167,8 @@ class EngineConfig:
                      "phase_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "a bool", getattr(self, name))
+        if self.split_checkpoints is not None and not isinstance(self.split_checkpoints, bool):
+            raise InvalidArgumentError("split_checkpoints", "None, True or False", self.split_checkpoints)
         if self.chunk_size % self.page_size:
             raise InvalidArgumentError("chunk_size", f"a multiple of page_size={self.page_size}", self.chunk_size)
         if self.prefill_budget < self.chunk_size:
@@ -210,6 +217,14 @@ class Engine:
             if self.specs.swa_layers:
                 raise InvalidArgumentError("decode_graphs", "False for a model with sliding-window layers", True)
             self.graph_decoder = GraphDecoder(model, max_batch=cfg.max_running)
+        self.split = False  # one forward per chunk with a state taken inside it (split_checkpoints)
+        if cfg.split_checkpoints is not False and self.specs.state is not None:
+            from tiered_cache.engine.split_forward import split_supported
+
+            self.split = split_supported(model)
+            if cfg.split_checkpoints and not self.split:
+                raise InvalidArgumentError("split_checkpoints", "None or False: this model's layers do not call "
+                                           "the chunk rule and conv by name (split_supported)", True)
         self.stats = EngineStats()
         clock = PhaseClock(self.stats.phase_s, self.device) if cfg.phase_timing else None
         self._phase = clock if clock is not None else (lambda name: _NO_PHASE)
@@ -578,7 +593,19 @@ class Engine:
             else:
                 cuts.setdefault(end, "end")
         pos, logits = start, None
+        inside = [c for c in cuts if start < c < end]
+        if self.split and len(inside) == 1:
+            # one forward; the state at the cut is taken inside it
+            c = inside[0]
+            logits, states = self._forward(req, start, end, split_at=c)
+            self.stats.add("split_forwards")
+            self._checkpoint(req, c, cuts[c], states)
+            if end in cuts:
+                self._checkpoint(req, end, cuts[end])
+            pos = end
         for c in sorted(set(cuts) | {end}):
+            if c <= pos:
+                continue
             logits = self._forward(req, pos, c)
             pos = c
             if c in cuts:
@@ -590,8 +617,10 @@ class Engine:
             self._emit(req, logits[-1])
         return end - start
 
-    def _forward(self, req: Request, start: int, end: int, phase: str = "prefill_forward") -> torch.Tensor:
-        """Run positions ``[start, end)`` on the request's model cache and write their KV to T0."""
+    def _forward(self, req: Request, start: int, end: int, phase: str = "prefill_forward",
+                 split_at: Optional[int] = None):
+        """Run positions ``[start, end)`` on the request's model cache and write their KV to T0.
+        ``split_at``: also take the state after that position; returns ``(logits, SplitStates)`` then."""
         if self.swa is not None:
             # a sliding layer keeps only its last ``window`` tokens: run pieces no longer than that and
             # export each one's SWA KV right after it
@@ -610,9 +639,14 @@ class Engine:
             return logits
         ids = torch.tensor(req.tokens[start:end], dtype=torch.long, device=self.device)
         with self._phase(phase):
-            logits, _ = forward_chunk(self.model, req.model_cache, ids, start)
+            if split_at is not None:
+                from tiered_cache.engine.split_forward import forward_chunk_split
+
+                logits, _, states = forward_chunk_split(self.model, req.model_cache, ids, start, split_at)
+            else:
+                logits, _ = forward_chunk(self.model, req.model_cache, ids, start)
         self._ran(req, start, end)
-        return logits
+        return logits if split_at is None else (logits, states)
 
     def _ran(self, req: Request, start: int, end: int) -> None:
         """Positions ``[start, end)`` ran on the request's model cache: their KV goes to T0."""
@@ -631,13 +665,17 @@ class Engine:
             req.kv_host, req.kv_host_of = req.kv_indices.cpu(), req.kv_indices
         return req.kv_host
 
-    def _checkpoint(self, req: Request, pos: int, kind: str) -> None:
-        """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there."""
+    def _checkpoint(self, req: Request, pos: int, kind: str, states=None) -> None:
+        """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there.
+        ``states``: that state as a split forward took it (default: the model cache's, at its end)."""
         with self._phase("checkpoint"):
-            self._checkpoint_now(req, pos, kind)
+            self._checkpoint_now(req, pos, kind, states)
 
-    def _checkpoint_now(self, req: Request, pos: int, kind: str) -> None:
-        if self.states is not None:
+    def _checkpoint_now(self, req: Request, pos: int, kind: str, states=None) -> None:
+        if states is not None:
+            self.adapter.export_split_state(states, self.states, req.mamba_pool_idx)
+            self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
+        elif self.states is not None:
             self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
         req.slot_pos = pos
