@@ -180,11 +180,13 @@ def _ids(name: str, ids: IdsLike, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int64)
 
 
-def _slot(slot: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
-    t = torch.as_tensor(slot, dtype=torch.int64).reshape(-1)
-    if t.numel() != 1:
+def _slot(slot: Union[int, torch.Tensor]) -> torch.Tensor:
+    """One virtual slot id as a 1-element int64 tensor, where it was given (an int: on the host, where
+    ``_physical`` checks it without a device round trip)."""
+    t = slot if isinstance(slot, torch.Tensor) else torch.as_tensor(slot, dtype=torch.int64)
+    if t.numel() != 1 or t.dtype not in (torch.int32, torch.int64):
         raise InvalidArgumentError("slot", "one virtual slot id", slot)
-    return t.to(device)
+    return t.reshape(-1).to(torch.int64)
 
 
 def _physical(side: SubPool, name: str, ids: torch.Tensor) -> torch.Tensor:
@@ -269,7 +271,7 @@ class HybridCacheAdapter:
         if (tuple(rec.shape), tuple(conv.shape)) != want:
             raise InvalidArgumentError(name, f"batch 1 states of shapes {want} (the side's spec)",
                                        (tuple(rec.shape), tuple(conv.shape)))
-        row = _physical(side, "slot", _slot(slot, side.device))
+        row = _physical(side, "slot", _slot(slot))
         side.temporal_view_all()[:, row] = rec.to(side.device, spec.temporal_dtype)
         side.conv_view_all(0)[:, row] = conv.to(side.device, spec.conv_dtype)
 
@@ -280,7 +282,7 @@ class HybridCacheAdapter:
         """
         spec = self._state_side(side)
         cache = self.new_cache() if cache is None else cache
-        row = _physical(side, "slot", _slot(slot, side.device))
+        row = _physical(side, "slot", _slot(slot))
         rec_all = side.temporal_view_all()[:, row]  # [L, 1, H, a, b]
         conv_all = side.conv_view_all(0)[:, row]
         k = spec.conv_shapes[0][-1]
@@ -346,7 +348,7 @@ class HybridCacheAdapter:
         """Fill the side's (empty) layers of ``cache`` with positions ``[0, n_tokens)`` from the pages;
         sliding layers take only the last ``spec.window`` of them and count all ``n_tokens``."""
         spec, model_layers = self._kv_side(side)
-        ids = _ids("token_ids", token_ids, side.device)
+        ids = _ids("token_ids", token_ids, token_ids.device if isinstance(token_ids, torch.Tensor) else "cpu")
         if not isinstance(n_tokens, int) or not 0 <= n_tokens <= ids.numel():
             raise InvalidArgumentError("n_tokens", f"an int in [0, {ids.numel()}] (len(token_ids))", n_tokens)
         start = max(0, n_tokens - spec.window) if spec.window else 0

@@ -69,6 +69,8 @@ class Request:
     model_cache: Any = None  # the transformers cache the request runs on (dropped when it ends)
     kv_host: Any = None  # kv_indices copied to the host (refreshed when kv_indices is replaced)
     kv_host_of: Any = None  # the kv_indices tensor kv_host copies
+    slot_host: Any = None  # mamba_pool_idx copied to the host (refreshed when it is replaced)
+    slot_host_of: Any = None
     # --- stats
     reused_tokens: int = 0  # prompt tokens taken from the cache (not computed)
     reused_host_tokens: int = 0  # of those, loaded back from T2

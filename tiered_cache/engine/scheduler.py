@@ -503,8 +503,8 @@ class Engine:
         st, p = self.stats, req.cache_protected_len
         if p:
             with self._phase("build_cache"):
-                req.model_cache = self.adapter.build_cache(self.kv, req.kv_indices, self.states,
-                                                           req.mamba_pool_idx, n_tokens=p, swa_side=self.swa,
+                req.model_cache = self.adapter.build_cache(self.kv, self._kv_host(req), self.states,
+                                                           self._slot_host(req), n_tokens=p, swa_side=self.swa,
                                                            swa_token_ids=req.swa_kv_indices)
             st.add("t0_kv_read_bytes", p * self.kv_token_bytes)
             if self.states is not None:
@@ -657,6 +657,14 @@ class Engine:
         req.filled = end
 
     @staticmethod
+    def _slot_host(req: Request) -> torch.Tensor:
+        """``req.mamba_pool_idx`` on the host, copied once each time it is replaced: writing a
+        checkpoint's state into the slot then checks and translates the id without a device wait."""
+        if req.slot_host_of is not req.mamba_pool_idx:
+            req.slot_host, req.slot_host_of = req.mamba_pool_idx.cpu(), req.mamba_pool_idx
+        return req.slot_host
+
+    @staticmethod
     def _kv_host(req: Request) -> torch.Tensor:
         """``req.kv_indices`` on the host, copied once each time the tensor is replaced (admission, a
         checkpoint that hands pages to the tree): exporting a decode token's KV then checks and
@@ -673,10 +681,10 @@ class Engine:
 
     def _checkpoint_now(self, req: Request, pos: int, kind: str, states=None) -> None:
         if states is not None:
-            self.adapter.export_split_state(states, self.states, req.mamba_pool_idx)
+            self.adapter.export_split_state(states, self.states, self._slot_host(req))
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
         elif self.states is not None:
-            self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
+            self.adapter.export_state(req.model_cache, self.states, self._slot_host(req))
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
         req.slot_pos = pos
         before = req.cache_protected_len
@@ -732,7 +740,7 @@ class Engine:
             # Keep the state at the last aligned position: the turn is cached up to there at finish
             # (a state is valid at one position only, and only page-aligned prefixes are cached).
             with self._phase("checkpoint"):
-                self.adapter.export_state(req.model_cache, self.states, req.mamba_pool_idx)
+                self.adapter.export_state(req.model_cache, self.states, self._slot_host(req))
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
             self.stats.add("decode_checkpoints")
             req.slot_pos = req.filled
@@ -779,12 +787,14 @@ class Engine:
         self.cache.cache_finished_req(self._view(req, req.cache_protected_len), is_insert=False)
         req.mamba_pool_idx, req.last_node, req.cache_protected_len = None, None, 0
         req.kv_indices = req.prefix_indices = req.swa_kv_indices = req.kv_host = req.kv_host_of = None
+        req.slot_host = req.slot_host_of = None
 
     def _drop(self, req: Request, status: Status) -> None:
         req.status = status
         req.t_finish = time.perf_counter()
         req.model_cache = None
         req.kv_indices = req.prefix_indices = req.kv_host = req.kv_host_of = None
+        req.slot_host = req.slot_host_of = None
         self.running.remove(req)
 
     # ------------------------------------------------------------------------------ checks
