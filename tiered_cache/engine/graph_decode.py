@@ -11,10 +11,13 @@ context bucket) as a CUDA graph and replayed:
   by a position tensor) and attends through a boolean mask over ``[0, position]``;
 - linear-attention layers: conv windows and recurrent states ``[max_batch, ...]``, updated in place.
 
-Each step gathers the requests' caches into the buffers (one ``_foreach_copy_`` launch per kind),
-fills ids, positions and the mask, replays, and hands each cache its new token's key/value and its new
-state, as ``decode_batch`` does. On CPU (or ``use_graphs=False``) the same step runs eagerly, which is
-what the CPU tests compare with one-request forwards.
+Each step gathers the requests' caches into the buffers (one ``_foreach_copy_`` launch), fills ids,
+positions and the mask, replays, and hands each cache its new token's key/value and its new state, as
+``decode_batch`` does. A buffer row keeps what the step left in it: when the next step puts the same
+cache in the same row at the next position (a request decoding on), the row already holds its keys,
+values and state, and nothing of it is copied again (``stats["rows_kept"]``). On CPU (or
+``use_graphs=False``) the same step runs eagerly, which is what the CPU tests compare with one-request
+forwards.
 
 The model sees the buffers through ``_StaticCache``, which answers the cache calls Qwen3-Next makes
 while decoding in transformers 5.17 (``has_previous_state``, ``layers[i].conv_states``,
@@ -28,6 +31,7 @@ handled (they decode through ``decode_batch``'s fallback in the engine).
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -128,7 +132,9 @@ class GraphDecoder:
         self.capacity = 0  # tokens the key/value buffers hold per request
         self.buf: dict[str, dict[int, torch.Tensor]] = {}
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
-        self.stats = {"steps": 0, "captures": 0, "replays": 0}
+        self.stats = {"steps": 0, "captures": 0, "replays": 0, "rows_kept": 0}
+        # per buffer row: (a weak reference to the cache it holds, the position it continues at)
+        self._rows: list[Optional[tuple[Any, int]]] = [None] * max_batch
         self.capture_error: Optional[str] = None  # set if a capture failed: the decoder then runs eagerly
 
     # ----------------------------------------------------------------------------- buffers
@@ -157,6 +163,7 @@ class GraphDecoder:
                     "arange": {0: torch.arange(cap, dtype=torch.long, device=dev)}}
         self.capacity = cap
         self.graphs.clear()
+        self._rows = [None] * self.max_batch  # fresh buffers hold no request
 
     def _run(self, n: int, width: int) -> torch.Tensor:
         """The step on the buffers' first ``n`` rows and ``width`` positions (what a graph captures: the
@@ -193,18 +200,33 @@ class GraphDecoder:
         self._ensure(caches, max(positions) + 1)
         width = min(self.capacity, -(-(max(positions) + 1) // self.len_bucket) * self.len_bucket)
         self._gather(caches, tokens, positions)
-        logits = self._replay(n, width) if self.use_graphs else None
-        if logits is None:
-            logits = self._run(n, width)
-        self._scatter(caches, n)
+        try:
+            logits = self._replay(n, width) if self.use_graphs else None
+            if logits is None:
+                logits = self._run(n, width)
+            self._scatter(caches, n)
+        except BaseException:
+            self._rows = [None] * self.max_batch  # a step cut short leaves no row to trust
+            raise
+        for b, (c, p) in enumerate(zip(caches, positions)):
+            self._rows[b] = (weakref.ref(c), p + 1)  # the row now holds positions [0, p] and their state
         self.stats["steps"] += 1
         return logits.clone()
 
     def _gather(self, caches, tokens, positions) -> None:
         bf, n = self.buf, len(caches)
         dst, src = [], []
+        copy = []  # rows that do not already hold their request as the last step left it
+        for b, (c, p) in enumerate(zip(caches, positions)):
+            kept = self._rows[b]
+            if kept is not None and kept[0]() is c and kept[1] == p:
+                self.stats["rows_kept"] += 1
+            else:
+                self._rows[b] = None  # overwritten below
+                copy.append(b)
         for i, kind in enumerate(self.kinds):
-            for b, c in enumerate(caches):
+            for b in copy:
+                c = caches[b]
                 lay = c.layers[i]
                 if kind == FULL:
                     p = positions[b]
@@ -213,7 +235,8 @@ class GraphDecoder:
                 else:
                     dst += [bf["conv"][i][b], bf["rec"][i][b]]
                     src += [lay.conv_states[0][0, :, -self.k_conv:], lay.recurrent_states[0][0]]
-        torch._foreach_copy_(dst, src)
+        if dst:
+            torch._foreach_copy_(dst, src)
         # ids and positions through pinned memory, without blocking (a pageable copy would hold this
         # thread until the copy engine reached it, behind any large load in flight)
         small = dev.host_to_device(torch.tensor([list(tokens), list(positions)], dtype=torch.long), self.device)
