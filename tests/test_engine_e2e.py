@@ -150,6 +150,29 @@ def test_two_forwards_per_split_chunk_equals_no_cache(qwen_long, baseline):
     assert n >= 200 and top1 == 1.0 and drift < LOGIT_ATOL, drift
 
 
+@needs_host
+def test_a_split_forward_that_takes_no_state_caches_none_and_runs_two_forwards_after(qwen_long, baseline,
+                                                                                   monkeypatch):
+    """When a split forward cannot take the state (``forward_chunk_split`` returns None), the engine
+    caches nothing at that cut, runs two forwards from then on, and still equals no cache."""
+    import tiered_cache.engine.split_forward as sf
+
+    real = sf.forward_chunk_split
+    calls = []
+
+    def once_without_state(model, cache, ids, start, split):
+        logits, cache, st = real(model, cache, ids, start, split)
+        calls.append(split)
+        return (logits, cache, None) if len(calls) == 1 else (logits, cache, st)
+
+    monkeypatch.setattr(sf, "forward_chunk_split", once_without_state)
+    e, got = run_checked(qwen_long, EngineConfig(codec="lossless", **SMALL, **HOST))
+    assert len(calls) == 1 and e.stats.c["split_failures"] == 1 and not e.split
+    assert e.stats.c["split_forwards"] == 0 and e.stats.c["branch_checkpoints"] > 0
+    for a, b in zip(baseline, got, strict=True):
+        assert b.output == a.output, f"client {a.client} round {a.round}"
+
+
 def test_phase_clock_counts_each_phase_once():
     """Nested phases are exclusive: the outer one is paused while the inner one runs."""
     import collections

@@ -111,3 +111,20 @@ def test_split_forward_equals_two_forwards_on_cuda():
             assert (r - rec).abs().max().item() <= tol * max(1.0, rec.abs().max().item())
         ref = torch.cat([la, lb])
         assert (logits - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+def test_a_forward_that_does_not_call_the_wrapped_functions_as_expected_takes_no_state(model, monkeypatch):
+    """If the layers stop calling the wrapped functions once each (a model or transformers change),
+    the split forward says so and returns no state; its logits and cache are one forward's (to float
+    rounding: the recurrence still ran in two parts)."""
+    import tiered_cache.engine.split_forward as sf
+
+    ids = _ids(40)
+    monkeypatch.setattr(sf, "layer_kinds", lambda cfg: ["linear_attention"] * 99)  # more than it has
+    with pytest.warns(UserWarning, match="no state is taken"):
+        logits, cache, st = forward_chunk_split(model, new_cache(model), ids, 0, 17)
+    assert st is None
+    want, ref = forward_chunk(model, new_cache(model), ids, 0)
+    _close(logits, want)
+    for x, y in zip(_linear(cache), _linear(ref)):
+        _close(x.recurrent_states[0], y.recurrent_states[0])

@@ -598,8 +598,12 @@ class Engine:
             # one forward; the state at the cut is taken inside it
             c = inside[0]
             logits, states = self._forward(req, start, end, split_at=c)
-            self.stats.add("split_forwards")
-            self._checkpoint(req, c, cuts[c], states)
+            if states is not None:
+                self.stats.add("split_forwards")
+                self._checkpoint(req, c, cuts[c], states)
+            else:  # the model did not let the state be taken (a warning said why): no entry at c, and
+                self.split = False  # the next chunks run two forwards
+                self.stats.add("split_failures")
             if end in cuts:
                 self._checkpoint(req, end, cuts[end])
             pos = end
