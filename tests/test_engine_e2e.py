@@ -361,16 +361,23 @@ def test_split_and_resume_through_every_tier(qwen_long, host):
     assert_released(e)
 
 
+def _second_turn_from_host(model):
+    """An engine with T2 that served turn 1 and then evicted everything the tree held on the device
+    (to T2); returns it, turn 2's prompt and the no-cache run of turn 2."""
+    p1, q2 = _two_turn_prompts()
+    e = Engine(model, EngineConfig(codec="lossless", **SMALL, **HOST))
+    r1 = _one_turn(e, "t1", p1)
+    p2 = p1 + r1.output + q2
+    ref = _reference(model, [p2])[0]
+    e.cache.evict(EvictParams(num_tokens=10**6, mamba_num=10**6))
+    return e, p2, ref
+
+
 @needs_host
 def test_a_load_back_that_lands_during_the_step_prefills_in_it(qwen_long):
     """The step polls its admissions' loads again after its forwards: one that landed meanwhile (on the
     CPU, every one) starts its prefill in that step, not the next; the result still equals no cache."""
-    p1, q2 = _two_turn_prompts()
-    e = Engine(qwen_long, EngineConfig(codec="lossless", **SMALL, **HOST))
-    r1 = _one_turn(e, "t1", p1)
-    p2 = p1 + r1.output + q2
-    ref = _reference(qwen_long, [p2])[0]
-    e.cache.evict(EvictParams(num_tokens=10**6, mamba_num=10**6))
+    e, p2, ref = _second_turn_from_host(qwen_long)
     req = Request(rid="t2", prompt=p2, max_new_tokens=12, record_logits=True)
     e.submit(req)
     e.step()
@@ -385,15 +392,10 @@ def test_a_load_back_that_lands_during_the_step_prefills_in_it(qwen_long):
 
 @needs_host
 def test_abort_during_load_back_and_corrupt_host_copy(qwen_long):
-    p1, q2 = _two_turn_prompts()
-    e = Engine(qwen_long, EngineConfig(codec="lossless", **SMALL, **HOST))
-    r1 = _one_turn(e, "t1", p1)
-    p2 = p1 + r1.output + q2
-    ref = _reference(qwen_long, [p2])[0]
+    e, p2, ref = _second_turn_from_host(qwen_long)
 
     # 1. Abort while the load back is in flight. A slow copy: its tickets do not fire during the step
     # (on the CPU a ticket ends at the next poll, and the step polls again before it ends).
-    e.cache.evict(EvictParams(num_tokens=10**6, mamba_num=10**6))
     req = Request(rid="t2", prompt=p2, max_new_tokens=12)
     e.submit(req)
     fired, slow = e.transfer._fired, [True]

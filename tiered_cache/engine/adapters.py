@@ -33,6 +33,7 @@ from typing import Optional, Union
 
 import torch
 
+from tiered_cache.device import host_to_device
 from tiered_cache.engine.models import FULL, LINEAR, SLIDING, ModelSpecs, layer_kinds, spec_for
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec
@@ -173,11 +174,12 @@ def _seen_tokens(cache) -> Optional[int]:
         return None
 
 
-def _ids(name: str, ids: IdsLike, device: torch.device) -> torch.Tensor:
+def _ids(name: str, ids: IdsLike, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``ids`` as a 1-D int64 tensor on ``device`` (None: where given; a sequence: on the host)."""
     t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(list(ids), dtype=torch.int64)
     if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
         raise InvalidArgumentError(name, "a 1-D int tensor or sequence of ints", (t.dtype, tuple(t.shape)))
-    return t.to(device=device, dtype=torch.int64)
+    return t.to(device=t.device if device is None else device, dtype=torch.int64)
 
 
 def _slot(slot: Union[int, torch.Tensor]) -> torch.Tensor:
@@ -202,10 +204,7 @@ def _physical(side: SubPool, name: str, ids: torch.Tensor) -> torch.Tensor:
             rows = None
         if rows is None or (rows.size and int(rows.min()) < 0):
             raise InvalidArgumentError(name, f"live virtual ids of side {side.name!r}", ids.tolist())
-        t = torch.from_numpy(rows)
-        if side.device.type == "cuda":
-            return t.pin_memory().to(side.device, non_blocking=True)
-        return t.to(side.device)
+        return host_to_device(torch.from_numpy(rows), side.device)
     try:
         phys = side.translate(ids)
     except (IndexError, RuntimeError):
@@ -325,7 +324,7 @@ class HybridCacheAdapter:
             raise InvalidArgumentError("end" if end > hi else "start",
                                        f"a range inside [{lo}, {hi}), held by the cache", (start, end))
         # ids stay where they are given: on the host they are checked without a device round trip
-        ids = _ids("token_ids", token_ids, token_ids.device if isinstance(token_ids, torch.Tensor) else "cpu")
+        ids = _ids("token_ids", token_ids)
         if ids.numel() < end:
             raise InvalidArgumentError("token_ids", f">= {end} ids (one per position)", ids.numel())
         start = max(start, lo)
@@ -348,7 +347,7 @@ class HybridCacheAdapter:
         """Fill the side's (empty) layers of ``cache`` with positions ``[0, n_tokens)`` from the pages;
         sliding layers take only the last ``spec.window`` of them and count all ``n_tokens``."""
         spec, model_layers = self._kv_side(side)
-        ids = _ids("token_ids", token_ids, token_ids.device if isinstance(token_ids, torch.Tensor) else "cpu")
+        ids = _ids("token_ids", token_ids)
         if not isinstance(n_tokens, int) or not 0 <= n_tokens <= ids.numel():
             raise InvalidArgumentError("n_tokens", f"an int in [0, {ids.numel()}] (len(token_ids))", n_tokens)
         start = max(0, n_tokens - spec.window) if spec.window else 0

@@ -67,10 +67,9 @@ class Request:
     slot_pos: int = 0  # the T0 state slot holds the state after this many tokens
     branching: Optional[int] = None  # match's mamba_branching_seqlen: export a state there
     model_cache: Any = None  # the transformers cache the request runs on (dropped when it ends)
-    kv_host: Any = None  # kv_indices copied to the host (refreshed when kv_indices is replaced)
-    kv_host_of: Any = None  # the kv_indices tensor kv_host copies
-    slot_host: Any = None  # mamba_pool_idx copied to the host (refreshed when it is replaced)
-    slot_host_of: Any = None
+    # field name -> (the device tensor, its copy on the host): Engine._on_host refreshes an entry when
+    # the field is replaced
+    host_copies: dict = field(default_factory=dict)
     # --- stats
     reused_tokens: int = 0  # prompt tokens taken from the cache (not computed)
     reused_host_tokens: int = 0  # of those, loaded back from T2

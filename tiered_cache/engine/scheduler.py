@@ -372,9 +372,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""
         if self.cache is not None:
-            with self._phase("events"):
-                self.cache.check_hicache_events()
-                self._poll_loads()
+            self._poll_events()
         self._admit_waiting()
         finished: list[Request] = []
         budget = self.cfg.prefill_budget
@@ -399,9 +397,7 @@ class Engine:
         # forwards ran meanwhile): start those prefills in this step rather than the next one.
         loading = [r for r in self.running if r.status is Status.LOADING]
         if loading:
-            with self._phase("events"):
-                self.cache.check_hicache_events()
-                self._poll_loads()
+            self._poll_events()
             for req in loading:
                 if req.status is Status.PREFILL and req in self.running and budget >= self.cfg.page_size:
                     budget -= self._prefill_chunk(req, budget)
@@ -503,9 +499,9 @@ class Engine:
         st, p = self.stats, req.cache_protected_len
         if p:
             with self._phase("build_cache"):
-                req.model_cache = self.adapter.build_cache(self.kv, self._kv_host(req), self.states,
-                                                           self._slot_host(req), n_tokens=p, swa_side=self.swa,
-                                                           swa_token_ids=req.swa_kv_indices)
+                req.model_cache = self.adapter.build_cache(
+                    self.kv, self._on_host(req, "kv_indices"), self.states, self._on_host(req, "mamba_pool_idx"),
+                    n_tokens=p, swa_side=self.swa, swa_token_ids=req.swa_kv_indices)
             st.add("t0_kv_read_bytes", p * self.kv_token_bytes)
             if self.states is not None:
                 st.add("t0_state_read_bytes", self.states.entry_bytes)
@@ -518,6 +514,12 @@ class Engine:
         st.add("reused_host_tokens", req.reused_host_tokens)
         req.status = Status.PREFILL
         return True
+
+    def _poll_events(self) -> None:
+        """Apply finished host transfers to the tree; requests whose load back landed start prefill."""
+        with self._phase("events"):
+            self.cache.check_hicache_events()
+            self._poll_loads()
 
     def _poll_loads(self) -> None:
         """Requests whose load back has landed start their prefill; a corrupt one goes back to the
@@ -656,26 +658,22 @@ class Engine:
         """Positions ``[start, end)`` ran on the request's model cache: their KV goes to T0."""
         if self.cache is not None:
             with self._phase("export_kv"):
-                self.adapter.export_kv(req.model_cache, self.kv, self._kv_host(req), start, end)
+                self.adapter.export_kv(req.model_cache, self.kv, self._on_host(req, "kv_indices"), start, end)
             self.stats.add("t0_kv_write_bytes", (end - start) * self.kv_token_bytes)
         req.filled = end
 
     @staticmethod
-    def _slot_host(req: Request) -> torch.Tensor:
-        """``req.mamba_pool_idx`` on the host, copied once each time it is replaced: writing a
-        checkpoint's state into the slot then checks and translates the id without a device wait."""
-        if req.slot_host_of is not req.mamba_pool_idx:
-            req.slot_host, req.slot_host_of = req.mamba_pool_idx.cpu(), req.mamba_pool_idx
-        return req.slot_host
-
-    @staticmethod
-    def _kv_host(req: Request) -> torch.Tensor:
-        """``req.kv_indices`` on the host, copied once each time the tensor is replaced (admission, a
-        checkpoint that hands pages to the tree): exporting a decode token's KV then checks and
-        translates its id on the host, without waiting for the device."""
-        if req.kv_host_of is not req.kv_indices:
-            req.kv_host, req.kv_host_of = req.kv_indices.cpu(), req.kv_indices
-        return req.kv_host
+    def _on_host(req: Request, name: str) -> Optional[torch.Tensor]:
+        """``req.<name>`` (``kv_indices``, ``mamba_pool_idx``) on the host, copied once each time the
+        tensor is replaced (admission, a checkpoint that hands pages to the tree): the adapter then
+        checks and translates those ids on the allocator's host table, with no wait for the device."""
+        src = getattr(req, name)
+        if src is None:
+            return None
+        held = req.host_copies.get(name)
+        if held is None or held[0] is not src:
+            held = req.host_copies[name] = (src, src.cpu())
+        return held[1]
 
     def _checkpoint(self, req: Request, pos: int, kind: str, states=None) -> None:
         """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there.
@@ -685,10 +683,10 @@ class Engine:
 
     def _checkpoint_now(self, req: Request, pos: int, kind: str, states=None) -> None:
         if states is not None:
-            self.adapter.export_split_state(states, self.states, self._slot_host(req))
+            self.adapter.export_split_state(states, self.states, self._on_host(req, "mamba_pool_idx"))
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
         elif self.states is not None:
-            self.adapter.export_state(req.model_cache, self.states, self._slot_host(req))
+            self.adapter.export_state(req.model_cache, self.states, self._on_host(req, "mamba_pool_idx"))
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
         req.slot_pos = pos
         before = req.cache_protected_len
@@ -744,7 +742,7 @@ class Engine:
             # Keep the state at the last aligned position: the turn is cached up to there at finish
             # (a state is valid at one position only, and only page-aligned prefixes are cached).
             with self._phase("checkpoint"):
-                self.adapter.export_state(req.model_cache, self.states, self._slot_host(req))
+                self.adapter.export_state(req.model_cache, self.states, self._on_host(req, "mamba_pool_idx"))
             self.stats.add("t0_state_write_bytes", self.states.entry_bytes)
             self.stats.add("decode_checkpoints")
             req.slot_pos = req.filled
@@ -790,15 +788,15 @@ class Engine:
         self._wait_load_back(req)
         self.cache.cache_finished_req(self._view(req, req.cache_protected_len), is_insert=False)
         req.mamba_pool_idx, req.last_node, req.cache_protected_len = None, None, 0
-        req.kv_indices = req.prefix_indices = req.swa_kv_indices = req.kv_host = req.kv_host_of = None
-        req.slot_host = req.slot_host_of = None
+        req.kv_indices = req.prefix_indices = req.swa_kv_indices = None
+        req.host_copies.clear()
 
     def _drop(self, req: Request, status: Status) -> None:
         req.status = status
         req.t_finish = time.perf_counter()
         req.model_cache = None
-        req.kv_indices = req.prefix_indices = req.kv_host = req.kv_host_of = None
-        req.slot_host = req.slot_host_of = None
+        req.kv_indices = req.prefix_indices = None
+        req.host_copies.clear()
         self.running.remove(req)
 
     # ------------------------------------------------------------------------------ checks
