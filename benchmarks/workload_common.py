@@ -181,8 +181,9 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
     flight; a finished request puts its client's next round in the queue. ``request_rate`` 0: no
     gaps (every ready request is sent at once, up to ``max_parallel``).
 
-    The engine steps in the same event loop: a step blocks it, so an arrival due during a step is sent
-    right after it (the engine stamps arrival at submission).
+    The engine steps in the same event loop: a step blocks it, so a request due during a step is
+    handed over right after it, stamped with its due time (``Engine.submit(arrival=...)``): its TTFT
+    counts the wait, and the arrival process keeps its rate whatever the step times.
     """
     from asyncio_throttle import Throttler
 
@@ -192,38 +193,55 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
     rng = random.Random(w.get("seed", 0) + 1)
     order = list(range(len(clients)))
     rng.shuffle(order)  # interleave tasks / documents / system-prompt groups
-    ready = collections.deque((c, 0) for c in order)
+    ready = collections.deque((c, 0, 0.0) for c in order)  # (client, round, ready since: seconds since t0)
     prompts: dict[int, list[int]] = {}
     live: dict[str, tuple[int, int]] = {}
     sent_at: dict[str, float] = {}
     t0 = time.perf_counter()
     total = sum(len(c.questions) for c in clients)
-    state = {"sent": 0, "done": 0}
+    state = {"sent": 0, "done": 0, "room_at": 0.0}
     window = 1.0
     throttler = Throttler(rate_limit=max(1, math.ceil(rate * window)), period=window) if rate > 0 else None
 
-    def submit(cid: int, rnd: int) -> None:
+    def now() -> float:
+        return time.perf_counter() - t0
+
+    def submit(cid: int, rnd: int, at: float) -> None:
         plan = clients[cid]
         prompt = plan.prompt(rnd, prompts.get(cid))
         prompts[cid] = prompt
         rid = f"c{cid}r{rnd}"
         live[rid] = (cid, rnd)
-        sent_at[rid] = time.perf_counter() - t0
-        engine.submit(Request(rid=rid, prompt=prompt, max_new_tokens=max_new, forced_output=plan.answers[rnd]))
+        sent_at[rid] = at
+        engine.submit(Request(rid=rid, prompt=prompt, max_new_tokens=max_new, forced_output=plan.answers[rnd]),
+                      arrival=t0 + at)
         state["sent"] += 1
 
     async def sender() -> None:
+        # Arrivals follow their own clock, as a client process would: a request is due at the previous
+        # one's due time plus a Poisson gap (or when its client became ready, or a parallel slot freed, if
+        # later). An engine step blocks this loop, so a request due during a step is handed over after it,
+        # stamped with its due time: the wait inside the step counts in its TTFT, and a long step does not
+        # stretch the arrival process (which would cap the throughput of a fast configuration at the rate
+        # its steps let the sender run, not at request_rate).
+        due = 0.0
         while state["sent"] < total:
-            if not ready or len(live) >= max_par:
+            full = len(live) >= max_par
+            if not ready or full:
                 await asyncio.sleep(0.0002)
                 continue
-            cid, rnd = ready.popleft()
+            if due > now():
+                await asyncio.sleep(due - now())
+                continue
+            cid, rnd, ready_at = ready.popleft()
+            at = max(due, ready_at, state["room_at"])
             if throttler is not None:
-                async with throttler:
-                    submit(cid, rnd)
-                await asyncio.sleep(rng.expovariate(rate))
-            else:
-                submit(cid, rnd)
+                t_in = time.perf_counter()
+                async with throttler:  # holds the long-run rate: a burst over it arrives when let through
+                    if time.perf_counter() - t_in > throttler.retry_interval / 2:  # it waited at least once
+                        at = now()
+            submit(cid, rnd, at)
+            due = at + (rng.expovariate(rate) if rate > 0 else 0.0)
 
     async def stepper() -> None:
         while state["done"] < total:
@@ -231,12 +249,15 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
                 await asyncio.sleep(0.0002)
                 continue
             for req in engine.step():
+                t = now()
+                if len(live) >= max_par:
+                    state["room_at"] = t  # a request held for a parallel slot goes when this one frees it
                 cid, rnd = live.pop(req.rid)
                 state["done"] += 1
                 on_done(Finished(cid, rnd, len(req.prompt), req.summary(), list(req.argmax),
-                                 sent_at.pop(req.rid), time.perf_counter() - t0))
+                                 sent_at.pop(req.rid), t))
                 if rnd + 1 < len(clients[cid].questions):
-                    ready.append((cid, rnd + 1))
+                    ready.append((cid, rnd + 1, t))
             await asyncio.sleep(0)
 
     await asyncio.gather(sender(), stepper())

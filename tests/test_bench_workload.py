@@ -93,3 +93,40 @@ def test_steady_throughput_counts_what_finished_after_round_3_began():
     # no round 3: the whole run, from t=0
     assert steady_throughput([f(0, 1, 3), f(1, 2, 5)]) == 2 / 5
     assert steady_throughput([]) == 0.0
+
+
+def test_arrivals_keep_their_rate_while_steps_block_the_loop():
+    """The sender's Poisson clock runs apart from the engine's steps: with 30 ms steps and 1 ms mean gaps,
+    20 single-round clients are all due within about 20 ms, each stamped (as its arrival) with its due
+    time, not with when the blocked loop let it through; the ones due during a step count that wait."""
+    import time
+
+    from benchmarks.workload_common import ClientPlan, drive
+
+    class SlowEngine:  # finishes every request one step after it is submitted; a step takes 30 ms
+        def __init__(self):
+            self.queue, self.log = [], []
+
+        def submit(self, req, arrival=None):
+            self.log.append((req.rid, arrival, time.perf_counter()))
+            self.queue.append(req)
+
+        def has_work(self):
+            return bool(self.queue)
+
+        def step(self):
+            time.sleep(0.03)
+            done, self.queue = self.queue, []
+            return done
+
+    clients = [ClientPlan(c, [1, 2], [[3]], [[4]], True) for c in range(20)]
+    eng, turns = SlowEngine(), []
+    t0 = time.perf_counter()
+    drive(eng, clients, {"request_rate": 1000.0, "max_parallel": 64, "max_new_tokens": 1, "seed": 0}, turns.append)
+    assert len(turns) == 20 and len(eng.log) == 20
+    sent = sorted(t.submitted_s for t in turns)
+    wall = time.perf_counter() - t0
+    assert sent[-1] < 0.2, (sent, wall)  # one request per 30 ms step would take >= 0.57 s
+    assert all(a <= s for _, a, s in eng.log)  # a stamp is never after the hand-over
+    assert sum(s - a > 0.01 for _, a, s in eng.log) >= 10  # most waited for a step to end
+    assert [a - eng.log[0][1] for _, a, _ in eng.log] == pytest.approx([s - sent[0] for s in sent], abs=1e-9)

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -520,6 +521,24 @@ def test_request_too_large_for_t0_is_refused(qwen_long):
         e.step()
     e.check_invariants()
     assert not e.running and e.free_sizes() == e.initial_free  # the failed admission held nothing
+
+
+def test_submit_arrival_stamp(qwen_long):
+    """A front end that hands a request over after a step stamps when it arrived: its TTFT counts the
+    wait. A stamp in the future, or not a number, is refused and nothing is queued."""
+    e = Engine(qwen_long, EngineConfig(codec="lossless", **SMALL))
+    for bad in (time.perf_counter() + 60.0, float("nan"), "now", True):
+        with pytest.raises(InvalidArgumentError, match="arrival"):
+            e.submit(Request(rid="x", prompt=[5] * 20, max_new_tokens=2), arrival=bad)
+    assert not e.waiting
+    waited = 0.5
+    req = Request(rid="late", prompt=[5] * 20, max_new_tokens=2)
+    e.submit(req, arrival=time.perf_counter() - waited)
+    t_in = time.perf_counter()
+    while e.has_work():
+        e.step()
+    assert req.ttft >= waited + (req.t_first_token - t_in) - 1e-6  # the half second before submit counts
+    assert_released(e)
 
 
 # ------------------------------------------------------------------------------------- main job

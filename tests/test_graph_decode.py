@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiered_cache.engine import graph_decode
 from tiered_cache.engine.adapters import forward_chunk, new_cache
-from tiered_cache.engine.graph_decode import GraphDecoder
+from tiered_cache.engine.graph_decode import GraphDecoder, gqa_sdpa
 from tiered_cache.engine.models import tiny_qwen3_next, tiny_swa_model
 from tiered_cache.errors import InvalidArgumentError
 
@@ -73,6 +74,50 @@ def test_static_step_equals_one_request_forwards(qwen_long, lens):
     assert worst < ATOL, worst
     assert_same_caches(ref, got)
     assert gd.stats["steps"] == 6 and gd.capacity % 16 == 0
+
+
+def _gqa_reference(q, k, v, mask, scale):
+    """Plain attention with each key/value head repeated for its query heads (what repeat_kv does)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v.double()).transpose(1, 2)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_gqa_sdpa_equals_repeated_heads_under_a_mask(q_len):
+    """Packed query heads read each key/value head once; the result is attention with the heads repeated,
+    under a per-request mask (positions past each request's length masked, garbage there). The output
+    starts NaN-poisoned."""
+    g = torch.Generator().manual_seed(1)
+    b, h, kvh, t, d = 3, 8, 2, 40, 16
+    q, k, v = (torch.randn(s, generator=g) for s in ((b, h, q_len, d), (b, kvh, t, d), (b, kvh, t, d)))
+    lens = torch.tensor([40, 17, 5])
+    last = lens.view(b, 1, 1, 1) - q_len + torch.arange(q_len).view(1, 1, -1, 1)  # each query row's position
+    mask = torch.arange(t).view(1, 1, 1, t) <= last
+    k[1, :, 17:] = 1e4  # garbage at masked positions never reaches the output
+    v[1, :, 17:] = 1e4
+    out = torch.full((b, q_len, h, d), float("nan"))
+    module = torch.nn.Module().eval()
+    out[:], w = gqa_sdpa(module, q, k, v, mask, scaling=d ** -0.5)
+    ref = _gqa_reference(q, k, v, mask, d ** -0.5)
+    assert w is None and torch.allclose(out.double(), ref, atol=1e-5), (out.double() - ref).abs().max()
+    with pytest.raises(InvalidArgumentError, match="query"):
+        gqa_sdpa(module, q[:, :7], k, v, mask)
+
+
+def test_the_step_attends_through_gqa_sdpa_and_leaves_the_model_as_it_was(qwen_long, monkeypatch):
+    calls = []
+    monkeypatch.setattr(graph_decode, "gqa_sdpa", lambda *a, **kw: calls.append(1) or gqa_sdpa(*a, **kw))
+    graph_decode._register_gqa()
+    gd = GraphDecoder(qwen_long, max_batch=2, len_bucket=16, use_graphs=False)
+    run_both(qwen_long, gd, [12, 30], steps=2, poison=False)
+    full = sum(1 for lay in qwen_long.model.layers if hasattr(lay, "self_attn"))
+    assert len(calls) == 2 * full > 0
+    assert qwen_long.config._attn_implementation == "sdpa"
+    monkeypatch.undo()
+    graph_decode._register_gqa()
 
 
 def _poison_rows(gd, rows):

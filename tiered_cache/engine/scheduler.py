@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -331,10 +332,17 @@ class Engine:
         return out
 
     # ----------------------------------------------------------------------------- requests
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, arrival: Optional[float] = None) -> None:
+        """Queue ``req``. ``arrival``: when it arrived, as a ``time.perf_counter()`` stamp (default now),
+        for a front end that hands over requests between steps: a request that waited for a step to end
+        counts that wait in its TTFT."""
         if req.status is not Status.WAITING or req.output:
             raise InvalidArgumentError("req", "a new request", req.status)
-        req.t_arrival = time.perf_counter()
+        t = time.perf_counter()
+        if arrival is not None and (not isinstance(arrival, (int, float)) or isinstance(arrival, bool)
+                                    or not math.isfinite(arrival) or arrival > t):
+            raise InvalidArgumentError("arrival", "a time.perf_counter() stamp, not in the future", arrival)
+        req.t_arrival = t if arrival is None else float(arrival)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
