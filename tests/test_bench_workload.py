@@ -130,3 +130,19 @@ def test_arrivals_keep_their_rate_while_steps_block_the_loop():
     assert all(a <= s for _, a, s in eng.log)  # a stamp is never after the hand-over
     assert sum(s - a > 0.01 for _, a, s in eng.log) >= 10  # most waited for a step to end
     assert [a - eng.log[0][1] for _, a, _ in eng.log] == pytest.approx([s - sent[0] for s in sent], abs=1e-9)
+
+
+def test_ratios_of_the_configurations_that_ran():
+    from benchmarks.bench_workload import ratios
+
+    def cfg(ttft, rps, hit):
+        return {"ttft_p50_s": ttft, "ttft_p50_round3plus_s": ttft, "requests_per_s": rps,
+                "requests_per_s_round3plus": rps, "hit_rate": hit}
+
+    s = {"no_cache": cfg(2.0, 1.0, 0.0), "int8_t1_t2": cfg(0.5, 3.0, 0.8)}
+    r = ratios(s)
+    assert r["ttft_p50_speedup_vs_nocache"] == 4.0 and r["throughput_round3plus_vs_nocache"] == 3.0
+    assert "hit_rate_vs_gpu_only" not in r  # (2) did not run
+    r = ratios(dict(s, gpu_only=cfg(1.0, 1.5, 0.0), int8_t1=cfg(1.0, 1.5, 0.2)))
+    assert r["hit_rate_vs_gpu_only"] is None and r["hit_rate_gpu_only"] == 0.0  # no hits in (2): undefined
+    assert ratios({"no_cache": s["no_cache"]}) == {}
