@@ -27,6 +27,7 @@ their own ``update*`` methods, as below, sets both.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Optional, Union
@@ -51,7 +52,12 @@ def new_cache(model):
 
 def _cache_kwarg(model) -> str:
     """``cache`` (5.24+) or ``past_key_values`` (5.17): the name ``forward`` takes the cache under."""
-    params = inspect.signature(model.forward).parameters
+    return _cache_kwarg_of(type(model).forward)
+
+
+@functools.cache
+def _cache_kwarg_of(forward) -> str:  # once per model class, not once per forward
+    params = inspect.signature(forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

@@ -20,6 +20,7 @@ says whether a model's layers call them so; where they do not, the engine runs t
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import sys
 import warnings
@@ -65,8 +66,15 @@ def split_supported(model) -> bool:
     layer, mod = _linear_layer(model), _module_of(model)
     if layer is None or mod is None or not all(hasattr(mod, n) for n in _NAMES):
         return False
+    return _calls_by_name(type(layer).forward)
+
+
+@functools.cache
+def _calls_by_name(forward) -> bool:
+    """Whether ``forward``'s source calls both functions by name (read once per function: reading the
+    source tokenizes its whole module, milliseconds that every split forward paid before)."""
     try:
-        src = inspect.getsource(type(layer).forward)
+        src = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
     return all(f"{n}(" in src for n in _NAMES)
