@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
@@ -22,3 +23,15 @@ def test_bench_kernels_small(tmp_path):
     assert data["bench"] == "kernels" and set(NAMED) <= set(data["metrics"])
     assert all(v > 0 for v in data["metrics"].values())
     assert "store_fp32_GBps" in (tmp_path / f"{name}.md").read_text()
+
+
+def test_bench_decode_attention_small(tmp_path):
+    """The decode-attention benchmark checks every method against fp64 attention before timing it."""
+    from benchmarks.bench_decode_attention import main
+
+    rec = main(["--batch", "2", "--width", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--reps", "1",
+                "--out", str(tmp_path)])
+    m = rec["metrics"]
+    assert {"repeat_kv_ms", "packed_sdpa_ms", "gqa_sdpa_ms", "gqa_sdpa_speedup_vs_repeat_kv"} <= set(m)
+    assert all(m[f"{n}_max_abs_err"] < 1e-4 for n in ("repeat_kv", "packed_sdpa", "gqa_sdpa"))
+    assert os.path.exists(rec["path"]) and os.path.exists(rec["path"][:-5] + ".md")
