@@ -107,6 +107,27 @@ def test_gqa_sdpa_equals_repeated_heads_under_a_mask(q_len):
         gqa_sdpa(module, q[:, :7], k, v, mask)
 
 
+def test_gqa_sdpa_in_chunks_of_bf16_keys_equals_one_pass(monkeypatch):
+    """bf16 keys and values go to fp32 a chunk at a time: the same attention as in one pass (to fp32
+    summation order), and as fp64 attention over the same bf16 values."""
+    g = torch.Generator().manual_seed(2)
+    b, h, kvh, t, d = 2, 4, 2, 50, 8
+    q, k, v = (torch.randn(s, generator=g).to(torch.bfloat16) for s in ((b, h, 1, d), (b, kvh, t, d), (b, kvh, t, d)))
+    mask = (torch.arange(t).view(1, 1, 1, t) <= torch.tensor([49, 20]).view(b, 1, 1, 1))
+    module = torch.nn.Module().eval()
+    whole = gqa_sdpa(module, q, k, v, mask)[0]
+    monkeypatch.setattr(graph_decode, "GQA_CHUNK_BYTES", b * kvh * d * 4 * 7)  # 7 keys a chunk: 8 chunks
+    bmm, calls = torch.bmm, []
+    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or bmm(*a))
+    chunked = gqa_sdpa(module, q, k, v, mask)[0]
+    monkeypatch.setattr(torch, "bmm", bmm)
+    assert len(calls) == 2 * 8  # scores and values, chunk by chunk
+    ref = _gqa_reference(q, k, v, mask, d ** -0.5)
+    assert chunked.dtype == torch.bfloat16 and torch.isfinite(chunked).all()
+    assert torch.allclose(chunked.float(), whole.float(), atol=1e-2, rtol=0)  # bf16 rounding of the output
+    assert torch.allclose(chunked.double(), ref, atol=2e-2)
+
+
 def test_the_step_attends_through_gqa_sdpa_and_leaves_the_model_as_it_was(qwen_long, monkeypatch):
     calls = []
     monkeypatch.setattr(graph_decode, "gqa_sdpa", lambda *a, **kw: calls.append(1) or gqa_sdpa(*a, **kw))

@@ -49,6 +49,7 @@ from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
 from tiered_cache.errors import InvalidArgumentError
 
 GQA_ATTENTION = "tiered_cache_gqa_sdpa"
+GQA_CHUNK_BYTES = 64 << 20  # the most of one fp32 copy of keys (or values) gqa_sdpa makes at a time
 
 
 def gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,20 +64,28 @@ def gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     Two batched matrix products and a softmax, in fp32, rather than SDPA: a fused attention kernel spreads
     a decode step over (requests x key/value heads) blocks, 8 at 4 requests of 2 key/value heads, each
     walking 20K keys alone (1.2 ms per layer on the H200, 2026-11-30); the products spread over the whole
-    GPU. For decode (few query rows): the scores ``[b, kv_heads, group * q, t]`` are materialized."""
+    GPU. For decode (few query rows): the scores ``[b, kv_heads, group * q, t]`` are materialized. Keys
+    and values of a narrower dtype go to fp32 ``GQA_CHUNK_BYTES`` at a time, so the temporary copies
+    stay bounded whatever the batch and context."""
     b, h, q, d = query.shape
-    kvh, t = key.shape[1], key.shape[2]
+    kvh, t, dv = key.shape[1], key.shape[2], value.shape[-1]
     if h % kvh:
         raise InvalidArgumentError("query", f"a multiple of the {kvh} key/value heads", h)
-    g = h // kvh
+    g, bk = h // kvh, b * kvh
     scale = d ** -0.5 if scaling is None else scaling
-    qp = query.reshape(b * kvh, g * q, d).float()  # heads j = k * g + i: rows (i, q) of head k
-    scores = torch.bmm(qp, key.reshape(b * kvh, t, d).float().transpose(1, 2)) * scale
+    kf, vf = key.reshape(bk, t, d), value.reshape(bk, t, dv)
+    step = t if key.dtype == torch.float32 else max(1, GQA_CHUNK_BYTES // (bk * max(d, dv) * 4))
+    spans = [(s, min(t, s + step)) for s in range(0, t, step)]
+    qp = query.reshape(bk, g * q, d).float()  # heads j = k * g + i: rows (i, q) of head k
+    scores = torch.cat([torch.bmm(qp, kf[:, s:e].float().transpose(1, 2)) for s, e in spans], dim=-1) * scale
     if attention_mask is not None:
-        m = attention_mask[:, :, None].expand(b, kvh, g, q, t).reshape(b * kvh, g * q, t)
+        m = attention_mask[:, :, None].expand(b, kvh, g, q, t).reshape(bk, g * q, t)
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
-    out = torch.bmm(scores.softmax(-1), value.reshape(b * kvh, t, value.shape[-1]).float())
-    return out.to(query.dtype).reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+    probs = scores.softmax(-1)
+    out = torch.bmm(probs[:, :, spans[0][0]:spans[0][1]], vf[:, spans[0][0]:spans[0][1]].float())
+    for s, e in spans[1:]:
+        out = out + torch.bmm(probs[:, :, s:e], vf[:, s:e].float())
+    return out.to(query.dtype).reshape(b, h, q, dv).transpose(1, 2).contiguous(), None
 
 
 def _register_gqa() -> None:
