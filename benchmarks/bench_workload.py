@@ -291,11 +291,19 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     for c in configs:
         if c != "no_cache" and s[c]["prefill_tokens_saved"] <= 0:
             print(f"   warning: {c} reused no tokens")
+    sweep = []
+    for rate in args.rates or []:  # the same clients at other arrival rates: TTFT and throughput against load
+        wr = dict(w, request_rate=float(rate))
+        raw_r = {c: run_config(model, EngineConfig(**common, **tiers[c]), clients, wr,
+                               f"{name} {wc.LABELS[c]} @ {rate:g}/s", args.progress)
+                 for c in wc.CONFIGS if c in args.sweep_configs}
+        sr = {c: summarize(raw_r[c], raw_r.get("no_cache") if c != "no_cache" else None) for c in raw_r}
+        sweep.append({"rate": float(rate), "summary": sr, "ratios": ratios(sr)})
     return {"name": name, "summary": s, "ratios": ratios(s), "tiers": tiers, "tier_bytes": dataclasses.asdict(tb),
             "longest_request": longest, "requests": n_req, "section": sec, "model": minfo,
             "tree_stats": {c: raw[c].get("tree", {}) for c in configs},
             "graph_decoder": {c: raw[c].get("graph_decoder") for c in configs},
-            "engine_counts": {c: raw[c].get("engine_counts") for c in configs}}
+            "engine_counts": {c: raw[c].get("engine_counts") for c in configs}, "sweep": sweep}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -333,6 +341,36 @@ def chart(path: str, res: dict) -> None:
     plt.close(fig)
 
 
+SWEEP_METRICS = ("ttft_p50_s", "ttft_p50_round3plus_s", "ttft_admitted_p50_s", "requests_per_s",
+                 "requests_per_s_round3plus", "hit_rate")
+
+
+def chart_sweep(path: str, res: dict) -> None:
+    """TTFT p50 and throughput at rounds >= 3 against the arrival rate, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = sorted(res["sweep"], key=lambda p: p["rate"])
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig.suptitle(f"{res['name']}: against the arrival rate (requests / s)")
+    for c in wc.CONFIGS:
+        have = [p for p in pts if c in p["summary"]]
+        if not have:
+            continue
+        x = [p["rate"] for p in have]
+        ax[0].plot(x, [1000 * (p["summary"][c]["ttft_p50_round3plus_s"] or 0) for p in have], "o-",
+                   label=wc.LABELS[c])
+        ax[1].plot(x, [p["summary"][c]["requests_per_s_round3plus"] for p in have], "o-", label=wc.LABELS[c])
+    ax[0].set(title="TTFT p50, rounds >= 3", xlabel="arrival rate", ylabel="ms", yscale="log")
+    ax[1].set(title="throughput, rounds >= 3", xlabel="arrival rate", ylabel="requests / s")
+    ax[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
     metrics: dict[str, float] = {}
     rows = []
@@ -354,6 +392,18 @@ def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
                          "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
                          "req_per_s_r3+": s["requests_per_s_round3plus"],
                          "pcie_MiB": s["pcie_bytes"] / 2**20, "argmax_agree": s["argmax_agreement_vs_nocache"]})
+        for p in res.get("sweep", []):
+            at = f"{name}_rate{p['rate']:g}"
+            metrics.update({f"{at}_{k}": v for k, v in p["ratios"].items() if v is not None})
+            for c, s in p["summary"].items():
+                metrics.update({f"{at}_{c}_{k}": s[k] for k in SWEEP_METRICS if s[k] is not None})
+                rows.append({"workload": f"{name} @ {p['rate']:g}/s", "config": wc.LABELS[c],
+                             "hit_rate": s["hit_rate"], "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
+                             "states T1/T2/miss": f"{s['hits_t1_states']}/{s['hits_t2_states']}/{s['state_misses']}",
+                             "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
+                             "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
+                             "req_per_s_r3+": s["requests_per_s_round3plus"], "pcie_MiB": s["pcie_bytes"] / 2**20,
+                             "argmax_agree": s["argmax_agreement_vs_nocache"]})
     return metrics, rows
 
 
@@ -408,6 +458,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="every configuration decodes through the static-buffer graph decoder (CUDA graphs on a GPU)")
     p.add_argument("--configs", nargs="+", default=list(wc.CONFIGS), choices=wc.CONFIGS,
                    help="run only these configurations (the (4)-vs-(1) ratios need both; hit rate vs (2) needs it)")
+    p.add_argument("--rates", nargs="*", type=float, default=[], metavar="R",
+                   help="also run each workload at these arrival rates (requests/s; 0: no gaps), with "
+                        "--sweep-configs: TTFT and throughput against load (metrics <workload>_rate<R>_*)")
+    p.add_argument("--sweep-configs", nargs="+", default=["no_cache", "int8_t1_t2"], choices=wc.CONFIGS,
+                   help="the configurations of the --rates runs")
     p.add_argument("--phase-timing", action="store_true",
                    help="EngineConfig.phase_timing: seconds per engine phase (syncs the device at each boundary, "
                         "so the run is slower; a development aid)")
@@ -441,6 +496,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
         results.append(res)
         os.makedirs(args.out, exist_ok=True)
         chart(os.path.join(args.out, f"workload-{name}-{device_tag()}.png"), res)
+        if res["sweep"]:
+            chart_sweep(os.path.join(args.out, f"workload-{name}-rates-{device_tag()}.png"), res)
+            for p in res["sweep"]:
+                r = p["ratios"]
+                line = ", ".join(f"{wc.LABELS[c].split(' ', 1)[0]} TTFT p50 (r>=3) "
+                                 f"{1000 * (s['ttft_p50_round3plus_s'] or 0):.0f} ms, "
+                                 f"{s['requests_per_s_round3plus']:.2f} req/s" for c, s in p["summary"].items())
+                extra = (f"; (4) vs (1) TTFT {r['ttft_p50_round3plus_speedup_vs_nocache']:.2f}x, throughput "
+                         f"{r['throughput_round3plus_vs_nocache']:.2f}x"
+                         if r.get("ttft_p50_round3plus_speedup_vs_nocache") and
+                         r.get("throughput_round3plus_vs_nocache") else "")
+                print(f"   @ {p['rate']:g}/s: {line}{extra}")
         for c, s in res["summary"].items():
             print(f"   {wc.LABELS[c]:>24}: hit {s['hit_rate']:.3f} (T0 {s['hit_rate_t0']:.3f}, "
                   f"T2 {s['hit_rate_t2']:.3f}), "

@@ -5,7 +5,8 @@
 #   Results record TIERED_CACHE_COMMIT when set: set it from your own checkout (the device copy's .git
 #   may be stale; on 2026-11-30 it reported an older commit than the files that ran).
 #   bench "workload" runs bench_workload.py with $WORKLOAD_ARGS (default: the full-scale multi-turn
-#   workload, decoding through CUDA graphs; --decode-batch instead for eager batched decode) and, when
+#   workload, decoding through CUDA graphs; --decode-batch instead for eager batched decode; add e.g.
+#   "--rates 4 8 12" for TTFT and throughput against the arrival rate, about 60 s per rate) and, when
 #   .whl/ holds the flash-linear-attention wheels (carry .whl), installs them for that benchmark only:
 #   the tests keep transformers' fp32 torch gated delta.
 set -uo pipefail

@@ -146,3 +146,17 @@ def test_ratios_of_the_configurations_that_ran():
     r = ratios(dict(s, gpu_only=cfg(1.0, 1.5, 0.0), int8_t1=cfg(1.0, 1.5, 0.2)))
     assert r["hit_rate_vs_gpu_only"] is None and r["hit_rate_gpu_only"] == 0.0  # no hits in (2): undefined
     assert ratios({"no_cache": s["no_cache"]}) == {}
+
+
+def test_bench_workload_rate_sweep(tmp_path, keep_threads):
+    from benchmarks.bench_workload import main
+
+    rec = main(["--scale", "small", "--workloads", "multi_turn", "--set", "clients=2", "rounds=3",
+                "--configs", "no_cache", "int8_t1_t2", "--rates", "0", "40", "--out", str(tmp_path), "--no-progress"])
+    m = rec["metrics"]
+    for r in ("0", "40"):
+        assert m[f"multi_turn_rate{r}_throughput_round3plus_vs_nocache"] > 0
+        assert m[f"multi_turn_rate{r}_int8_t1_t2_hit_rate"] > 0 == m[f"multi_turn_rate{r}_no_cache_hit_rate"]
+        assert f"multi_turn_rate{r}_gpu_only_hit_rate" not in m  # not among --sweep-configs
+    assert sum(row["workload"].startswith("multi_turn @") for row in rec["rows"]) == 4
+    assert os.path.exists(tmp_path / "workload-multi_turn-rates-cpu.png")
