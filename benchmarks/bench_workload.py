@@ -18,6 +18,7 @@ workload (``workload-<name>-<device>.png``). On a GPU, says which gated-delta im
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -111,10 +112,25 @@ def n_params(model) -> int:
 
 
 # ------------------------------------------------------------------------------------------ runs
-def run_config(model, ecfg, clients, w: dict, label: str, progress: bool) -> dict:
+def run_config(model, ecfg, clients, w: dict, label: str, progress: bool, timeline: bool = False) -> dict:
+    """One configuration through the workload. ``timeline``: also record every step (start and length,
+    what the running requests were doing, how many waited) and every turn (``st["timeline"]``)."""
     from tiered_cache.engine.scheduler import Engine
 
     engine = Engine(model, ecfg)
+    steps: list[tuple] = []
+    if timeline:
+        step = engine.step
+
+        def timed_step():
+            t = time.perf_counter()
+            doing = collections.Counter(r.status.value for r in engine.running)
+            waiting = len(engine.waiting)
+            out = step()
+            steps.append((t - t0, time.perf_counter() - t, dict(doing), waiting, len(out)))
+            return out
+
+        engine.step = timed_step
     turns: list[wc.Finished] = []
     bar = None
     if progress:
@@ -152,6 +168,12 @@ def run_config(model, ecfg, clients, w: dict, label: str, progress: bool) -> dic
                                  f"{engine.initial_free}")
     st["wall_s"] = wall
     st["turns"] = turns
+    if timeline:
+        st["timeline"] = {
+            "steps": [{"start_s": a, "length_s": b, "running": c, "waiting": d, "finished": e}
+                      for a, b, c, d, e in steps],
+            "turns": [{"client": f.client, "round": f.round, "prompt_len": f.prompt_len, "due_s": f.submitted_s,
+                       "finished_s": f.finished_s, "ttft_s": f.summary.get("ttft_s")} for f in turns]}
     return st
 
 
@@ -280,13 +302,19 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
             import pstats
 
             prof = cProfile.Profile()
-            raw[cname] = prof.runcall(run_config, model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", False)
+            raw[cname] = prof.runcall(run_config, model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", False,
+                                      bool(args.timeline))
             os.makedirs(args.profile, exist_ok=True)
             with open(os.path.join(args.profile, f"profile-{name}-{cname}.txt"), "w") as f:
                 for key in ("tottime", "cumulative"):
                     pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
         else:
-            raw[cname] = run_config(model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", args.progress)
+            raw[cname] = run_config(model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", args.progress,
+                                    timeline=bool(args.timeline))
+        if args.timeline:
+            os.makedirs(args.timeline, exist_ok=True)
+            with open(os.path.join(args.timeline, f"timeline-{name}-{cname}.json"), "w") as f:
+                json.dump(raw[cname]["timeline"], f)
     s = {c: summarize(raw[c], raw.get("no_cache") if c != "no_cache" else None) for c in configs}
     for c in configs:
         if c != "no_cache" and s[c]["prefill_tokens_saved"] <= 0:
@@ -466,6 +494,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--phase-timing", action="store_true",
                    help="EngineConfig.phase_timing: seconds per engine phase (syncs the device at each boundary, "
                         "so the run is slower; a development aid)")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="write every step and turn of each configuration to DIR/timeline-<workload>-<config>.json "
+                        "(where the time goes, without the syncs of --phase-timing)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a cProfile report per configuration to DIR (timings then include its overhead)")
     p.add_argument("--check-fla", action="store_true",

@@ -160,3 +160,17 @@ def test_bench_workload_rate_sweep(tmp_path, keep_threads):
         assert f"multi_turn_rate{r}_gpu_only_hit_rate" not in m  # not among --sweep-configs
     assert sum(row["workload"].startswith("multi_turn @") for row in rec["rows"]) == 4
     assert os.path.exists(tmp_path / "workload-multi_turn-rates-cpu.png")
+
+
+def test_bench_workload_timeline(tmp_path, keep_threads):
+    from benchmarks.bench_workload import main
+
+    main(["--scale", "small", "--workloads", "multi_turn", "--set", "clients=2", "rounds=2", "--configs", "no_cache",
+          "int8_t1_t2", "--timeline", str(tmp_path / "tl"), "--out", str(tmp_path), "--no-progress"])
+    for c in ("no_cache", "int8_t1_t2"):
+        tl = json.load(open(tmp_path / "tl" / f"timeline-multi_turn-{c}.json"))
+        assert len(tl["turns"]) == 4 and sum(s["finished"] for s in tl["steps"]) == 4
+        assert all(t["due_s"] <= t["finished_s"] and t["ttft_s"] > 0 for t in tl["turns"])
+        starts = [s["start_s"] for s in tl["steps"]]
+        assert starts == sorted(starts) and all(s["length_s"] > 0 for s in tl["steps"])
+        assert any(s["running"].get("prefill") for s in tl["steps"])
