@@ -523,6 +523,36 @@ def test_request_too_large_for_t0_is_refused(qwen_long):
     assert not e.running and e.free_sizes() == e.initial_free  # the failed admission held nothing
 
 
+def test_a_step_queues_its_decode_before_its_prefills_and_reads_it_back_after(qwen_long):
+    """Batched decode: the step's decode forward and its KV exports are queued first, the prefill chunks
+    after them (their launches overlap the decode's device time), and the picks are read back last;
+    every request's tokens are still what one request alone gets."""
+    prompts = [list(range(3, 40)), list(range(50, 95))]
+    ref = _reference(qwen_long, prompts)
+    e = Engine(qwen_long, EngineConfig(codec="lossless", decode_graphs=True, **SMALL))
+    log = []
+    for name in ("_decode_launch", "_prefill_chunk", "_decode_land"):
+        fn = getattr(e, name)
+        setattr(e, name, lambda *a, fn=fn, name=name: log.append(name) or fn(*a))
+    reqs = [Request(rid=i, prompt=p, max_new_tokens=12, record_logits=True) for i, p in enumerate(prompts)]
+    e.submit(reqs[0])
+    e.step()
+    e.step()  # request 0 decodes from here on
+    e.submit(reqs[1])
+    mixed = False
+    while e.has_work():
+        mark = len(log)
+        e.step()
+        names = log[mark:]
+        if "_decode_launch" in names and "_prefill_chunk" in names:
+            assert names.index("_decode_launch") < names.index("_prefill_chunk") < names.index("_decode_land")
+            mixed = True
+    assert mixed
+    for r, want in zip(reqs, ref):
+        assert r.output == want.output
+    assert_released(e)
+
+
 def test_submit_arrival_stamp(qwen_long):
     """A front end that hands a request over after a step stamps when it arrived: its TTFT counts the
     wait. A stamp in the future, or not a number, is refused and nothing is queued."""

@@ -18,9 +18,10 @@ Each ``step`` (SGLang's scheduler order)::
                                             at every checkpoint unit, so the turn's end is cacheable
     finished requests                       cache_finished_req (state at the last aligned position)
 
-Batching: the requests of a step run one after another (batch 1 per forward call), on the CPU and
-the GPU alike. The model's ``DynamicCache`` cannot hold requests of different lengths in one batch;
-correctness of the cache traffic comes first, and each request's numbers are those of a batch of 1.
+Batching: prefill chunks run one request at a time (batch 1 per forward call), on the CPU and the
+GPU alike: the model's ``DynamicCache`` cannot hold requests of different lengths in one batch. With
+``decode_batch`` or ``decode_graphs`` the decoding requests take one forward together, queued before
+the step's prefill chunks (their launches overlap its device time) and read back after them.
 
 A running request computes on its own ``transformers`` cache (the "kernel workspace"); the pools are
 the source of truth for everything cached: a hit rebuilds the model cache from T0 KV pages and the
@@ -385,7 +386,10 @@ class Engine:
         finished: list[Request] = []
         budget = self.cfg.prefill_budget
         batched = (self.cfg.decode_batch or self.graph_decoder is not None) and not self.adapter.specs.swa_layers
-        decoding: list[Request] = []
+        # The batched decode goes first, queued: the prefill chunks' launches below overlap its GPU time,
+        # and its tokens are read back after them, in one read.
+        decoding = [r for r in self.running if r.status is Status.DECODE] if batched else []
+        queued = self._decode_launch(decoding) if decoding else None
         for req in list(self.running):
             if req.status is Status.PREFILL:
                 if budget < self.cfg.page_size:
@@ -393,13 +397,12 @@ class Engine:
                 budget -= self._prefill_chunk(req, budget)
             elif req.status is Status.DECODE:
                 if batched:
-                    decoding.append(req)  # after the prefill chunks, all in one forward
-                    continue
+                    continue  # landed below
                 self._decode(req)
             if req.status is Status.FINISHED:
                 finished.append(req)
         if decoding:
-            self._decode_batch(decoding)
+            self._decode_land(decoding, queued)
             finished.extend(r for r in decoding if r.status is Status.FINISHED)
         # Loads back from T2 started by this step's admissions have usually landed by now (the step's
         # forwards ran meanwhile): start those prefills in this step rather than the next one.
@@ -727,8 +730,14 @@ class Engine:
     def _decode_batch(self, reqs: list[Request]) -> None:
         """One decode token for each of ``reqs`` in one forward (``cfg.decode_batch``) or one step of the
         graph decoder (``cfg.decode_graphs``)."""
+        self._decode_land(reqs, self._decode_launch(reqs))
+
+    def _decode_launch(self, reqs: list[Request]) -> Optional[torch.Tensor]:
+        """``_decode_batch``'s forward and KV exports, queued on the device; nothing is read back. Returns
+        the logits for ``_decode_land``, or None where the step ran whole (one request, no graphs)."""
         if len(reqs) == 1 and self.graph_decoder is None:
-            return self._decode(reqs[0])
+            self._decode(reqs[0])
+            return None
         pos = [r.filled for r in reqs]
         caches, toks = [r.model_cache for r in reqs], [r.tokens[p] for r, p in zip(reqs, pos)]
         with self._phase("decode_forward"):
@@ -737,10 +746,17 @@ class Engine:
             else:
                 logits = decode_batch(self.model, caches, toks, pos)
         self.stats.add("decode_forwards")
-        with self._phase("emit"):
-            picks = logits.argmax(-1).tolist()  # one read back for the whole batch
-        for req, p, row, am in zip(reqs, pos, logits, picks):
+        for req, p in zip(reqs, pos):
             self._ran(req, p, p + 1)
+        return logits
+
+    def _decode_land(self, reqs: list[Request], logits: Optional[torch.Tensor]) -> None:
+        """Read the launched step's picks back (one read for the batch), then checkpoint and emit."""
+        if logits is None:
+            return
+        with self._phase("emit"):
+            picks = logits.argmax(-1).tolist()
+        for req, row, am in zip(reqs, logits, picks):
             self._decoded(req, row, am)
 
     def _decoded(self, req: Request, row: torch.Tensor, am: Optional[int] = None) -> None:
