@@ -77,6 +77,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--reps", type=int, default=5, help="timed calls per method on CPU (GPU: do_bench)")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
+    for name in ("batch", "width", "heads", "kv_heads", "head_dim", "reps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: an int >= 1, got {getattr(a, name)}")
+    if a.heads % a.kv_heads:
+        p.error(f"--heads: a multiple of --kv-heads={a.kv_heads}, got {a.heads}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)

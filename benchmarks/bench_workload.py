@@ -502,6 +502,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--check-fla", action="store_true",
                    help="only check that Qwen3-Next runs through flash-linear-attention here (exit status 0/1)")
     args = p.parse_args(argv)
+    if any(not r >= 0 for r in args.rates):  # NaN fails too
+        p.error(f"--rates: arrival rates >= 0 (requests/s; 0: no gaps), got {args.rates}")
     args.set = dict(kv.split("=", 1) for kv in args.set)
     return args
 

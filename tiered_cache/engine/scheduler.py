@@ -119,9 +119,9 @@ class EngineConfig:
     storage_model_id: the model part of the storage fingerprint (default: the model class and a
     SHA-256 of its weights, so another model's entries are never served).
     decode_batch: run the step's decode tokens as one batched forward (``adapters.decode_batch``:
-    the requests' KV gathered into one left-padded cache) after the step's prefill chunks, instead of
-    one forward per request. Logits then differ from batch-1 decoding by summation order only
-    (~1e-6 in fp32). Models with sliding-window layers always decode one request at a time.
+    the requests' KV gathered into one left-padded cache), queued before the step's prefill chunks and
+    read back after them, instead of one forward per request. Logits then differ from batch-1 decoding
+    by summation order only (~1e-6 in fp32). Models with sliding-window layers always decode one request at a time.
     decode_graphs: run the step's decode tokens through ``graph_decode.GraphDecoder``: static buffers
     and, on a GPU, one CUDA-graph replay per step instead of an eager forward (batched as with
     ``decode_batch``; full + linear attention models, SDPA). Its buffers (keys and values of
@@ -512,7 +512,7 @@ class Engine:
             with self._phase("build_cache"):
                 req.model_cache = self.adapter.build_cache(
                     self.kv, self._on_host(req, "kv_indices"), self.states, self._on_host(req, "mamba_pool_idx"),
-                    n_tokens=p, swa_side=self.swa, swa_token_ids=req.swa_kv_indices)
+                    n_tokens=p, swa_side=self.swa, swa_token_ids=self._on_host(req, "swa_kv_indices"))
             st.add("t0_kv_read_bytes", p * self.kv_token_bytes)
             if self.states is not None:
                 st.add("t0_state_read_bytes", self.states.entry_bytes)
@@ -648,8 +648,8 @@ class Engine:
                 with self._phase(phase):
                     logits, _ = forward_chunk(self.model, req.model_cache, ids, s)
                 with self._phase("export_kv"):
-                    self.adapter.export_kv(req.model_cache, self.swa, req.swa_kv_indices, s, e)
-                    self.adapter.export_kv(req.model_cache, self.kv, req.kv_indices, s, e)
+                    self.adapter.export_kv(req.model_cache, self.swa, self._on_host(req, "swa_kv_indices"), s, e)
+                    self.adapter.export_kv(req.model_cache, self.kv, self._on_host(req, "kv_indices"), s, e)
             self.stats.add("t0_kv_write_bytes", (end - start) * (self.kv_token_bytes + self.swa.entry_bytes
                                                                  // self.cfg.page_size))
             req.filled = end
@@ -675,9 +675,10 @@ class Engine:
 
     @staticmethod
     def _on_host(req: Request, name: str) -> Optional[torch.Tensor]:
-        """``req.<name>`` (``kv_indices``, ``mamba_pool_idx``) on the host, copied once each time the
-        tensor is replaced (admission, a checkpoint that hands pages to the tree): the adapter then
-        checks and translates those ids on the allocator's host table, with no wait for the device."""
+        """``req.<name>`` (``kv_indices``, ``swa_kv_indices``, ``mamba_pool_idx``) on the host, copied once
+        each time the tensor is replaced (admission, a checkpoint that hands pages to the tree): the
+        adapter then checks and translates those ids on the allocator's host table, with no wait for the
+        device."""
         src = getattr(req, name)
         if src is None:
             return None

@@ -54,7 +54,7 @@ class EngineStats:
 
     def __init__(self) -> None:
         self.c: collections.Counter = collections.Counter()
-        self.ttft: list[float] = []  # from submission (queueing included)
+        self.ttft: list[float] = []  # from arrival (Engine.submit's stamp; queueing included)
         self.ttft_admitted: list[float] = []  # from admission
         self.phase_s: collections.Counter = collections.Counter()  # EngineConfig.phase_timing
 
