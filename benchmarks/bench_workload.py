@@ -107,6 +107,40 @@ def check_fla(device: torch.device) -> int:
         return 1
 
 
+def check_prefill_graphs(model, tokens: int = 520) -> dict:
+    """The model's chunk rule through ``GraphChunkRule`` against the same call run eagerly, on random
+    inputs of one of its linear layers' shapes (``tokens`` long, padded inside): largest absolute
+    differences of the output and the final state (CUDA graphs of fla's kernels on a GPU)."""
+    import importlib
+
+    from tiered_cache.engine.graph_prefill import GraphChunkRule
+
+    cfg = model.config.get_text_config(decoder=True)
+    mod = importlib.import_module(type(model).__module__)
+    rule = mod.torch_chunk_gated_delta_rule
+    rule = getattr(rule, "__tiered_cache_split__", rule)
+    d = model.device
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def r(*shape, dtype=model.dtype):
+        return torch.randn(*shape, generator=g).to(d, dtype)
+
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    q, k, v = r(1, tokens, hk, dk), r(1, tokens, hk, dk), r(1, tokens, hv, dv)
+    kw = dict(g=-torch.rand(1, tokens, hv, generator=g).to(d),
+              beta=torch.rand(1, tokens, hv, generator=g).to(d, model.dtype),
+              initial_state=r(1, hv, dk, dv, dtype=torch.float32), output_final_state=True,
+              use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        want = rule(q, k, v, **kw)
+        gr = GraphChunkRule(d)
+        got = [gr(rule, q, k, v, **kw) for _ in range(2)][-1]
+    return {"tokens": tokens, "out_max_abs_diff": (got[0].float() - want[0].float()).abs().max().item(),
+            "state_max_abs_diff": (got[1] - want[1]).abs().max().item(), "replays": gr.stats["replays"],
+            "capture_error": gr.capture_error}
+
+
 def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -159,6 +193,9 @@ def run_config(model, ecfg, clients, w: dict, label: str, progress: bool, timeli
         st["graph_decoder"] = dict(gd.stats, capture_error=gd.capture_error)
         if gd.capture_error:
             print(f"   warning: {label}: graph capture failed, decoded eagerly: {gd.capture_error}")
+    gp = st.get("graph_prefill")
+    if gp is not None and gp["capture_error"]:
+        print(f"   warning: {label}: chunk-rule graph capture failed, ran it eagerly: {gp['capture_error']}")
     if engine.cache is not None:
         engine.check_invariants()
         st["tree"] = dict(engine.cache.stats)
@@ -257,6 +294,11 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
         model = build_model(m, device)
         models[key] = (model, {"params": n_params(model), "build_s": time.perf_counter() - t,
                                "gated_delta": gated_delta_impl(model)})
+        if args.prefill_graphs:  # the replayed rule against the eager one, once per model
+            chk = models[key][1]["prefill_graph_check"] = check_prefill_graphs(model)
+            print(f"   prefill graphs: chunk rule replayed against eager at {chk['tokens']} tokens: output max |diff| "
+                  f"{chk['out_max_abs_diff']:.3g}, state {chk['state_max_abs_diff']:.3g}"
+                  + (f"; capture failed: {chk['capture_error']}" if chk["capture_error"] else ""))
         models[key][1]["warm"] = False
     model, minfo = models[key]
     vocab = model.config.vocab_size
@@ -270,7 +312,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     common = dict(page_size=e["page_size"], chunk_size=e["chunk_size"], prefill_budget=e["prefill_budget"],
                   max_running=e["max_running"], write_policy=e["write_policy"],
                   decode_batch=bool(args.decode_batch or e.get("decode_batch", False)),
-                  decode_graphs=bool(args.decode_graphs),
+                  decode_graphs=bool(args.decode_graphs), prefill_graphs=bool(args.prefill_graphs),
                   phase_timing=args.phase_timing)
     n_req = sum(len(c.questions) for c in clients)
     print(f"\n== {name} ({args.scale}): {w['clients']} clients x {w['rounds']} rounds, prefix {w['prefix_len']} "
@@ -331,6 +373,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
             "longest_request": longest, "requests": n_req, "section": sec, "model": minfo,
             "tree_stats": {c: raw[c].get("tree", {}) for c in configs},
             "graph_decoder": {c: raw[c].get("graph_decoder") for c in configs},
+            "graph_prefill": {c: raw[c].get("graph_prefill") for c in configs},
             "engine_counts": {c: raw[c].get("engine_counts") for c in configs}, "sweep": sweep}
 
 
@@ -441,6 +484,10 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
     gd = sorted({m["gated_delta"] for m in model_info})
     metrics, rows = collect(results)
     metrics["fla_used"] = float(any(g.startswith("fla") for g in gd))
+    chk = [m["prefill_graph_check"] for m in model_info if "prefill_graph_check" in m]
+    if chk:
+        metrics["prefill_graph_out_max_abs_diff"] = max(c["out_max_abs_diff"] for c in chk)
+        metrics["prefill_graph_state_max_abs_diff"] = max(c["state_max_abs_diff"] for c in chk)
     metrics["model_params"] = float(model_info[0]["params"])
     metrics["state_bytes_per_request_native"] = float(results[0]["tier_bytes"]["state_native"])
     metrics["total_s"] = time.perf_counter() - t_start
@@ -457,10 +504,12 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
     record["info"] = {"scale": args.scale, "environment": env, "gated_delta": gd, "models": model_info,
                       "decode_batch_flag": bool(args.decode_batch),
                       "decode_graphs_flag": bool(args.decode_graphs),
+                      "prefill_graphs_flag": bool(args.prefill_graphs),
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
                                                 "tier_bytes": r["tier_bytes"], "longest_request": r["longest_request"],
                                                 "tree_stats": r["tree_stats"],
                                                 "graph_decoder": r["graph_decoder"],
+                                                "graph_prefill": r["graph_prefill"],
                                                 "engine_counts": r["engine_counts"]} for r in results}}
     with open(path, "w") as f:
         json.dump(record, f, indent=2, default=str)
@@ -484,6 +533,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="every configuration decodes its running requests in one batched forward per step")
     p.add_argument("--decode-graphs", action="store_true",
                    help="every configuration decodes through the static-buffer graph decoder (CUDA graphs on a GPU)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="every configuration runs the gated-delta chunk rule of its prefill forwards through CUDA "
+                        "graphs (EngineConfig.prefill_graphs; checked against eager calls first)")
     p.add_argument("--configs", nargs="+", default=list(wc.CONFIGS), choices=wc.CONFIGS,
                    help="run only these configurations (the (4)-vs-(1) ratios need both; hit rate vs (2) needs it)")
     p.add_argument("--rates", nargs="*", type=float, default=[], metavar="R",

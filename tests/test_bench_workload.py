@@ -44,7 +44,7 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
     from benchmarks.bench_workload import main
 
     rec = main(["--scale", "small", "--workloads", "multi_turn", "long_context_qa", "--set", "clients=3", "rounds=2",
-                "--out", str(tmp_path), "--no-progress", "--decode-graphs"])
+                "--out", str(tmp_path), "--no-progress", "--decode-graphs", "--prefill-graphs"])
     m = rec["metrics"]
     for k in ("ttft_p50_speedup_vs_nocache", "throughput_vs_nocache", "throughput_round3plus_vs_nocache",
               "hit_rate_vs_gpu_only", "ttft_p50_s_no_cache",
@@ -63,6 +63,10 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
     assert all(g["steps"] > 0 and g["replays"] == 0 and g["capture_error"] is None for g in gd.values())
     info = json.load(open(tmp_path / "workload-cpu.json"))["info"]
     assert info["gated_delta"] and info["decode_graphs_flag"] and not info["decode_batch_flag"]
+    # the chunk rule on padded static buffers: every prefill call taken, and exact against eager on CPU
+    gp = rec["info"]["workloads"]["multi_turn"]["graph_prefill"]
+    assert info["prefill_graphs_flag"] and all(g["calls"] > 0 and g["eager"] == 0 for g in gp.values())
+    assert m["prefill_graph_out_max_abs_diff"] == 0 and m["prefill_graph_state_max_abs_diff"] == 0
 
 
 def test_bench_capacity_tiny(tmp_path):

@@ -131,6 +131,11 @@ class EngineConfig:
     aligned position of a prompt that ends off a page boundary) runs as one forward that also takes
     the state there (``split_forward.forward_chunk_split``) instead of two forwards. None (default):
     where the model supports it (``split_supported``); True: required (raises otherwise); False: never.
+    prefill_graphs: run the gated-delta chunk rule of prefill forwards through
+    ``graph_prefill.GraphChunkRule``: on a GPU, one CUDA-graph replay per call (padded to a multiple of 64
+    tokens, up to 4,096) instead of the rule's eager kernel launches; the rest of the forward stays
+    eager. Needs a model whose layers call the rule by name (``split_supported``; a typed error
+    otherwise). Its graphs' memory is outside the tier budgets.
     phase_timing: measure where a step's time goes (``stats_dict()["phase_s"]``: seconds per phase,
     each phase's own time, nested ones apart). The device is synchronized at every phase boundary so
     GPU work counts in the phase that queued it; that costs overlap, so leave it off for timings.
@@ -159,6 +164,7 @@ class EngineConfig:
     decode_batch: bool = False
     decode_graphs: bool = False
     phase_timing: bool = False
+    prefill_graphs: bool = False
     split_checkpoints: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -166,7 +172,7 @@ class EngineConfig:
                      "t1_states"):
             _pos_int(name, getattr(self, name))
         for name in ("use_cache", "check_memory", "storage_write_through", "decode_batch", "decode_graphs",
-                     "phase_timing"):
+                     "phase_timing", "prefill_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "a bool", getattr(self, name))
         if self.split_checkpoints is not None and not isinstance(self.split_checkpoints, bool):
@@ -219,6 +225,16 @@ class Engine:
             if self.specs.swa_layers:
                 raise InvalidArgumentError("decode_graphs", "False for a model with sliding-window layers", True)
             self.graph_decoder = GraphDecoder(model, max_batch=cfg.max_running)
+        self.prefill_rule = None  # graph_prefill.GraphChunkRule (prefill_graphs)
+        if cfg.prefill_graphs:
+            from tiered_cache.engine.graph_prefill import GraphChunkRule
+            from tiered_cache.engine.split_forward import install, split_supported
+
+            if not split_supported(model):
+                raise InvalidArgumentError("prefill_graphs", "False: this model's layers do not call the chunk "
+                                           "rule by name (split_supported)", True)
+            install(model)
+            self.prefill_rule = GraphChunkRule(self.device)
         self.split = False  # one forward per chunk with a state taken inside it (split_checkpoints)
         if cfg.split_checkpoints is not False and self.specs.state is not None:
             from tiered_cache.engine.split_forward import split_supported
@@ -655,7 +671,8 @@ class Engine:
             req.filled = end
             return logits
         ids = torch.tensor(req.tokens[start:end], dtype=torch.long, device=self.device)
-        with self._phase(phase):
+        rule = self.prefill_rule.active() if self.prefill_rule is not None and end - start > 1 else _NO_PHASE
+        with self._phase(phase), rule:
             if split_at is not None:
                 from tiered_cache.engine.split_forward import forward_chunk_split
 
@@ -857,4 +874,7 @@ class Engine:
             t3 = {k[3:]: v for k, v in self.cache.stats.items() if k.startswith("t3_")}
             t3["tier"] = dict(self.storage.stats)
             out["T3"] = t3
+        if self.prefill_rule is not None:
+            out["graph_prefill"] = dict(self.prefill_rule.stats, graphs=len(self.prefill_rule.entries),
+                                        capture_error=self.prefill_rule.capture_error)
         return out

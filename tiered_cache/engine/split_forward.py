@@ -13,7 +13,8 @@ same tokens at once.
 It works by wrapping two functions of the model's modeling module, which its gated-delta layers call
 by their module-level names (transformers 5.17 and 5.24 both do): ``torch_chunk_gated_delta_rule``
 (flash-linear-attention's kernel where installed) and ``causal_conv1d_fn``. The wrappers act only
-inside ``forward_chunk_split``; elsewhere they pass every call through untouched. ``split_supported``
+inside ``forward_chunk_split``; elsewhere they pass every call through untouched (the chunk rule's to a
+``graph_prefill.GraphChunkRule`` where the engine made one active). ``split_supported``
 says whether a model's layers call them so; where they do not, the engine runs two forwards.
 """
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tiered_cache.engine.adapters import forward_chunk
+from tiered_cache.engine.graph_prefill import routed
 from tiered_cache.engine.models import LINEAR, layer_kinds
 from tiered_cache.errors import InvalidArgumentError
 
@@ -84,13 +86,13 @@ def _wrap_chunk_rule(orig):
     def chunk_rule(query, key, value, *args, **kw):
         sp = _ACTIVE.get()
         if sp is None or args or kw.get("cu_seqlens") is not None or query.shape[1] != sp.tokens:
-            return orig(query, key, value, *args, **kw)
+            return routed(orig, query, key, value, *args, **kw)
         r, g, beta = sp.offset, kw["g"], kw["beta"]
-        out1, state = orig(query[:, :r], key[:, :r], value[:, :r],
-                           **dict(kw, g=g[:, :r], beta=beta[:, :r], output_final_state=True))
+        out1, state = routed(orig, query[:, :r], key[:, :r], value[:, :r],
+                             **dict(kw, g=g[:, :r], beta=beta[:, :r], output_final_state=True))
         sp.recurrent.append(state)
-        out2, last = orig(query[:, r:], key[:, r:], value[:, r:],
-                          **dict(kw, g=g[:, r:], beta=beta[:, r:], initial_state=state))
+        out2, last = routed(orig, query[:, r:], key[:, r:], value[:, r:],
+                            **dict(kw, g=g[:, r:], beta=beta[:, r:], initial_state=state))
         return torch.cat([out1, out2], dim=1), last
 
     chunk_rule.__tiered_cache_split__ = orig  # type: ignore[attr-defined]
@@ -113,7 +115,10 @@ def _wrap_conv(orig):
     return conv_fn
 
 
-def _install(model) -> None:
+def install(model) -> None:
+    """Wrap the two functions of ``model``'s modeling module (once; idempotent). Outside
+    ``forward_chunk_split`` the wrappers pass each call through, to the ``graph_prefill.GraphChunkRule``
+    made active around it if any."""
     mod = _module_of(model)
     for name, wrap in zip(_NAMES, (_wrap_chunk_rule, _wrap_conv)):
         fn = getattr(mod, name)
@@ -137,7 +142,7 @@ def forward_chunk_split(model, cache, input_ids: torch.Tensor, start_pos: int, s
     t = int(input_ids.numel())
     if not isinstance(split_pos, int) or not start_pos < split_pos < start_pos + t:
         raise InvalidArgumentError("split_pos", f"an int in ({start_pos}, {start_pos + t})", split_pos)
-    _install(model)
+    install(model)
     cfg = model.config.get_text_config(decoder=True)
     n_linear = sum(k == LINEAR for k in layer_kinds(model.config))
     sp = SplitStates(tokens=t, offset=split_pos - start_pos, kernel=cfg.linear_conv_kernel_dim)
@@ -153,4 +158,4 @@ def forward_chunk_split(model, cache, input_ids: torch.Tensor, start_pos: int, s
     return logits, cache, sp
 
 
-__all__ = ["SplitStates", "forward_chunk_split", "split_supported"]
+__all__ = ["SplitStates", "forward_chunk_split", "install", "split_supported"]

@@ -1,0 +1,209 @@
+"""The gated-delta chunk rule of prefill forwards, replayed as CUDA graphs.
+
+A prefill chunk of a few hundred tokens (a turn's new question on a cached history) is bound by kernel
+launches on the H200, not by the GPU: flash-linear-attention's ``chunk_gated_delta_rule`` launches
+about eight autotuned Triton kernels per call from Python, about 1 ms of CPU per call on that machine
+(torch profiler and cProfile, 2026-11-30), and a split forward (``split_forward``) calls it twice per
+linear layer. ``GraphChunkRule`` runs each call on static buffers instead, captured once per shape
+bucket and replayed: a handful of copies and one graph launch per call.
+
+Shapes: the sequence is padded up to a multiple of ``granule`` tokens (64, one chunk of the kernel) with
+tokens that leave the recurrence as it was: zero query, key and value, ``beta = 0`` (no delta update)
+and ``g = 0`` (no decay). The state after the padding is then the state after the real tokens, and
+each real token's output only reads the tokens before it. transformers' torch rule pads its input the
+same way to a multiple of its chunk size, so on that rule a padded call computes exactly what the call
+would have. The padding a shorter call leaves over a longer call's inputs is zeroed again before the
+replay.
+
+Only calls of one sequence (batch 1, no ``cu_seqlens``), up to ``max_tokens`` tokens, outside autograd,
+are replayed, with ``g``, ``beta`` and ``initial_state`` as tensors and every other keyword a hashable
+constant (part of the shape key); every other call runs as it came (``stats["eager"]``). At most
+``max_graphs`` shapes are captured (one memory pool shared by all: each call's outputs are copied out
+right after its replay). A failed capture is reported
+(``capture_error``, a warning) and the rule runs eagerly from then on. On CPU (or ``use_graphs=False``)
+the same padded static-buffer path runs eagerly, which is what the CPU tests compare with plain calls.
+
+The engine switches it on around its prefill forwards only (``EngineConfig.prefill_graphs``), through
+the chunk-rule wrapper ``split_forward`` installs on the model's modeling module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from tiered_cache import device as dev
+from tiered_cache.errors import InvalidArgumentError
+
+_TENSOR_ARGS = ("g", "beta", "initial_state")  # copied into static buffers; every other keyword is a constant
+_ACTIVE: contextvars.ContextVar[Optional[GraphChunkRule]] = contextvars.ContextVar("tiered_cache_graph_prefill",
+                                                                                   default=None)
+
+
+@dataclass
+class _Entry:
+    """One captured shape: static inputs (padded), the call over them, its graph and outputs."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    init: Optional[torch.Tensor]
+    run: Callable[[], Any]
+    graph: Any = None
+    out: Any = None
+    filled: int = 0  # tokens the last call wrote: [filled, padded) is zero, [t, filled) must be zeroed
+
+
+class GraphChunkRule:
+    """``rule(orig, query, key, value, **kw)``: ``orig(query, key, value, **kw)`` (a gated-delta chunk rule
+    with fla's signature), through a CUDA graph of its padded shape where the call allows it."""
+
+    def __init__(self, device: dev.DeviceLike = None, *, max_tokens: int = 4096, max_graphs: int = 32,
+                 granule: int = 64, use_graphs: Optional[bool] = None) -> None:
+        for name, val in (("max_tokens", max_tokens), ("max_graphs", max_graphs), ("granule", granule)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise InvalidArgumentError(name, "an int >= 1", val)
+        self.device = dev.resolve(device)
+        if use_graphs is not None and not isinstance(use_graphs, bool):
+            raise InvalidArgumentError("use_graphs", "a bool or None (None: on a GPU)", use_graphs)
+        if use_graphs and self.device.type != "cuda":
+            raise InvalidArgumentError("use_graphs", "False on a device without CUDA", use_graphs)
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        self.max_tokens, self.max_graphs, self.granule = max_tokens, max_graphs, granule
+        self.entries: dict[tuple, _Entry] = {}
+        self.stats = {"calls": 0, "replays": 0, "captures": 0, "eager": 0, "padded_tokens": 0}
+        self.capture_error: Optional[str] = None
+        self._pool = None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Route the chunk-rule calls made inside through this rule (see ``routed``)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    # ------------------------------------------------------------------------------- calls
+    def _key(self, orig, q, k, v, args, kw) -> Optional[tuple]:
+        """The shape key of a call this rule replays, or None for a call it leaves alone."""
+        if args or kw.get("cu_seqlens") is not None or torch.is_grad_enabled():
+            return None
+        consts = tuple(sorted((n, x) for n, x in kw.items() if n not in _TENSOR_ARGS))
+        if any(isinstance(x, torch.Tensor) for _, x in consts):
+            return None
+        try:
+            hash(consts)
+        except TypeError:
+            return None
+        g, beta, init = kw.get("g"), kw.get("beta"), kw.get("initial_state")
+        if not all(isinstance(x, torch.Tensor) for x in (q, k, v, g, beta)):
+            return None
+        t = q.shape[1] if q.dim() == 4 else 0
+        if (q.dim() != 4 or q.shape[0] != 1 or not 0 < t <= self.max_tokens or q.device != self.device
+                or k.shape[:2] != q.shape[:2] or v.dim() != 4 or v.shape[:2] != q.shape[:2]
+                or g.shape != v.shape[:3] or beta.shape != v.shape[:3]):
+            return None
+        if init is not None and (not isinstance(init, torch.Tensor) or init.shape[0] != 1):
+            return None
+        padded = -(-t // self.granule) * self.granule
+        return (orig, padded, tuple(q.shape[2:]), tuple(k.shape[2:]), tuple(v.shape[2:]), q.dtype, k.dtype, v.dtype,
+                g.dtype, beta.dtype, None if init is None else (tuple(init.shape), init.dtype), consts)
+
+    def __call__(self, orig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kw):
+        self.stats["calls"] += 1
+        k_ = self._key(orig, query, key, value, args, kw)
+        if k_ is None or (k_ not in self.entries and len(self.entries) >= self.max_graphs):
+            self.stats["eager"] += 1
+            return orig(query, key, value, *args, **kw)
+        e = self.entries.get(k_)
+        if e is None:
+            e = self._build(orig, k_, query, key, value, kw)
+            if e is None:
+                self.stats["eager"] += 1
+                return orig(query, key, value, *args, **kw)
+        t = query.shape[1]
+        srcs = (query, key, value, kw["g"], kw["beta"])
+        bufs = (e.q, e.k, e.v, e.g, e.beta)
+        if e.filled > t:  # what a longer call left in this shape's padding
+            for b in bufs:
+                b[:, t:e.filled].zero_()
+        torch._foreach_copy_([b[:, :t] for b in bufs], list(srcs))
+        e.filled = t
+        if e.init is not None:
+            e.init.copy_(kw["initial_state"])
+        if e.graph is not None:
+            e.graph.replay()
+            out = e.out
+            self.stats["replays"] += 1
+        else:
+            out = e.run()
+        self.stats["padded_tokens"] += e.q.shape[1] - t
+        o, state = out
+        return o[:, :t].clone(), (None if state is None else state.clone())
+
+    # ----------------------------------------------------------------------------- capture
+    def _build(self, orig, key: tuple, q, k, v, kw) -> Optional[_Entry]:
+        padded = key[1]
+
+        def buf(x: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros((1, padded, *x.shape[2:]))
+
+        init = kw.get("initial_state")
+        e = _Entry(q=buf(q), k=buf(k), v=buf(v), g=buf(kw["g"]), beta=buf(kw["beta"]),
+                   init=None if init is None else torch.zeros_like(init), run=lambda: None)
+        fixed = dict(key[-1])  # scale, output_final_state, use_qk_l2norm_in_kernel, flags passed along
+
+        def run():
+            return orig(e.q, e.k, e.v, g=e.g, beta=e.beta, initial_state=e.init, **fixed)
+
+        e.run = run
+        if self.use_graphs:
+            try:
+                self._capture(e)
+            except RuntimeError as exc:
+                self.capture_error = f"{type(exc).__name__}: {exc}"[:500]
+                self.use_graphs = False
+                self.entries.clear()
+                dev.synchronize(self.device)
+                warnings.warn(f"CUDA graph capture of the chunk rule failed, running it eagerly: "
+                              f"{self.capture_error}", stacklevel=3)
+                return None
+        self.entries[key] = e
+        return e
+
+    def _capture(self, e: _Entry) -> None:
+        """Warm up on a side stream (autotuning, workspaces), then capture into the shared pool."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                e.run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = e.run()
+        e.graph, e.out = graph, out
+        self.stats["captures"] += 1
+
+
+def routed(orig, query, key, value, *args, **kw):
+    """``orig``'s call, through the ``GraphChunkRule`` made active around it (``GraphChunkRule.active``),
+    if any."""
+    rule = _ACTIVE.get()
+    if rule is None:
+        return orig(query, key, value, *args, **kw)
+    return rule(orig, query, key, value, *args, **kw)
+
+
+__all__ = ["GraphChunkRule", "routed"]
