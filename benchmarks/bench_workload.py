@@ -416,14 +416,34 @@ SWEEP_METRICS = ("ttft_p50_s", "ttft_p50_round3plus_s", "ttft_admitted_p50_s", "
                  "requests_per_s_round3plus", "hit_rate")
 
 
+def sweep_from_record(rec: dict, name: str) -> dict:
+    """``chart_sweep``'s input rebuilt from a result file's metrics (``plot_results.py``)."""
+    m = rec["metrics"]
+    sec = rec["info"]["workloads"][name]
+    keys = ("ttft_p50_round3plus_s", "requests_per_s_round3plus")
+
+    def summ(prefix: str) -> dict:
+        return {c: {k: m[f"{prefix}{c}_{k}"] for k in keys} for c in wc.CONFIGS
+                if all(f"{prefix}{c}_{k}" in m for k in keys)}
+
+    rates = sorted({float(k[len(name) + 5:].split("_", 1)[0]) for k in m if k.startswith(f"{name}_rate")})
+    return {"name": name, "section": sec, "summary": summ(f"{name}_"),
+            "sweep": [{"rate": r, "summary": summ(f"{name}_rate{r:g}_")} for r in rates]}
+
+
 def chart_sweep(path: str, res: dict) -> None:
-    """TTFT p50 and throughput at rounds >= 3 against the arrival rate, one line per configuration."""
+    """TTFT p50 and throughput at rounds >= 3 against the arrival rate, one line per configuration (the
+    sweep's runs and the main run at the workload's own rate)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = sorted(res["sweep"], key=lambda p: p["rate"])
+    pts = list(res["sweep"])
+    main_rate = float(res["section"]["workload"].get("request_rate", 0))
+    if all(p["rate"] != main_rate for p in pts):  # the main run is a point of the curve too
+        pts.append({"rate": main_rate, "summary": res["summary"]})
+    pts.sort(key=lambda p: p["rate"])
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
     fig.suptitle(f"{res['name']}: against the arrival rate (requests / s)")
     for c in wc.CONFIGS:

@@ -72,6 +72,24 @@ def plot_transfer(rec: dict, path: str) -> None:
 PLOTTERS = {"kernels": plot_kernels, "transfer": plot_transfer}
 
 
+def plot_workload_rates(rec: dict, path: str) -> list[str]:
+    """Each workload's TTFT and throughput against the arrival rate, where the file holds a sweep
+    (``bench_workload.py --rates``); drawn by the benchmark's own ``chart_sweep``."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.bench_workload import chart_sweep, sweep_from_record
+
+    out = []
+    tag = os.path.basename(path)[len("workload-"):-len(".json")]  # the device tag
+    for name in rec.get("info", {}).get("workloads", {}):
+        res = sweep_from_record(rec, name)
+        if res["sweep"]:
+            out.append(os.path.join(os.path.dirname(path), f"workload-{name}-rates-{tag}.png"))
+            chart_sweep(out[-1], res)
+    return out
+
+
 def main() -> None:
     for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
         with open(path) as f:
@@ -80,6 +98,9 @@ def main() -> None:
         if fn is not None:
             fn(rec, path[:-5] + ".png")
             print("wrote", path[:-5] + ".png")
+        if rec.get("bench") == "workload":
+            for png in plot_workload_rates(rec, path):
+                print("wrote", png)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ LOG=$OUT/log.txt
 benches=${*:-pool kernels transfer}
 TESTS=${TESTS:-tests}  # which test paths to run (default: all)
 SKIP_TESTS=${SKIP_TESTS:-0}  # 1: benchmarks only (the tests ran in an earlier call on the same tree)
-WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-graphs --no-progress}
+WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-graphs --prefill-graphs --no-progress}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

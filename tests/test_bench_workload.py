@@ -164,6 +164,19 @@ def test_bench_workload_rate_sweep(tmp_path, keep_threads):
         assert f"multi_turn_rate{r}_gpu_only_hit_rate" not in m  # not among --sweep-configs
     assert sum(row["workload"].startswith("multi_turn @") for row in rec["rows"]) == 4
     assert os.path.exists(tmp_path / "workload-multi_turn-rates-cpu.png")
+    # plot_results.py redraws the curve from the file alone: the sweep's rates plus the main run's
+    from benchmarks.bench_workload import sweep_from_record
+    from benchmarks.plot_results import plot_workload_rates
+
+    res = sweep_from_record(json.load(open(tmp_path / "workload-cpu.json")), "multi_turn")
+    assert [p["rate"] for p in res["sweep"]] == [0.0, 40.0] and set(res["summary"]) == {"no_cache", "int8_t1_t2"}
+    for p in res["sweep"]:
+        got = p["summary"]["int8_t1_t2"]["requests_per_s_round3plus"]
+        assert got == m[f"multi_turn_rate{p['rate']:g}_int8_t1_t2_requests_per_s_round3plus"]
+    os.remove(tmp_path / "workload-multi_turn-rates-cpu.png")
+    assert plot_workload_rates(rec, str(tmp_path / "workload-cpu.json")) == [
+        str(tmp_path / "workload-multi_turn-rates-cpu.png")]
+    assert os.path.exists(tmp_path / "workload-multi_turn-rates-cpu.png")
 
 
 def test_bench_workload_timeline(tmp_path, keep_threads):
