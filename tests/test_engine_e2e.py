@@ -101,23 +101,27 @@ def compare(base, got):
 
 
 # ------------------------------------------------------------------------------ lossless equality
-@pytest.mark.parametrize("batch", [False, True, "static"], ids=["one-by-one", "decode-batch", "decode-static"])
+@pytest.mark.parametrize("batch", [False, True, "static", "prefill"],
+                         ids=["one-by-one", "decode-batch", "decode-static", "decode-static-prefill-static"])
 @pytest.mark.parametrize("host", [False, T2], ids=["T0-T1", "T0-T1-T2"])
 def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
     """Through the tiers (lossless) every token equals the no-cache run, decoding one request per
     forward, (``decode_batch``) the step's decode tokens in one forward, or (``decode_graphs``, run
     eagerly on CPU) through the graph decoder's static buffers: the same math summed in another order
-    (drift measured 1.1e-5 with T2). The batched run with T2 also times its phases (``phase_timing``:
+    (drift measured 1.1e-5 with T2); ("prefill") also the prefill forwards' chunk rule on padded static
+    buffers (``prefill_graphs``). The batched run with T2 also times its phases (``phase_timing``:
     synchronizes, changes no result)."""
     timed = batch is True and bool(host)
-    cfg = EngineConfig(codec="lossless", decode_batch=batch is True, decode_graphs=batch == "static",
-                       phase_timing=timed, **SMALL, **(HOST if host else {}))
+    cfg = EngineConfig(codec="lossless", decode_batch=batch is True, decode_graphs=batch in ("static", "prefill"),
+                       prefill_graphs=batch == "prefill", phase_timing=timed, **SMALL, **(HOST if host else {}))
     e, got = run_checked(qwen_long, cfg)
     for a, b in zip(baseline, got, strict=True):
         assert b.output == a.output, f"client {a.client} round {a.round}"
     n, top1, drift, _ = compare(baseline, got)
     assert n >= 200 and top1 == 1.0 and drift < LOGIT_ATOL, drift
     st = e.final_stats
+    if batch == "prefill":
+        assert st["graph_prefill"]["calls"] > 0 and st["graph_prefill"]["eager"] == 0
     assert st["tokens"]["reused"] > 0 and st["hits"]["T1_states"] > 0
     assert e.ckpt.counts["stores"] > cfg.t1_states  # more states cached than T1 holds: T1 evicted
     if host:  # KV and states went to the host and came back
@@ -578,7 +582,7 @@ def test_stress_command_smoke(tmp_path):
     cmd = [sys.executable, "-m", "tiered_cache", "stress", "--clients", "2", "--rounds", "2", "--question-len", "8",
            "--system-len", "8", "--max-new-tokens", "4", "--page-size", "4", "--chunk-size", "8", "--kv-pages", "24",
            "--max-running", "2", "--t0-states", "2", "--t1-states", "3", "--host-kv-pages", "32", "--host-states",
-           "8", "--codec", "lossless", "--no-progress", "--out", str(out)]
+           "8", "--codec", "lossless", "--prefill-graphs", "--no-progress", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=ROOT)
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -605,16 +609,21 @@ def skip_if_fla(model) -> None:
 
 @needs_host
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+@pytest.mark.parametrize("graphs", [False, True, "all"], ids=["eager", "decode-graphs", "decode-and-prefill-graphs"])
 def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs):
-    """Through every tier on the GPU, and (``decode_graphs``) with decode steps replayed as CUDA graphs."""
+    """Through every tier on the GPU, and (``decode_graphs``) with decode steps replayed as CUDA graphs,
+    and ("all") the prefill forwards' chunk rule too (``prefill_graphs``)."""
     model = tiny_qwen3_next(seed=0, long_memory=True, device="cuda")
     skip_if_fla(model)
     torch.backends.cuda.matmul.allow_tf32 = False
     base = run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
-    e, got = run_checked(model, EngineConfig(codec="lossless", decode_graphs=graphs, **SMALL, **HOST))
+    e, got = run_checked(model, EngineConfig(codec="lossless", decode_graphs=bool(graphs),
+                                             prefill_graphs=graphs == "all", **SMALL, **HOST))
     if graphs:
         assert e.graph_decoder.stats["replays"] > 0
+    if graphs == "all":
+        gp = e.final_stats["graph_prefill"]
+        assert gp["replays"] > 0 and gp["eager"] == 0 and gp["capture_error"] is None
     for a, b in zip(base, got, strict=True):
         assert b.output == a.output
     n, top1, drift, _ = compare(base, got)

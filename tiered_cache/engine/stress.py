@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode the running requests in one batched forward per step (both runs)")
     g.add_argument("--decode-graphs", action="store_true",
                    help="decode through static buffers, replayed as CUDA graphs on a GPU (both runs)")
+    g.add_argument("--prefill-graphs", action="store_true",
+                   help="run the gated-delta chunk rule of prefill forwards on padded static buffers, replayed as "
+                        "CUDA graphs on a GPU (both runs; EngineConfig.prefill_graphs)")
     g.add_argument("--kv-pages", type=int, default=176, help="T0: KV pages")
     g.add_argument("--t0-states", type=int, default=8, help="T0: state slots (>= --max-running)")
     g.add_argument("--t1-states", type=int, default=24, help="T1: checkpoint slots")
@@ -229,7 +232,7 @@ def stress(args: argparse.Namespace) -> int:
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
     common = dict(page_size=args.page_size, chunk_size=args.chunk_size, prefill_budget=max(256, args.chunk_size),
                   max_running=args.max_running, decode_batch=args.decode_batch,
-                  decode_graphs=args.decode_graphs)
+                  decode_graphs=args.decode_graphs, prefill_graphs=args.prefill_graphs)
     cached_cfg = EngineConfig(use_cache=True, kv_pages=args.kv_pages, t0_states=args.t0_states,
                               t1_states=args.t1_states, codec=args.codec, host_kv_pages=args.host_kv_pages,
                               host_states=args.host_states, write_policy=args.write_policy,
