@@ -255,6 +255,18 @@ def summarize(st: dict, base: Optional[dict]) -> dict[str, float]:
     }
 
 
+# ratio -> (its numerator, its denominator) among ratios()' raw values
+UNDEFINED_CHECKS = (("hit_rate_vs_gpu_only", "hit_rate_int8_t1_t2", "hit_rate_gpu_only"),
+                    ("int8_hit_rate_vs_gpu_only", "hit_rate_int8_t1", "hit_rate_gpu_only"))
+
+
+def undefined_ratios(results: list[dict]) -> dict[str, dict]:
+    """The hit-rate ratios that have no value (a zero denominator: they are left out of the metrics),
+    by ``<workload>_<ratio>``, with the raw values behind them."""
+    return {f"{r['name']}_{k}": {"numerator": r["ratios"].get(num), "denominator": r["ratios"].get(den)}
+            for r in results for k, num, den in UNDEFINED_CHECKS if k in r["ratios"] and r["ratios"][k] is None}
+
+
 def ratios(s: dict[str, dict[str, float]]) -> dict[str, float]:
     """The acceptance ratios with the raw values behind them: (4) against (1) when both ran, and the hit
     rates against (2) when it ran too (``--configs`` may leave configurations out)."""
@@ -275,7 +287,10 @@ def ratios(s: dict[str, dict[str, float]]) -> dict[str, float]:
     }
     if "gpu_only" in s:
         go = s["gpu_only"]
-        out.update(hit_rate_vs_gpu_only=div(t2["hit_rate"], go["hit_rate"]), hit_rate_gpu_only=go["hit_rate"])
+        # the gain is defined where the ratio is not: (2) reusing nothing (a cyclic working set larger than
+        # its GPU budget) leaves the ratio without a value, and the results say so (``undefined``)
+        out.update(hit_rate_vs_gpu_only=div(t2["hit_rate"], go["hit_rate"]), hit_rate_gpu_only=go["hit_rate"],
+                   hit_rate_gain_vs_gpu_only=t2["hit_rate"] - go["hit_rate"])
         if "int8_t1" in s:
             out.update(int8_hit_rate_vs_gpu_only=div(s["int8_t1"]["hit_rate"], go["hit_rate"]),
                        hit_rate_int8_t1=s["int8_t1"]["hit_rate"])
@@ -521,7 +536,8 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
     with open(path) as f:
         record = json.load(f)
     keep = ("workload", "engine", "model", "gpu_budget_mib", "host_budget_mib")
-    record["info"] = {"scale": args.scale, "environment": env, "gated_delta": gd, "models": model_info,
+    record["info"] = {"undefined_ratios": undefined_ratios(results), "scale": args.scale, "environment": env,
+                      "gated_delta": gd, "models": model_info,
                       "decode_batch_flag": bool(args.decode_batch),
                       "decode_graphs_flag": bool(args.decode_graphs),
                       "prefill_graphs_flag": bool(args.prefill_graphs),
@@ -628,7 +644,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
             print(f"   (4) vs (1): TTFT p50 {r['ttft_p50_speedup_vs_nocache']} (rounds >= 3: "
                   f"{r['ttft_p50_round3plus_speedup_vs_nocache']}), throughput {r['throughput_vs_nocache']} "
                   f"(rounds >= 3: {r['throughput_round3plus_vs_nocache']}); (4) vs (2) hit rate "
-                  f"{r.get('hit_rate_vs_gpu_only', 'not run')}")
+                  f"{r.get('hit_rate_vs_gpu_only', 'not run')}"
+                  + (f" (undefined: (2) reused nothing; (4) {res['ratios']['hit_rate_int8_t1_t2']:.3f})"
+                     if r.get("hit_rate_vs_gpu_only") == "n/a" else ""))
         path, record, metrics = save(results, models, env, args, t_start)
     print(f"\nwrote {path} (+ .md, {len(results)} charts) in {metrics['total_s']:.1f} s")
     return record

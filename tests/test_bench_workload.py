@@ -63,6 +63,7 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
     assert all(g["steps"] > 0 and g["replays"] == 0 and g["capture_error"] is None for g in gd.values())
     info = json.load(open(tmp_path / "workload-cpu.json"))["info"]
     assert info["gated_delta"] and info["decode_graphs_flag"] and not info["decode_batch_flag"]
+    assert info["undefined_ratios"] == {}  # (2) reused tokens in both workloads: every ratio has a value
     # the chunk rule on padded static buffers: every prefill call taken, and exact against eager on CPU
     gp = rec["info"]["workloads"]["multi_turn"]["graph_prefill"]
     assert info["prefill_graphs_flag"] and all(g["calls"] > 0 and g["eager"] == 0 for g in gp.values())
@@ -149,6 +150,14 @@ def test_ratios_of_the_configurations_that_ran():
     assert "hit_rate_vs_gpu_only" not in r  # (2) did not run
     r = ratios(dict(s, gpu_only=cfg(1.0, 1.5, 0.0), int8_t1=cfg(1.0, 1.5, 0.2)))
     assert r["hit_rate_vs_gpu_only"] is None and r["hit_rate_gpu_only"] == 0.0  # no hits in (2): undefined
+    assert r["hit_rate_gain_vs_gpu_only"] == 0.8  # ... where the gain is defined
+    from benchmarks.bench_workload import undefined_ratios
+
+    assert undefined_ratios([{"name": "mt", "ratios": r}]) == {
+        "mt_hit_rate_vs_gpu_only": {"numerator": 0.8, "denominator": 0.0},
+        "mt_int8_hit_rate_vs_gpu_only": {"numerator": 0.2, "denominator": 0.0}}
+    r = ratios(dict(s, gpu_only=cfg(1.0, 1.5, 0.2)))
+    assert r["hit_rate_vs_gpu_only"] == 4.0 and abs(r["hit_rate_gain_vs_gpu_only"] - 0.6) < 1e-12
     assert ratios({"no_cache": s["no_cache"]}) == {}
 
 
