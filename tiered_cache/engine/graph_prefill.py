@@ -12,8 +12,9 @@ tokens that leave the recurrence as it was: zero query, key and value, ``beta = 
 and ``g = 0`` (no decay). The state after the padding is then the state after the real tokens, and
 each real token's output only reads the tokens before it. transformers' torch rule pads its input the
 same way to a multiple of its chunk size, so on that rule a padded call computes exactly what the call
-would have. The padding a shorter call leaves over a longer call's inputs is zeroed again before the
-replay.
+would have. The input buffers are ``max_tokens`` long and shared by every shape (each reads a leading
+view), so their memory does not grow with the number of shapes; what a longer call left in a shorter
+call's padding is zeroed before the replay.
 
 Only calls of one sequence (batch 1, no ``cu_seqlens``), up to ``max_tokens`` tokens, outside autograd,
 are replayed, with ``g``, ``beta`` and ``initial_state`` as tensors and every other keyword a hashable
@@ -47,19 +48,25 @@ _ACTIVE: contextvars.ContextVar[Optional[GraphChunkRule]] = contextvars.ContextV
 
 
 @dataclass
-class _Entry:
-    """One captured shape: static inputs (padded), the call over them, its graph and outputs."""
+class _Inputs:
+    """Input buffers ``max_tokens`` long (rounded up to the granule), shared by every captured shape of
+    the same head shapes and dtypes: each shape reads a leading view of them. Calls run one at a time on
+    one stream and copy their inputs in right before their replay, so sharing is safe."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    init: Optional[torch.Tensor]
+    bufs: tuple[torch.Tensor, ...]  # query, key, value, g, beta: [1, max_len, ...]
+    dirty: int = 0  # every position from here on is zero
+
+
+@dataclass
+class _Entry:
+    """One captured shape: leading views of the shared inputs, the call over them, its graph and outputs."""
+
+    inputs: _Inputs
+    views: tuple[torch.Tensor, ...]  # [1, padded, ...] each
+    init: Optional[torch.Tensor]  # shared by the shapes with this initial-state shape
     run: Callable[[], Any]
     graph: Any = None
     out: Any = None
-    filled: int = 0  # tokens the last call wrote: [filled, padded) is zero, [t, filled) must be zeroed
 
 
 class GraphChunkRule:
@@ -79,6 +86,8 @@ class GraphChunkRule:
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self.max_tokens, self.max_graphs, self.granule = max_tokens, max_graphs, granule
         self.entries: dict[tuple, _Entry] = {}
+        self._inputs: dict[tuple, _Inputs] = {}
+        self._inits: dict[tuple, torch.Tensor] = {}
         self.stats = {"calls": 0, "replays": 0, "captures": 0, "eager": 0, "padded_tokens": 0}
         self.capture_error: Optional[str] = None
         self._pool = None
@@ -130,14 +139,13 @@ class GraphChunkRule:
             if e is None:
                 self.stats["eager"] += 1
                 return orig(query, key, value, *args, **kw)
-        t = query.shape[1]
-        srcs = (query, key, value, kw["g"], kw["beta"])
-        bufs = (e.q, e.k, e.v, e.g, e.beta)
-        if e.filled > t:  # what a longer call left in this shape's padding
-            for b in bufs:
-                b[:, t:e.filled].zero_()
-        torch._foreach_copy_([b[:, :t] for b in bufs], list(srcs))
-        e.filled = t
+        t, padded, ins = query.shape[1], e.views[0].shape[1], e.inputs
+        hi = min(ins.dirty, padded)
+        if hi > t:  # what a longer call left in this shape's padding
+            for b in ins.bufs:
+                b[:, t:hi].zero_()
+        torch._foreach_copy_([b[:, :t] for b in ins.bufs], [query, key, value, kw["g"], kw["beta"]])
+        ins.dirty = ins.dirty if ins.dirty > padded else t
         if e.init is not None:
             e.init.copy_(kw["initial_state"])
         if e.graph is not None:
@@ -146,24 +154,29 @@ class GraphChunkRule:
             self.stats["replays"] += 1
         else:
             out = e.run()
-        self.stats["padded_tokens"] += e.q.shape[1] - t
+        self.stats["padded_tokens"] += padded - t
         o, state = out
         return o[:, :t].clone(), (None if state is None else state.clone())
 
     # ----------------------------------------------------------------------------- capture
     def _build(self, orig, key: tuple, q, k, v, kw) -> Optional[_Entry]:
-        padded = key[1]
-
-        def buf(x: torch.Tensor) -> torch.Tensor:
-            return x.new_zeros((1, padded, *x.shape[2:]))
-
-        init = kw.get("initial_state")
-        e = _Entry(q=buf(q), k=buf(k), v=buf(v), g=buf(kw["g"]), beta=buf(kw["beta"]),
-                   init=None if init is None else torch.zeros_like(init), run=lambda: None)
+        padded, heads, init_sig = key[1], key[2:10], key[10]
+        ins = self._inputs.get(heads)
+        if ins is None:
+            longest = -(-self.max_tokens // self.granule) * self.granule
+            ins = self._inputs[heads] = _Inputs(tuple(x.new_zeros((1, longest, *x.shape[2:]))
+                                                      for x in (q, k, v, kw["g"], kw["beta"])))
+        init = None
+        if init_sig is not None:
+            init = self._inits.get(init_sig)
+            if init is None:
+                init = self._inits[init_sig] = torch.zeros_like(kw["initial_state"])
+        e = _Entry(inputs=ins, views=tuple(b[:, :padded] for b in ins.bufs), init=init, run=lambda: None)
         fixed = dict(key[-1])  # scale, output_final_state, use_qk_l2norm_in_kernel, flags passed along
 
         def run():
-            return orig(e.q, e.k, e.v, g=e.g, beta=e.beta, initial_state=e.init, **fixed)
+            q_, k_, v_, g_, beta_ = e.views
+            return orig(q_, k_, v_, g=g_, beta=beta_, initial_state=e.init, **fixed)
 
         e.run = run
         if self.use_graphs:

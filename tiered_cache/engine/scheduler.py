@@ -135,7 +135,9 @@ class EngineConfig:
     ``graph_prefill.GraphChunkRule``: on a GPU, one CUDA-graph replay per call (padded to a multiple of 64
     tokens, up to 4,096) instead of the rule's eager kernel launches; the rest of the forward stays
     eager. Needs a model whose layers call the rule by name (``split_supported``; a typed error
-    otherwise). Its graphs' memory is outside the tier budgets.
+    otherwise). Its memory is outside the tier budgets: one set of input buffers 4,096 tokens long
+    (about 66 MB for the benchmark's 1.7 B model), shared by every shape, and each graph's outputs and
+    workspace.
     phase_timing: measure where a step's time goes (``stats_dict()["phase_s"]``: seconds per phase,
     each phase's own time, nested ones apart). The device is synchronized at every phase boundary so
     GPU work counts in the phase that queued it; that costs overlap, so leave it off for timings.
