@@ -169,10 +169,11 @@ def test_captured_replays_match_eager_calls_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     orig, rule = _rule(), GraphChunkRule("cuda")
-    for t, seed in ((60, 1), (17, 2), (130, 5), (70, 6)):
+    lengths = ((60, 1), (17, 2), (130, 5), (33, 7), (100, 8), (70, 6))  # the CPU test's traps, replayed
+    for t, seed in lengths:
         q, k, v, kw = _inputs(t, seed, device="cuda")
         want_o, want_s = orig(q, k, v, **kw)
         got_o, got_s = rule(orig, q, k, v, **kw)
         torch.testing.assert_close(got_o, want_o, rtol=0, atol=1e-5)
         torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-5)
-    assert rule.stats["captures"] == 3 and rule.stats["replays"] == 4 and rule.capture_error is None
+    assert rule.stats["captures"] == 3 and rule.stats["replays"] == len(lengths) and rule.capture_error is None
