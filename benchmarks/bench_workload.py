@@ -477,6 +477,17 @@ def chart_sweep(path: str, res: dict) -> None:
     plt.close(fig)
 
 
+def _row(workload: str, c: str, s: dict) -> dict:
+    """One table row: configuration ``c``'s summary ``s`` (a main run's or a sweep point's)."""
+    return {"workload": workload, "config": wc.LABELS[c], "hit_rate": s["hit_rate"],
+            "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
+            "states T1/T2/miss": f"{s['hits_t1_states']}/{s['hits_t2_states']}/{s['state_misses']}",
+            "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
+            "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
+            "req_per_s_r3+": s["requests_per_s_round3plus"], "pcie_MiB": s["pcie_bytes"] / 2**20,
+            "argmax_agree": s["argmax_agreement_vs_nocache"]}
+
+
 def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
     metrics: dict[str, float] = {}
     rows = []
@@ -490,26 +501,13 @@ def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
             for k, v in res["summary"][c].items():
                 if v is not None and (k in METRICS or k.startswith("phase_")):
                     metrics[f"{name}_{c}_{k}"] = v
-            s = res["summary"][c]
-            rows.append({"workload": name, "config": wc.LABELS[c], "hit_rate": s["hit_rate"],
-                         "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
-                         "states T1/T2/miss": f"{s['hits_t1_states']}/{s['hits_t2_states']}/{s['state_misses']}",
-                         "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
-                         "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
-                         "req_per_s_r3+": s["requests_per_s_round3plus"],
-                         "pcie_MiB": s["pcie_bytes"] / 2**20, "argmax_agree": s["argmax_agreement_vs_nocache"]})
+            rows.append(_row(name, c, res["summary"][c]))
         for p in res.get("sweep", []):
             at = f"{name}_rate{p['rate']:g}"
             metrics.update({f"{at}_{k}": v for k, v in p["ratios"].items() if v is not None})
             for c, s in p["summary"].items():
                 metrics.update({f"{at}_{c}_{k}": s[k] for k in SWEEP_METRICS if s[k] is not None})
-                rows.append({"workload": f"{name} @ {p['rate']:g}/s", "config": wc.LABELS[c],
-                             "hit_rate": s["hit_rate"], "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
-                             "states T1/T2/miss": f"{s['hits_t1_states']}/{s['hits_t2_states']}/{s['state_misses']}",
-                             "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
-                             "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
-                             "req_per_s_r3+": s["requests_per_s_round3plus"], "pcie_MiB": s["pcie_bytes"] / 2**20,
-                             "argmax_agree": s["argmax_agreement_vs_nocache"]})
+                rows.append(_row(f"{name} @ {p['rate']:g}/s", c, s))
     return metrics, rows
 
 

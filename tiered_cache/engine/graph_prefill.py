@@ -35,7 +35,7 @@ import contextvars
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -45,6 +45,17 @@ from tiered_cache.errors import InvalidArgumentError
 _TENSOR_ARGS = ("g", "beta", "initial_state")  # copied into static buffers; every other keyword is a constant
 _ACTIVE: contextvars.ContextVar[Optional[GraphChunkRule]] = contextvars.ContextVar("tiered_cache_graph_prefill",
                                                                                    default=None)
+
+
+class _Key(NamedTuple):
+    """What a captured shape is keyed on: the rule, the padded length, the inputs' head shapes and
+    dtypes, the initial state's shape and dtype (None: no initial state), the constant keywords."""
+
+    orig: Callable
+    padded: int
+    heads: tuple
+    init: Optional[tuple]
+    consts: tuple
 
 
 @dataclass
@@ -85,7 +96,7 @@ class GraphChunkRule:
             raise InvalidArgumentError("use_graphs", "False on a device without CUDA", use_graphs)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self.max_tokens, self.max_graphs, self.granule = max_tokens, max_graphs, granule
-        self.entries: dict[tuple, _Entry] = {}
+        self.entries: dict[_Key, _Entry] = {}
         self._inputs: dict[tuple, _Inputs] = {}
         self._inits: dict[tuple, torch.Tensor] = {}
         self.stats = {"calls": 0, "replays": 0, "captures": 0, "eager": 0, "padded_tokens": 0}
@@ -102,7 +113,7 @@ class GraphChunkRule:
             _ACTIVE.reset(token)
 
     # ------------------------------------------------------------------------------- calls
-    def _key(self, orig, q, k, v, args, kw) -> Optional[tuple]:
+    def _key(self, orig, q, k, v, args, kw) -> Optional[_Key]:
         """The shape key of a call this rule replays, or None for a call it leaves alone."""
         if args or kw.get("cu_seqlens") is not None or torch.is_grad_enabled():
             return None
@@ -123,9 +134,10 @@ class GraphChunkRule:
             return None
         if init is not None and (not isinstance(init, torch.Tensor) or init.shape[0] != 1):
             return None
-        padded = -(-t // self.granule) * self.granule
-        return (orig, padded, tuple(q.shape[2:]), tuple(k.shape[2:]), tuple(v.shape[2:]), q.dtype, k.dtype, v.dtype,
-                g.dtype, beta.dtype, None if init is None else (tuple(init.shape), init.dtype), consts)
+        heads = (tuple(q.shape[2:]), tuple(k.shape[2:]), tuple(v.shape[2:]), q.dtype, k.dtype, v.dtype, g.dtype,
+                 beta.dtype)
+        return _Key(orig, -(-t // self.granule) * self.granule, heads,
+                    None if init is None else (tuple(init.shape), init.dtype), consts)
 
     def __call__(self, orig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kw):
         self.stats["calls"] += 1
@@ -142,8 +154,7 @@ class GraphChunkRule:
         t, padded, ins = query.shape[1], e.views[0].shape[1], e.inputs
         hi = min(ins.dirty, padded)
         if hi > t:  # what a longer call left in this shape's padding
-            for b in ins.bufs:
-                b[:, t:hi].zero_()
+            torch._foreach_zero_([b[:, t:hi] for b in ins.bufs])
         torch._foreach_copy_([b[:, :t] for b in ins.bufs], [query, key, value, kw["g"], kw["beta"]])
         ins.dirty = ins.dirty if ins.dirty > padded else t
         if e.init is not None:
@@ -159,8 +170,8 @@ class GraphChunkRule:
         return o[:, :t].clone(), (None if state is None else state.clone())
 
     # ----------------------------------------------------------------------------- capture
-    def _build(self, orig, key: tuple, q, k, v, kw) -> Optional[_Entry]:
-        padded, heads, init_sig = key[1], key[2:10], key[10]
+    def _build(self, orig, key: _Key, q, k, v, kw) -> Optional[_Entry]:
+        padded, heads, init_sig = key.padded, key.heads, key.init
         ins = self._inputs.get(heads)
         if ins is None:
             longest = -(-self.max_tokens // self.granule) * self.granule
@@ -172,7 +183,7 @@ class GraphChunkRule:
             if init is None:
                 init = self._inits[init_sig] = torch.zeros_like(kw["initial_state"])
         e = _Entry(inputs=ins, views=tuple(b[:, :padded] for b in ins.bufs), init=init, run=lambda: None)
-        fixed = dict(key[-1])  # scale, output_final_state, use_qk_l2norm_in_kernel, flags passed along
+        fixed = dict(key.consts)  # scale, output_final_state, use_qk_l2norm_in_kernel, flags passed along
 
         def run():
             q_, k_, v_, g_, beta_ = e.views
