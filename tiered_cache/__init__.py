@@ -11,6 +11,7 @@ from tiered_cache.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.errors import (
     IntegrityError,
     InvalidArgumentError,
+    InvalidTypeError,
     MemoryBudgetError,
     SlotBusyError,
     SlotStateError,
@@ -53,6 +54,7 @@ __all__ = [
     "prefill_checkpoint_positions",
     "IntegrityError",
     "InvalidArgumentError",
+    "InvalidTypeError",
     "KVSpec",
     "MemoryBudgetError",
     "MultiEndedAllocator",

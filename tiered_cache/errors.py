@@ -28,6 +28,11 @@ class InvalidArgumentError(TieredCacheError, ValueError):
         super().__init__(f"{arg}: expected {expected}, got {_short(got)}")
 
 
+class InvalidTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (a str or float where ids are ints, None where a tensor is
+    needed). Also a ``TypeError``, so callers that catch the builtin keep working."""
+
+
 class SlotStateError(InvalidArgumentError):
     """A slot id is not in the state the call needs: freeing a free or unknown id, an id twice."""
 
