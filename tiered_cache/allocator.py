@@ -31,10 +31,24 @@ import numpy as np
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.errors import InvalidArgumentError, SlotBusyError, SlotStateError
+from tiered_cache.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    MemoryBudgetError,
+    OutOfRangeError,
+    SlotBusyError,
+    SlotStateError,
+)
 from tiered_cache.slots import BusyMarks
+from tiered_cache.validate import bool_arg, choice_arg, int_arg, int_list, is_int, str_arg
 
 Mover = Callable[[torch.Tensor, torch.Tensor], None]
+
+# Host bytes per slot of capacity: v2p and p2v (int64 each) and a free-list entry (an 8-byte pointer to a
+# 28-byte int object), rounded up.
+HOST_TABLE_BYTES_PER_SLOT = 64
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class MultiEndedAllocator(BusyMarks):
@@ -64,22 +78,38 @@ class MultiEndedAllocator(BusyMarks):
         device: torch.device | str = "cpu",
         mover: Optional[Mover] = None,
     ) -> None:
-        if grows not in ("up", "down"):
-            raise InvalidArgumentError("grows", "'up' or 'down'", grows)
-        if not isinstance(page_size, int) or page_size < 1:
-            raise InvalidArgumentError("page_size", "an int >= 1", page_size)
-        if entry_bytes <= 0 or total_bytes // entry_bytes < 2:
+        # every check before any table is made: a bad argument leaves nothing half-built
+        str_arg("name", name)
+        entry_bytes = int_arg("entry_bytes", entry_bytes, lo=1)
+        total_bytes = int_arg("total_bytes", total_bytes, lo=1)
+        choice_arg("grows", grows, ("up", "down"))
+        page_size = int_arg("page_size", page_size, lo=1, hi=1 << 20)
+        lazy = bool_arg("lazy", lazy)
+        device = dev.resolve(device)
+        if mover is not None and not callable(mover):
+            raise InvalidTypeError("mover", "a callable mover(src_rows, dst_rows) or None", mover)
+        if total_bytes // entry_bytes < 2:
             raise InvalidArgumentError(
                 "total_bytes", f"room for the sink and one slot of {entry_bytes} bytes", total_bytes
             )
+        # The tables are one row per slot the side could ever hold, on the host (and on the device):
+        # total_bytes=2**63 with small slots would ask for an EiB of table, so check before allocating.
+        capacity = total_bytes // entry_bytes
+        need, avail = capacity * HOST_TABLE_BYTES_PER_SLOT, dev.host_available_memory()
+        if need > avail:
+            raise MemoryBudgetError(f"allocator {name!r} tables", need, avail, "total_bytes (or raise entry_bytes)")
+        if device.type == "cuda":
+            need, avail = capacity * 8, dev.free_memory(device)
+            if need > avail:
+                raise MemoryBudgetError(f"allocator {name!r} device table", need, avail, "total_bytes")
         super().__init__()  # busy marks: virtual slot ids under a transfer in flight
         self.name = name
         self.entry_bytes = int(entry_bytes)
         self.total_bytes = int(total_bytes)
         self.grows = grows
         self.page_size = page_size
-        self.lazy = bool(lazy)
-        self.device = torch.device(device)
+        self.lazy = lazy
+        self.device = device
         self.mover = mover
         self.capacity = self.total_bytes // self.entry_bytes  # rows if this side had every byte
         self.peer: Optional[MultiEndedAllocator] = None
@@ -98,7 +128,9 @@ class MultiEndedAllocator(BusyMarks):
     # ----------------------------------------------------------------------------------- setup
 
     def bind_peer(self, peer: MultiEndedAllocator) -> None:
-        if peer.total_bytes != self.total_bytes or peer.grows == self.grows:
+        if not isinstance(peer, MultiEndedAllocator):
+            raise InvalidTypeError("peer", "a MultiEndedAllocator", type(peer).__name__)
+        if peer is self or peer.total_bytes != self.total_bytes or peer.grows == self.grows:
             raise InvalidArgumentError("peer", "the other side of the same buffer", peer.name)
         self.peer = peer
 
@@ -164,7 +196,11 @@ class MultiEndedAllocator(BusyMarks):
 
     def physical_of(self, vid: int) -> int:
         """The physical row of one virtual slot id (not page-expanded); -1 when free."""
-        return int(self._v2p[vid])
+        if not is_int(vid):
+            raise InvalidTypeError("vid", f"an int in [0, {self.capacity})", vid)
+        if not 0 <= int(vid) < self.capacity:  # numpy would count a negative id from the end
+            raise OutOfRangeError("vid", f"an int in [0, {self.capacity})", vid)
+        return int(self._v2p[int(vid)])
 
     # ------------------------------------------------------------------------------- alloc/free
 
@@ -175,8 +211,7 @@ class MultiEndedAllocator(BusyMarks):
         into the peer's band and compacting the peer would make room, the peer is compacted.
         On ``None`` nothing has changed.
         """
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-            raise InvalidArgumentError("n", "an int >= 0", n)
+        n = int_arg("n", n, lo=0)
         if n % self.page_size:
             raise InvalidArgumentError("n", f"a multiple of page_size={self.page_size}", n)
         k = int(n) // self.page_size
@@ -257,11 +292,19 @@ class MultiEndedAllocator(BusyMarks):
         self._clear_holes()
         return len(sources)
 
-    def physical_rows(self, vids: list[int]) -> list[int]:
-        """Host-side translate of virtual slot (page) ids to physical rows, no device round trip."""
-        rows = self._v2p[vids].tolist()
-        if any(r < 0 for r in rows):
-            raise SlotStateError("vids", f"allocated ids of side {self.name!r}", vids[:16])
+    def physical_rows(self, vids: list[int], arg: str = "vids") -> list[int]:
+        """Host-side translate of allocated virtual slot (page) ids to physical rows, no device round trip.
+
+        The sink (0), free ids and ids outside ``[1, capacity)`` raise ``SlotStateError``: numpy would
+        read a negative id from the table's end, and the sink is no request's slot."""
+        vids = int_list(arg, vids)
+        cap = self.capacity
+        bad = [v for v in vids if not 0 < v < cap]
+        if not bad:
+            rows = self._v2p[vids].tolist()
+            bad = [v for v, r in zip(vids, rows) if r < 0]
+        if bad:
+            raise SlotStateError(arg, f"allocated ids in [1, {cap}) of side {self.name!r}", bad[:16])
         return rows
 
     # -------------------------------------------------------------------------------- translate
@@ -270,7 +313,10 @@ class MultiEndedAllocator(BusyMarks):
         """Virtual token ids -> physical token ids (``page_size`` 1: slot rows), one gather.
 
         The table's address never changes, so a captured CUDA graph that gathers from it stays valid.
+        Ids are an integer tensor (or an int); on CPU their range is checked too (on a GPU that would
+        be a device sync per call: there the gather itself faults on an id outside the table).
         """
+        ids = self._id_tensor("ids", ids, self.capacity * self.page_size)
         self.sync_table()
         if self.page_size == 1:
             return self._table[ids]
@@ -278,11 +324,19 @@ class MultiEndedAllocator(BusyMarks):
 
     def translate_host(self, ids: np.ndarray) -> np.ndarray:
         """``translate`` on the host table (no device work): free ids map to negative rows."""
-        ids = np.asarray(ids, dtype=np.int64)
+        if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+            ids = ids.astype(np.int64, copy=False)  # a uint64 past int64 wraps negative: refused below
+        elif is_int(ids):
+            ids = np.asarray(int(ids), dtype=np.int64)
+        else:  # a float array would truncate, a str would be read as digits: ints only
+            lst = int_list("ids", ids)
+            if lst and (min(lst) < 0 or max(lst) >= self.capacity * self.page_size):
+                raise OutOfRangeError("ids", f"virtual ids in [0, {self.capacity * self.page_size})", lst[:16])
+            ids = np.asarray(lst, dtype=np.int64)
         pages = ids // self.page_size
         bad = ids[(ids < 0) | (pages >= self._v2p.shape[0])]
         if bad.size:
-            raise InvalidArgumentError("ids", f"virtual ids in [0, {self._v2p.shape[0] * self.page_size})",
+            raise OutOfRangeError("ids", f"virtual ids in [0, {self._v2p.shape[0] * self.page_size})",
                                        bad[:16].tolist())
         if self.page_size == 1:
             return self._v2p[ids]
@@ -290,6 +344,7 @@ class MultiEndedAllocator(BusyMarks):
 
     def translate_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
         """Virtual page (slot) ids -> physical rows."""
+        page_ids = self._id_tensor("page_ids", page_ids, self.capacity)
         self.sync_table()
         return self._table[page_ids]
 
@@ -344,17 +399,40 @@ class MultiEndedAllocator(BusyMarks):
             return t
         return (t[:, None] * self.page_size + self._page_offsets).reshape(-1)
 
+    def _id_tensor(self, arg: str, ids, size: int):
+        """Ids for a gather: an integer tensor on this side's device (or an int), in ``[0, size)`` on CPU."""
+        if isinstance(ids, torch.Tensor):
+            if ids.dtype not in _INT_DTYPES:
+                raise InvalidTypeError(arg, "an integer tensor of ids", ids.dtype)
+            if ids.device.type != "cpu" and ids.device != self.device:  # host ids may index a device table
+                raise InvalidArgumentError(arg, f"a tensor on {self.device} or the CPU", ids.device)
+            if ids.device.type == "cpu" and ids.numel() and bool(((ids < 0) | (ids >= size)).any()):
+                raise OutOfRangeError(arg, f"ids in [0, {size})", ids.reshape(-1)[:16].tolist())
+            return ids
+        if is_int(ids):
+            v = int(ids)
+            if not 0 <= v < size:
+                raise OutOfRangeError(arg, f"an id in [0, {size})", ids)
+            return torch.tensor(v, dtype=torch.int64, device=self.device)
+        lst = int_list(arg, ids)
+        bad = [v for v in lst if not 0 <= v < size]
+        if bad:
+            raise OutOfRangeError(arg, f"ids in [0, {size})", bad[:16])
+        return torch.tensor(lst, dtype=torch.int64, device=self.device)
+
     def _pages_of(self, ids: torch.Tensor) -> list[int]:
         """Validate ids handed back to ``free`` and return their virtual slot ids.
 
         Plain Python on the id list: engines free a few pages at a time, where numpy's per-call
         overhead dominates.
         """
-        if (not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point
-                or ids.dtype == torch.bool):
-            raise InvalidArgumentError("ids", "a 1-D integer tensor", getattr(ids, "shape", type(ids)))
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.dtype not in _INT_DTYPES:
+                raise InvalidTypeError("ids", "a 1-D integer tensor", (tuple(ids.shape), ids.dtype))
+            lst = ids.tolist()
+        else:
+            lst = int_list("ids", ids)
         ps = self.page_size
-        lst = ids.tolist()
         if len(lst) % ps:
             raise SlotStateError("ids", f"whole pages of page_size={ps} tokens", f"{len(lst)} ids")
         if ps == 1:

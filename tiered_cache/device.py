@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 
 DeviceLike = Union[str, torch.device, None]
 
@@ -24,15 +24,26 @@ def cuda_available() -> bool:
 
 
 def resolve(device: DeviceLike = None) -> torch.device:
-    """``None`` or ``"auto"`` -> the GPU when there is one, else the CPU."""
-    if device is None or device == "auto":
+    """``None`` or ``"auto"`` -> the GPU when there is one, else the CPU.
+
+    Only ``cpu`` and (where CUDA exists) ``cuda``/``cuda:N`` are devices here: a meta tensor holds no
+    bytes to cache and other backends have no streams; a typed error names ``device`` otherwise.
+    """
+    if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
-    dev = torch.device(device)
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidTypeError("device", "a str or torch.device ('cpu', 'cuda', 'cuda:N', 'auto')", device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise InvalidArgumentError("device", "'cpu', 'cuda', 'cuda:N' or 'auto'", device) from None
     if dev.type == "cuda":
         if not cuda_available():
             raise InvalidArgumentError("device", "a device that exists (no CUDA here)", str(dev))
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise InvalidArgumentError("device", f"cuda:N with N < {torch.cuda.device_count()}", str(dev))
     elif dev.type != "cpu":
         raise InvalidArgumentError("device", "'cpu', 'cuda' or 'cuda:N'", str(dev))
     return dev
@@ -116,8 +127,9 @@ def synchronize(device: DeviceLike = None) -> None:
 
 def pinned_empty(nbytes: int, *, pin: bool = True) -> torch.Tensor:
     """A host ``uint8`` buffer; page-locked when CUDA exists and ``pin`` is set, else ordinary."""
-    if nbytes < 0:
-        raise InvalidArgumentError("nbytes", ">= 0", nbytes)
+    from tiered_cache.validate import int_arg
+
+    int_arg("nbytes", nbytes, lo=0)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=bool(pin and cuda_available()))
 
 

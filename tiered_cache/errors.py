@@ -33,6 +33,11 @@ class InvalidTypeError(InvalidArgumentError, TypeError):
     needed). Also a ``TypeError``, so callers that catch the builtin keep working."""
 
 
+class OutOfRangeError(InvalidArgumentError, IndexError):
+    """An index argument (a layer, a slot, a conv window, a byte of a slot) lies outside what exists.
+    Also an ``IndexError``, what callers of an indexing API catch."""
+
+
 class SlotStateError(InvalidArgumentError):
     """A slot id is not in the state the call needs: freeing a free or unknown id, an id twice."""
 
@@ -45,6 +50,7 @@ class MemoryBudgetError(TieredCacheError, MemoryError):
     """A pool would not fit in the memory there is. ``setting`` names what to lower."""
 
     def __init__(self, what: str, need_bytes: int, free_bytes: int, setting: str):
+        self.what = what
         self.need_bytes = need_bytes
         self.free_bytes = free_bytes
         self.setting = setting

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError
 from tiered_cache.slots import SlotAllocator
+from tiered_cache.validate import bool_arg, choice_arg, float_arg, index_arg, int_arg, str_arg
 
 PIN_METHODS = ("auto", "register", "pin_memory", "none")
 
@@ -42,10 +43,11 @@ class RegionSpec:
     num_slots: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.slot_bytes, int) or self.slot_bytes <= 0 or self.slot_bytes % 16:
+        str_arg("name", self.name)
+        object.__setattr__(self, "slot_bytes", int_arg("slot_bytes", self.slot_bytes, lo=16, hi=1 << 40))
+        if self.slot_bytes % 16:
             raise InvalidArgumentError("slot_bytes", "a positive multiple of 16", self.slot_bytes)
-        if not isinstance(self.num_slots, int) or isinstance(self.num_slots, bool) or self.num_slots < 1:
-            raise InvalidArgumentError("num_slots", "an int >= 1", self.num_slots)
+        object.__setattr__(self, "num_slots", int_arg("num_slots", self.num_slots, lo=1))
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +80,8 @@ class HostRegion:
 
     def free(self, ids) -> None:
         lst = self.allocator.check("ids", ids)
+        if any(self.allocator.is_busy(i) for i in lst):
+            self.allocator.free(lst)  # raises SlotBusyError, before anything changes
         self.allocator.free(lst)
         self.valid[lst] = False
 
@@ -86,8 +90,7 @@ class HostRegion:
 
     def slot(self, i: int) -> torch.Tensor:
         """The ``slot_bytes`` bytes of slot ``i`` (a view into its chunk)."""
-        if not 0 <= i < self.capacity:
-            raise InvalidArgumentError("slot", f"an int in [0, {self.capacity})", i)
+        i = index_arg("i", i, self.capacity)
         c, r = divmod(i, self.per_chunk)
         return self.chunks[c][r * self.slot_bytes: (r + 1) * self.slot_bytes]
 
@@ -111,8 +114,9 @@ class HostRegion:
 
     def flip_bit(self, slot: int, byte: int, bit: int) -> None:
         """Test hook: flip one bit of a slot's host bytes, as a failing DIMM or a stray write would."""
-        if not 0 <= byte < self.slot_bytes or not 0 <= bit < 8:
-            raise InvalidArgumentError("byte/bit", f"byte in [0, {self.slot_bytes}), bit in [0, 8)", (byte, bit))
+        slot = index_arg("slot", slot, self.capacity)
+        byte = index_arg("byte", byte, self.slot_bytes)
+        bit = index_arg("bit", bit, 8)
         view = self.slot(slot)
         view[byte] = int(view[byte]) ^ (1 << bit)
 
@@ -141,15 +145,20 @@ class HostMirror:
 
     def __init__(self, regions: Sequence[RegionSpec], *, pin: str = "auto", chunk_bytes: int = 1 << 30,
                  budget_bytes: Optional[int] = None, check_memory: bool = True) -> None:
-        if pin not in PIN_METHODS:
-            raise InvalidArgumentError("pin", f"one of {PIN_METHODS}", pin)
+        choice_arg("pin", pin, PIN_METHODS)
+        if isinstance(regions, RegionSpec) or not isinstance(regions, (list, tuple)):
+            raise InvalidTypeError("regions", "a list or tuple of RegionSpec", regions)
         if not regions or not all(isinstance(r, RegionSpec) for r in regions):
-            raise InvalidArgumentError("regions", "a non-empty sequence of RegionSpec", regions)
+            raise InvalidTypeError("regions", "a non-empty sequence of RegionSpec", regions)
         names = [r.name for r in regions]
         if len(set(names)) != len(names):
             raise InvalidArgumentError("regions", "distinct region names", names)
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 16:
-            raise InvalidArgumentError("chunk_bytes", "an int >= 16", chunk_bytes)
+        chunk_bytes = int_arg("chunk_bytes", chunk_bytes, lo=16)
+        if budget_bytes is not None:
+            # an int (or a finite real) of bytes: NaN compares false with everything, so a NaN budget
+            # would let any size through
+            budget_bytes = float_arg("budget_bytes", budget_bytes, lo=0)
+        check_memory = bool_arg("check_memory", check_memory)
         if pin == "auto":
             pin = "register" if dev.cuda_available() else "none"
         if pin != "none" and not dev.cuda_available():
@@ -173,6 +182,8 @@ class HostMirror:
 
     @staticmethod
     def estimate_bytes(regions: Sequence[RegionSpec]) -> int:
+        if not isinstance(regions, (list, tuple)) or not all(isinstance(r, RegionSpec) for r in regions):
+            raise InvalidTypeError("regions", "a list or tuple of RegionSpec", regions)
         return sum(r.nbytes for r in regions)
 
     @property
@@ -180,6 +191,8 @@ class HostMirror:
         return sum(sum(c.numel() for c in r.chunks) for r in self.regions.values())
 
     def region(self, name: str) -> HostRegion:
+        if not isinstance(name, str):
+            raise InvalidTypeError("name", f"one of {sorted(self.regions)}", name)
         try:
             return self.regions[name]
         except KeyError:
@@ -204,7 +217,11 @@ class HostMirror:
 def _host_alloc(nbytes: int, pin: str, registered: list[torch.Tensor]) -> torch.Tensor:
     if pin == "pin_memory":
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    t = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError):  # check_memory=False and more than the host has
+        raise MemoryBudgetError("HostMirror chunk", nbytes, dev.host_available_memory(),
+                                "num_slots (or chunk_bytes)") from None
     if pin == "register":
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
         if int(err) != 0:

@@ -15,15 +15,39 @@ from typing import Optional
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, SlotStateError
 from tiered_cache.host_mirror import HostRegion
 from tiered_cache.slots import id_list
 from tiered_cache.transfer import Ticket, TransferEngine
 from tiered_cache.unified_pool import SubPool
+from tiered_cache.validate import bool_arg
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _t1_ids(t1, arg: str, ids, unique: bool) -> list[int]:
     return t1.allocator.check(arg, ids, unique=unique)
+
+
+_UNSET = object()
+
+
+def _check_parts(engine, region, side=_UNSET, t1=_UNSET, kv: Optional[bool] = None) -> None:
+    """The objects a move works on, checked before any id: a wrong object is a typed error naming
+    its argument, not an AttributeError from deep inside."""
+    from tiered_cache.checkpoint_pool import Int8CheckpointPool
+
+    if not isinstance(engine, TransferEngine):
+        raise InvalidTypeError("engine", "a TransferEngine", type(engine).__name__)
+    if not isinstance(region, HostRegion):
+        raise InvalidTypeError("region", "a HostRegion (HostMirror.region(name))", type(region).__name__)
+    if t1 is not _UNSET and not isinstance(t1, Int8CheckpointPool):
+        raise InvalidTypeError("t1", "an Int8CheckpointPool", type(t1).__name__)
+    if side is not _UNSET:
+        if not isinstance(side, SubPool):
+            raise InvalidTypeError("side", "a UnifiedPool side (SubPool)", type(side).__name__)
+        if kv is not None and side.is_kv != kv:
+            raise InvalidArgumentError("side", "a KV side" if kv else "a state side", side.name)
 
 
 def _fenced(engine: TransferEngine, side: SubPool) -> None:
@@ -33,10 +57,13 @@ def _fenced(engine: TransferEngine, side: SubPool) -> None:
 
 def _page_vids(side: SubPool, ids: Sequence[int], arg: str) -> list[int]:
     """KV token ids (whole pages) or, with ``page_size`` 1, slot ids -> virtual page ids."""
-    if isinstance(ids, torch.Tensor) and ids.dim() == 1 and not ids.dtype.is_floating_point and ids.dtype != torch.bool:
+    if isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.dtype in _INT_DTYPES:
         t = ids.to("cpu", torch.int64)
     else:
-        t = torch.tensor(id_list(arg, ids), dtype=torch.int64)
+        lst = id_list(arg, ids)
+        if lst and (min(lst) < 0 or max(lst) >= side.capacity * side.page_size):  # no int64 overflow below
+            raise SlotStateError(arg, f"token ids in [0, {side.capacity * side.page_size})", lst[:16])
+        t = torch.tensor(lst, dtype=torch.int64)
     ps = side.page_size
     # checked with tensor ops: thousands of pages per call (a per-token Python loop cost ~10 ms per
     # 2,048 pages, as long as their copy over PCIe)
@@ -49,6 +76,7 @@ def _page_vids(side: SubPool, ids: Sequence[int], arg: str) -> list[int]:
 
 def demote_states(engine: TransferEngine, t1, t1_slots, region: HostRegion, host_slots) -> Optional[Ticket]:
     """T1 -> T2: copy the int8 envelopes of ``t1_slots`` byte for byte into ``host_slots``."""
+    _check_parts(engine, region, t1=t1)
     slots = _t1_ids(t1, "t1_slots", t1_slots, unique=False)
     return engine.demote(t1.envelopes, slots, region, host_slots, kind="demote_state",
                          busy=[(t1.allocator, slots)])
@@ -56,6 +84,7 @@ def demote_states(engine: TransferEngine, t1, t1_slots, region: HostRegion, host
 
 def promote_states(engine: TransferEngine, region: HostRegion, host_slots, t1, t1_slots) -> Optional[Ticket]:
     """T2 -> T1: copy host envelopes back into ``t1_slots``; ``ticket.ok`` says which arrived intact."""
+    _check_parts(engine, region, t1=t1)
     slots = _t1_ids(t1, "t1_slots", t1_slots, unique=True)
     return engine.load(region, host_slots, t1.envelopes, slots, kind="promote_state",
                        busy=[(t1.allocator, slots)])
@@ -65,11 +94,14 @@ def restore_states(engine: TransferEngine, region: HostRegion, host_slots, t1, s
                    side: SubPool, active_ids) -> Optional[Ticket]:
     """T2 -> T0: land the envelopes in T1-format ``scratch_slots`` and dequantize them into the T0
     state slots ``active_ids`` (virtual), all on the H2D stream. The host copies stay."""
+    _check_parts(engine, region, side=side, t1=t1, kv=False)
     slots = _t1_ids(t1, "scratch_slots", scratch_slots, unique=True)
     active = id_list("active_ids", active_ids)
     if len(active) != len(slots):
         raise InvalidArgumentError("active_ids", f"{len(slots)} ids, one per scratch slot", len(active))
-    side.allocator.physical_rows(active)  # typed error for unknown ids before anything moves
+    if len(set(active)) != len(active):  # two loads into one slot: which one it ends up holding is a race
+        raise SlotStateError("active_ids", "distinct ids", active[:16])
+    side.allocator.physical_rows(active, "active_ids")  # typed error for unknown ids before anything moves
     _fenced(engine, side)
     return engine.load(region, host_slots, t1.envelopes, slots, kind="restore_state",
                        after=lambda: t1.load_to_active(slots, side, active),
@@ -78,8 +110,9 @@ def restore_states(engine: TransferEngine, region: HostRegion, host_slots, t1, s
 
 def demote_kv(engine: TransferEngine, side: SubPool, token_ids, region: HostRegion, host_slots) -> Optional[Ticket]:
     """T0 KV pages (virtual token ids, whole pages) -> T2 host pages, one host slot per page."""
+    _check_parts(engine, region, side=side, kv=True)
     vids = _page_vids(side, token_ids, "token_ids")
-    rows = side.allocator.physical_rows(vids)
+    rows = side.allocator.physical_rows(vids, "token_ids")
     _fenced(engine, side)
     return engine.demote(side.rows_bytes(), rows, region, host_slots, kind="demote_kv",
                          busy=[(side.allocator, vids)])
@@ -87,6 +120,10 @@ def demote_kv(engine: TransferEngine, side: SubPool, token_ids, region: HostRegi
 
 def kv_layer_ranges(side: SubPool) -> list[tuple[int, int]]:
     """``(offset, nbytes)`` of each layer's K and V inside one page envelope (they are adjacent)."""
+    if not isinstance(side, SubPool):
+        raise InvalidTypeError("side", "a UnifiedPool side (SubPool)", type(side).__name__)
+    if not side.is_kv:
+        raise InvalidArgumentError("side", "a KV side", side.name)
     offs = side.spec.field_offsets(side.page_size)
     starts = [k for k, _ in offs] + [side.entry_bytes]
     return [(starts[i], starts[i + 1] - starts[i]) for i in range(len(offs))]
@@ -95,8 +132,12 @@ def kv_layer_ranges(side: SubPool) -> list[tuple[int, int]]:
 def load_kv(engine: TransferEngine, region: HostRegion, host_slots, side: SubPool, token_ids,
             layerwise: bool = True) -> Optional[Ticket]:
     """T2 host pages -> T0 KV pages (virtual token ids); with ``layerwise`` one event per layer."""
+    _check_parts(engine, region, side=side, kv=True)
+    bool_arg("layerwise", layerwise)
     vids = _page_vids(side, token_ids, "token_ids")
-    rows = side.allocator.physical_rows(vids)
+    if len(set(vids)) != len(vids):  # destinations: two loads into one page would race
+        raise SlotStateError("token_ids", "distinct pages", vids[:16])
+    rows = side.allocator.physical_rows(vids, "token_ids")
     _fenced(engine, side)
     return engine.load(region, host_slots, side.rows_bytes(), rows, kind="load_kv",
                        layer_ranges=kv_layer_ranges(side) if layerwise else None,

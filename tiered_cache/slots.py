@@ -14,28 +14,19 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from tiered_cache.errors import InvalidArgumentError, SlotBusyError, SlotStateError
+from tiered_cache.device import host_available_memory
+from tiered_cache.errors import MemoryBudgetError, SlotBusyError, SlotStateError
+from tiered_cache.validate import int_arg, int_list, is_int, str_arg
 
 IdsLike = Union[torch.Tensor, Sequence[int], np.ndarray]
 
+_TABLE_BYTES_PER_SLOT = 48  # bool flag + heap entry (8-byte pointer, 28-byte int object), rounded up
+
 
 def id_list(arg: str, ids: IdsLike) -> list[int]:
-    """A 1-D integer tensor / sequence as a list of ints (typed error otherwise)."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise InvalidArgumentError(arg, "a 1-D integer tensor", (tuple(ids.shape), ids.dtype))
-        return ids.tolist()
-    if isinstance(ids, (list, tuple, np.ndarray)) and len(ids):
-        arr = np.asarray(ids)
-        if arr.ndim == 1 and arr.dtype.kind in "iu":  # the common case, checked in C
-            return arr.astype(np.int64).tolist()
-    try:
-        out = [int(i) for i in ids]
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(arg, "a sequence of ints", ids) from None
-    if any(not float(i).is_integer() for i in ids):
-        raise InvalidArgumentError(arg, "integers", list(ids)[:16])
-    return out
+    """A 1-D integer tensor / sequence as a list of ints (``validate.int_list``: strings, floats, bools and
+    None are refused with ``InvalidTypeError``; ``free("12")`` once freed slots 1 and 2)."""
+    return int_list(arg, ids)
 
 
 class BusyMarks:
@@ -69,8 +60,12 @@ class SlotAllocator(BusyMarks):
     of one call tend to be consecutive: a host region then moves them as one contiguous copy."""
 
     def __init__(self, num_slots: int, name: str = "slots") -> None:
-        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
-            raise InvalidArgumentError("num_slots", "an int >= 1", num_slots)
+        num_slots = int_arg("num_slots", num_slots, lo=1)
+        str_arg("name", name)
+        # the host tables (a bool per slot, a heap of Python ints) are allocated here: check they fit first
+        need, avail = (num_slots + 1) * _TABLE_BYTES_PER_SLOT, host_available_memory()
+        if need > avail:
+            raise MemoryBudgetError(f"SlotAllocator {name!r}", need, avail, "num_slots")
         super().__init__()
         self.name = name
         self.num_slots = num_slots
@@ -84,8 +79,7 @@ class SlotAllocator(BusyMarks):
 
     def alloc(self, n: int = 1) -> Optional[list[int]]:
         """``n`` slot ids, or ``None`` when fewer are free (nothing changes)."""
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-            raise InvalidArgumentError("n", "an int >= 0", n)
+        n = int_arg("n", n, lo=0)
         if n > len(self._free):
             return None
         ids = [heapq.heappop(self._free) for _ in range(n)]
@@ -95,6 +89,9 @@ class SlotAllocator(BusyMarks):
     def check(self, arg: str, ids: IdsLike, *, unique: bool = True) -> list[int]:
         """Validate allocated ids (typed errors); returns them as a list."""
         lst = id_list(arg, ids)
+        if lst and (min(lst) < -2**63 or max(lst) >= 2**63):  # a uint64 id past int64: no slot of ours
+            raise SlotStateError(arg, f"allocated {self.name} ids in [1, {self.num_slots}]",
+                                 [i for i in lst if not 1 <= i <= self.num_slots][:16])
         arr = np.asarray(lst, dtype=np.int64)
         inside = (arr >= 1) & (arr <= self.num_slots)
         ok = inside.copy()
@@ -120,6 +117,9 @@ class SlotAllocator(BusyMarks):
         return len(self._free)
 
     def is_allocated(self, slot: int) -> bool:
+        if not is_int(slot):
+            int_arg("slot", slot)  # raises InvalidTypeError: a str or float is no slot id
+        slot = int(slot)
         return bool(0 < slot <= self.num_slots and self._allocated[slot])
 
     def allocated_ids(self) -> list[int]:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.validate import index_arg, int_arg
 
 ALIGN = 16
 
@@ -41,19 +42,30 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if dtype in FP8_DTYPES else dtype
 
 
+# Sizes above this are refused: no real layer has more, and byte counts of a slot (products of
+# them) must stay exact ints far below what any buffer can hold.
+MAX_DIM = 1 << 24
+
+
 def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgumentError(name, "a positive int", value)
+    int_arg(name, value, lo=1, hi=MAX_DIM)
 
 
 def _shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    try:
-        out = tuple(int(s) for s in shape)
-    except TypeError:
-        raise InvalidArgumentError(name, "a tuple of positive ints", shape) from None
-    if not out or any(s <= 0 for s in out):
+    # a str is a sequence too ("44" would read as (4, 4)), and floats truncate: ints only
+    if not isinstance(shape, (tuple, list)):
+        raise InvalidTypeError(name, "a tuple of positive ints", shape)
+    out = tuple(int_arg(name, s, lo=1, hi=MAX_DIM) for s in shape)
+    if not out:
         raise InvalidArgumentError(name, "a non-empty tuple of positive ints", shape)
     return out
+
+
+def _dtype(name: str, value: object) -> None:
+    if not isinstance(value, torch.dtype):
+        raise InvalidTypeError(name, "a real torch.dtype", value)
+    if value.is_complex or value == torch.bool:
+        raise InvalidArgumentError(name, "a real torch.dtype", value)
 
 
 @dataclass(frozen=True)
@@ -72,16 +84,13 @@ class KVSpec:
     window: int = 0  # 0: full attention
 
     def __post_init__(self) -> None:
-        _positive("num_layers", self.num_layers)
-        _positive("kv_heads", self.kv_heads)
-        _positive("head_dim", self.head_dim)
-        if self.v_head_dim == 0:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
-        _positive("v_head_dim", self.v_head_dim)
-        if not isinstance(self.dtype, torch.dtype) or self.dtype.is_complex:
-            raise InvalidArgumentError("dtype", "a real torch.dtype", self.dtype)
-        if not isinstance(self.window, int) or self.window < 0:
-            raise InvalidArgumentError("window", "an int >= 0 (0 = full attention)", self.window)
+        # numpy ints are taken and stored as Python ints, so two equal specs compare and hash equal
+        for name in ("num_layers", "kv_heads", "head_dim"):
+            object.__setattr__(self, name, int_arg(name, getattr(self, name), lo=1, hi=MAX_DIM))
+        v = int_arg("v_head_dim", self.v_head_dim, lo=0, hi=MAX_DIM)
+        object.__setattr__(self, "v_head_dim", v or self.head_dim)
+        _dtype("dtype", self.dtype)
+        object.__setattr__(self, "window", int_arg("window", self.window, lo=0))
 
     @property
     def store_dtype(self) -> torch.dtype:
@@ -132,19 +141,20 @@ class StateSpec:
     value_axis: int = 1
 
     def __post_init__(self) -> None:
-        _positive("num_layers", self.num_layers)
+        object.__setattr__(self, "num_layers", int_arg("num_layers", self.num_layers, lo=1, hi=MAX_DIM))
         shape = _shape("temporal_shape", self.temporal_shape)
         if len(shape) != 3:
             raise InvalidArgumentError("temporal_shape", "3 dims [H, a, b]", self.temporal_shape)
         object.__setattr__(self, "temporal_shape", shape)
+        if not isinstance(self.conv_shapes, (tuple, list)):
+            raise InvalidTypeError("conv_shapes", "a tuple of shapes (tuples of positive ints)", self.conv_shapes)
         convs = tuple(_shape("conv_shapes", s) for s in self.conv_shapes)
         object.__setattr__(self, "conv_shapes", convs)
+        _dtype("temporal_dtype", self.temporal_dtype)
         if self.temporal_dtype not in STATE_DTYPES:
             raise InvalidArgumentError("temporal_dtype", "float32, bfloat16 or float16", self.temporal_dtype)
-        if not isinstance(self.conv_dtype, torch.dtype) or self.conv_dtype.is_complex:
-            raise InvalidArgumentError("conv_dtype", "a real torch.dtype", self.conv_dtype)
-        if self.value_axis not in (1, 2):
-            raise InvalidArgumentError("value_axis", "1 or 2 (an axis of temporal_shape [H, a, b])", self.value_axis)
+        _dtype("conv_dtype", self.conv_dtype)
+        object.__setattr__(self, "value_axis", int_arg("value_axis", self.value_axis, lo=1, hi=2))
 
     @property
     def num_heads(self) -> int:
@@ -163,6 +173,7 @@ class StateSpec:
         return math.prod(self.temporal_shape) * self.temporal_dtype.itemsize
 
     def conv_bytes(self, i: int) -> int:
+        i = index_arg("i", i, len(self.conv_shapes))
         return math.prod(self.conv_shapes[i]) * self.conv_dtype.itemsize
 
     def _layer_bytes(self) -> int:

@@ -36,11 +36,13 @@ import numpy as np
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.errors import InvalidArgumentError, TieredCacheError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, TieredCacheError
 from tiered_cache.host_mirror import HostRegion
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.checksum import row_checksums
 from tiered_cache.kernels.hostcopy import copy_items
+from tiered_cache.slots import id_list
+from tiered_cache.validate import bool_arg, choice_arg, float_arg, int_arg, str_arg
 
 # ``auto`` picks by row size, from bench_transfer.py on the H200 (benchmarks/results/transfer-h200.md):
 # rows of AUTO_COPY_MIN_BYTES or more (state envelopes, ~21 MB for Qwen3-Next-80B) go as one DMA copy
@@ -49,6 +51,7 @@ from tiered_cache.kernels.hostcopy import copy_items
 # slots are scattered), so they go through the few-program mapped-memory kernel.
 DEFAULT_METHOD = {"d2h": "auto", "h2d": "auto"}
 METHODS = ("auto", "copy", "staging", "kernel")
+BACKENDS = ("auto", "triton", "torch")
 AUTO_COPY_MIN_BYTES = 2 << 20
 
 
@@ -101,14 +104,20 @@ class TransferEngine:
                  method: Optional[dict[str, str]] = None, staging_bytes: int = 256 << 20,
                  backend: str = "auto", room_timeout_s: float = 60.0, stream_priority: int = 0) -> None:
         self.device = dev.resolve(device)
-        if not isinstance(stream_priority, int) or isinstance(stream_priority, bool) or stream_priority > 0:
-            raise InvalidArgumentError("stream_priority", "an int <= 0 (negative: above compute)", stream_priority)
-        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
-            raise InvalidArgumentError("max_inflight_bytes", "a positive int", max_inflight_bytes)
+        # CUDA priorities run from 0 (compute's) to -5 on current GPUs; lower values are clamped by CUDA
+        stream_priority = int_arg("stream_priority", stream_priority, lo=-16, hi=0)
+        max_inflight_bytes = int_arg("max_inflight_bytes", max_inflight_bytes, lo=1)
+        if method is not None and not isinstance(method, dict):
+            raise InvalidTypeError("method", f"a dict {{'d2h'|'h2d': one of {METHODS}}}", method)
         self.method = dict(DEFAULT_METHOD, **(method or {}))
         for d, m in self.method.items():
-            if d not in ("d2h", "h2d") or m not in METHODS:
+            if d not in ("d2h", "h2d") or not isinstance(m, str) or m not in METHODS:
                 raise InvalidArgumentError("method", f"{{'d2h'|'h2d': one of {METHODS}}}", method)
+        staging_bytes = int_arg("staging_bytes", staging_bytes, lo=16)
+        choice_arg("backend", backend, BACKENDS)
+        use_triton(self.device, backend)  # backend allowed on this device
+        # NaN would never expire (every comparison with it is false); inf is "wait as long as it takes"
+        room_timeout_s = float_arg("room_timeout_s", room_timeout_s, lo=0, lo_open=True, allow_inf=True)
         self.max_inflight_bytes = max_inflight_bytes
         self.room_timeout_s = room_timeout_s  # how long a blocking submit waits for room
         self.kernel_programs = 16  # programs of the mapped-memory copy kernel (few: leave SMs to compute)
@@ -139,6 +148,7 @@ class TransferEngine:
         ``busy``: ``(allocator, ids)`` pairs marked busy until the ticket completes (the device side's
         slots). The host slots are marked busy too.
         """
+        self._check_submit(kind, busy, block)
         rows_l, slots = self._check(rows_view, rows, region, host_slots, need_valid=False)
         nbytes = len(rows_l) * region.slot_bytes
         if not self._make_room(nbytes, block):
@@ -180,7 +190,12 @@ class TransferEngine:
         is copied and recorded as its own event, in order. ``after``: launched on the H2D stream once
         the bytes landed (e.g. a dequantize into a T0 slot), before the ticket's final event.
         """
+        self._check_submit(kind, busy, block)
+        if after is not None and not callable(after):
+            raise InvalidTypeError("after", "a callable or None", after)
         rows_l, slots = self._check(rows_view, rows, region, host_slots, need_valid=True)
+        if layer_ranges is not None:
+            self._check_layer_ranges(layer_ranges, region.slot_bytes)
         if self.corrupt_hook is not None:
             self.corrupt_hook(region, slots)
         nbytes = len(rows_l) * region.slot_bytes
@@ -241,6 +256,9 @@ class TransferEngine:
 
     def wait(self, ticket: Ticket, timeout: Optional[float] = None) -> bool:
         """Block until ``ticket`` is done (``True``) or ``timeout`` seconds pass (``False``)."""
+        self._check_ticket(ticket)
+        if timeout is not None:
+            timeout = float_arg("timeout", timeout, lo=0, allow_inf=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         q = self._queues[ticket.direction]
         while not ticket.done:
@@ -255,6 +273,8 @@ class TransferEngine:
         return True
 
     def wait_all(self, timeout: Optional[float] = None) -> list[Ticket]:
+        if timeout is not None:
+            timeout = float_arg("timeout", timeout, lo=0, allow_inf=True)
         for q in list(self._queues.values()):
             if q and not self.wait(q[-1], timeout):
                 raise TransferTimeoutError(f"transfers still in flight after {timeout} s")
@@ -275,6 +295,23 @@ class TransferEngine:
                 cur.wait_event(t.event)
                 if t.check_event is not None:
                     cur.wait_event(t.check_event)
+
+    def _check_ticket(self, ticket: Any) -> None:
+        if not isinstance(ticket, Ticket):
+            raise InvalidTypeError("ticket", "a Ticket from this engine", type(ticket).__name__)
+        # identity, not ==: a Ticket's dataclass equality would compare its events and tensors
+        if ticket.direction not in self._queues or (
+                not ticket.done and not any(t is ticket for t in self._queues[ticket.direction])):
+            raise InvalidArgumentError("ticket", "a Ticket submitted to this engine", ticket.id)
+
+    def _check_submit(self, kind: Any, busy: Any, block: Any) -> None:
+        str_arg("kind", kind)
+        bool_arg("block", block)
+        if not isinstance(busy, (list, tuple)):
+            raise InvalidTypeError("busy", "a sequence of (allocator, ids) pairs", busy)
+        for pair in busy:
+            if (not isinstance(pair, (list, tuple)) or len(pair) != 2 or not hasattr(pair[0], "mark_busy")):
+                raise InvalidTypeError("busy", "a sequence of (allocator, ids) pairs", pair)
 
     @staticmethod
     def _fired(t: Ticket) -> bool:
@@ -297,8 +334,10 @@ class TransferEngine:
     # ----------------------------------------------------------------------------- helpers
     def _check(self, rows_view, rows, region, host_slots, need_valid: bool):
         if not isinstance(region, HostRegion):
-            raise InvalidArgumentError("region", "a HostRegion", type(region).__name__)
-        if (not isinstance(rows_view, torch.Tensor) or rows_view.dtype != torch.uint8 or rows_view.dim() != 2
+            raise InvalidTypeError("region", "a HostRegion", type(region).__name__)
+        if not isinstance(rows_view, torch.Tensor):
+            raise InvalidTypeError("rows_view", "a [rows, bytes] uint8 tensor", type(rows_view).__name__)
+        if (rows_view.dtype != torch.uint8 or rows_view.dim() != 2
                 or rows_view.stride(1) != 1):
             raise InvalidArgumentError("rows_view", "a [rows, bytes] uint8 view with unit inner stride",
                                        getattr(rows_view, "shape", type(rows_view)))
@@ -307,8 +346,6 @@ class TransferEngine:
         if rows_view.shape[1] != region.slot_bytes:
             raise InvalidArgumentError("rows_view", f"rows of {region.slot_bytes} bytes (region {region.name!r})",
                                        rows_view.shape[1])
-        from tiered_cache.slots import id_list
-
         rows_l = id_list("rows", rows)
         # destinations must be distinct; a source may be read more than once
         slots = region.allocator.check("host_slots", host_slots, unique=not need_valid)
@@ -325,6 +362,19 @@ class TransferEngine:
             if missing:
                 raise InvalidArgumentError("host_slots", "slots whose demote has completed", missing[:16])
         return rows_l, slots
+
+    @staticmethod
+    def _check_layer_ranges(layer_ranges: Any, slot_bytes: int) -> None:
+        """``(offset, nbytes)`` pairs inside one slot, in order; the kernel path moves int32 words."""
+        if not isinstance(layer_ranges, (list, tuple)):
+            raise InvalidTypeError("layer_ranges", "a sequence of (offset, nbytes) pairs", layer_ranges)
+        for r in layer_ranges:
+            if not isinstance(r, (list, tuple)) or len(r) != 2:
+                raise InvalidTypeError("layer_ranges", "(offset, nbytes) pairs of ints", r)
+            off = int_arg("layer_ranges", r[0], lo=0, hi=slot_bytes - 4)
+            n = int_arg("layer_ranges", r[1], lo=4, hi=slot_bytes - off)
+            if off % 4 or n % 4:
+                raise InvalidArgumentError("layer_ranges", "offsets and sizes that are multiples of 4", r)
 
     def _pick(self, direction: str, row_bytes: int, runs: list, sub: bool) -> str:
         method = self.method[direction]

@@ -21,10 +21,14 @@ import torch
 
 from tiered_cache import device as dev
 from tiered_cache.allocator import MultiEndedAllocator
-from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.move import move_rows
 from tiered_cache.specs import KVSpec, StateSpec, align_up
+from tiered_cache.validate import bool_arg, choice_arg, index_arg, int_arg
+
+BACKENDS = ("auto", "triton", "torch")
+MAX_SLOTS = 1 << 40  # slot counts past this are typos; the memory check refuses far smaller ones
 
 Spec = Union[KVSpec, StateSpec]
 
@@ -135,8 +139,7 @@ class SubPool:
         """Conv window ``i`` of every layer: ``[L, capacity, *spec.conv_shapes[i]]``."""
         self._need(False)
         s: StateSpec = self.spec
-        if not 0 <= i < len(s.conv_shapes):
-            raise InvalidArgumentError("i", f"a conv index in [0, {len(s.conv_shapes)})", i)
+        i = index_arg("i", i, len(s.conv_shapes))
         shape = s.conv_shapes[i]
         it = s.conv_dtype.itemsize
         inner = [it]
@@ -154,9 +157,7 @@ class SubPool:
         return self.conv_view_all(i)[self._layer(layer)]
 
     def _layer(self, layer: int) -> int:
-        if not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
-            raise InvalidArgumentError("layer", f"an int in [0, {self.spec.num_layers})", layer)
-        return layer
+        return index_arg("layer", layer, self.spec.num_layers)
 
 
 class UnifiedPool:
@@ -180,19 +181,28 @@ class UnifiedPool:
                  device: dev.DeviceLike = None, lazy_compaction: bool = False,
                  names: Optional[tuple[str, str]] = None, backend: str = "auto",
                  check_memory: bool = True) -> None:
-        for arg, spec in (("low", low), ("high", high)):
-            if not isinstance(spec, (KVSpec, StateSpec)):
-                raise InvalidArgumentError(arg, "a KVSpec or StateSpec", type(spec).__name__)
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise InvalidArgumentError("page_size", "an int >= 1", page_size)
+        if not isinstance(low, KVSpec):  # the low side is full-attention KV in both pairings
+            raise InvalidTypeError("low", "a KVSpec", type(low).__name__)
+        if not isinstance(high, (KVSpec, StateSpec)):
+            raise InvalidTypeError("high", "a KVSpec or StateSpec", type(high).__name__)
+        page_size = int_arg("page_size", page_size, lo=1, hi=1 << 20)
+        lazy_compaction = bool_arg("lazy_compaction", lazy_compaction)
+        check_memory = bool_arg("check_memory", check_memory)
+        choice_arg("backend", backend, BACKENDS)
         self.device = dev.resolve(device)
-        use_triton(self.device, backend)  # validates backend
+        use_triton(self.device, backend)  # backend allowed on this device
         if total_bytes is None:
-            if low_slots is None or high_slots is None:
-                raise InvalidArgumentError("total_bytes", "an int, or both low_slots and high_slots",
-                                           (total_bytes, low_slots, high_slots))
+            if low_slots is None and high_slots is None:
+                raise InvalidTypeError("total_bytes", "an int, or both low_slots and high_slots", None)
+            for arg, n in (("low_slots", low_slots), ("high_slots", high_slots)):
+                if n is None:
+                    raise InvalidTypeError(arg, "an int >= 1 (with the other side's slots, or total_bytes)", n)
             total_bytes = self.bytes_for(low, high, low_slots, high_slots, page_size)
-        if not isinstance(total_bytes, int) or total_bytes <= 0 or total_bytes % 16:
+        elif low_slots is not None or high_slots is not None:
+            raise InvalidArgumentError("total_bytes", "either total_bytes or low_slots/high_slots, not both",
+                                       (total_bytes, low_slots, high_slots))
+        total_bytes = int_arg("total_bytes", total_bytes, lo=16)
+        if total_bytes % 16:
             raise InvalidArgumentError("total_bytes", "a positive multiple of 16", total_bytes)
         lo_e, hi_e = low.bytes_per_slot(page_size), high.bytes_per_slot(page_size)
         if total_bytes < 2 * lo_e + hi_e or total_bytes < lo_e + 2 * hi_e:
@@ -200,8 +210,12 @@ class UnifiedPool:
                                        f"({max(2 * lo_e + hi_e, lo_e + 2 * hi_e)} bytes)", total_bytes)
         if names is None:
             names = ("full", "mamba" if isinstance(high, StateSpec) else "swa")
-        if len(names) != 2 or names[0] == names[1]:
+        if (not isinstance(names, (tuple, list)) or len(names) != 2
+                or not all(isinstance(n, str) and n for n in names)):
+            raise InvalidTypeError("names", "two non-empty str names", names)
+        if names[0] == names[1]:
             raise InvalidArgumentError("names", "two different names", names)
+        names = tuple(names)
         if check_memory:
             free = dev.free_memory(self.device)
             if total_bytes > free:
@@ -219,13 +233,19 @@ class UnifiedPool:
     @staticmethod
     def bytes_for(low: Spec, high: Spec, low_slots: int, high_slots: int, page_size: int = 1) -> int:
         """Bytes for ``low_slots`` and ``high_slots`` live slots at once, plus the two sinks."""
-        for arg, n in (("low_slots", low_slots), ("high_slots", high_slots)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise InvalidArgumentError(arg, "an int >= 1", n)
+        if not isinstance(low, (KVSpec, StateSpec)):
+            raise InvalidTypeError("low", "a KVSpec or StateSpec", type(low).__name__)
+        if not isinstance(high, (KVSpec, StateSpec)):
+            raise InvalidTypeError("high", "a KVSpec or StateSpec", type(high).__name__)
+        low_slots = int_arg("low_slots", low_slots, lo=1, hi=MAX_SLOTS)
+        high_slots = int_arg("high_slots", high_slots, lo=1, hi=MAX_SLOTS)
+        page_size = int_arg("page_size", page_size, lo=1, hi=1 << 20)
         return align_up((low_slots + 1) * low.bytes_per_slot(page_size)
                         + (high_slots + 1) * high.bytes_per_slot(page_size))
 
     def side(self, name: str) -> SubPool:
+        if not isinstance(name, str):
+            raise InvalidTypeError("name", f"one of {sorted(self._sides)}", name)
         try:
             return self._sides[name]
         except KeyError:

@@ -114,3 +114,33 @@ def _range_text(what: str, lo: Optional[int], hi: Optional[int]) -> str:
     if hi is not None:
         return f"{what} <= {hi}"
     return what
+
+
+def bool_arg(arg: str, value: Any) -> bool:
+    """``value`` as a bool: ``True``/``False`` (or a numpy bool) only; ``0``, ``"no"`` or ``None`` are refused,
+    since a flag given a string (``lazy="false"``) would read as true."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidTypeError(arg, "a bool", value)
+    return bool(value)
+
+
+def str_arg(arg: str, value: Any, *, empty: bool = False) -> str:
+    """``value`` as a str (non-empty unless ``empty``)."""
+    if not isinstance(value, str):
+        raise InvalidTypeError(arg, "a str", value)
+    if not value and not empty:
+        raise InvalidArgumentError(arg, "a non-empty str", value)
+    return value
+
+
+def index_arg(arg: str, value: Any, size: int) -> int:
+    """``value`` as an index in ``[0, size)``: ``InvalidTypeError`` for a non-int, ``OutOfRangeError``
+    (also an ``IndexError``) outside the range. Negative indices are refused, not counted from the end."""
+    from tiered_cache.errors import OutOfRangeError
+
+    if not is_int(value):
+        raise InvalidTypeError(arg, f"an int in [0, {size})", value)
+    v = int(value)
+    if not 0 <= v < size:
+        raise OutOfRangeError(arg, f"an int in [0, {size})", value)
+    return v
