@@ -8,6 +8,7 @@ with the tiered cache and without, side by side (``tiered_cache/engine/stress.py
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from typing import Optional
@@ -15,6 +16,7 @@ from typing import Optional
 import torch
 
 from tiered_cache import device as dev
+from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.unified_pool import UnifiedPool
 
@@ -63,22 +65,51 @@ def stress(args: argparse.Namespace) -> int:
     return run_stress(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line naming the flag (``tiered-cache stress: error: --clients: ...``), exit 2:
+    argparse's own errors too, without the usage block above them."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    from tiered_cache.engine.stress import UsageError
+    from tiered_cache.validate import int_arg
+
+    for flag, lo in (("--pages", 1), ("--states", 1), ("--page-size", 1)):
+        try:
+            int_arg(flag, getattr(args, flag[2:].replace("-", "_")), lo=lo)
+        except InvalidArgumentError as e:
+            raise UsageError(e.arg, e.expected, e.got) from None
+    try:
+        dev.resolve(args.device)
+    except InvalidArgumentError as e:
+        raise UsageError("--device", e.expected, e.got) from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="tiered-cache", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="tiered-cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("stress", help="the main job: a multi-turn workload, tiered cache vs no cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from tiered_cache.engine.stress import add_arguments  # argparse only: imports no transformers
+    from tiered_cache.engine.stress import UsageError, add_arguments  # argparse only: imports no transformers
 
     add_arguments(p)
     p.set_defaults(func=stress)
-    p = sub.add_parser("demo", help="a short tour of the unified T0 pool")
+    p = sub.add_parser("demo", help="a short tour of the unified T0 pool",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--pages", type=int, default=64, help="KV pages the pool is sized for")
     p.add_argument("--states", type=int, default=8, help="recurrent states the pool is sized for")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--lazy", action="store_true", help="lazy compaction (holes kept until needed)")
-    p.set_defaults(func=demo)
+    p.set_defaults(func=demo, check=_check_demo)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        if getattr(args, "check", None) is not None:
+            args.check(args)
+        return args.func(args)
+    except UsageError as e:  # raised before any work: the flag, what it takes and what was given
+        print(f"tiered-cache {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -50,7 +50,7 @@ from tiered_cache.engine.adapters import HybridCacheAdapter, decode_batch, forwa
 from tiered_cache.engine.graph_decode import GraphDecoder
 from tiered_cache.engine.models import spec_for
 from tiered_cache.engine.request import Request, Status
-from tiered_cache.engine.stats import CountingCheckpointPool, EngineStats
+from tiered_cache.engine.stats import CountingCheckpointPool, CountingLRUPolicy, EngineStats
 from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError
 from tiered_cache.radix import (
     CacheReq,
@@ -283,7 +283,8 @@ class Engine:
             host = dict(host=self.host, transfer=self.transfer, host_config=hc)
             if cfg.storage_url is not None:
                 host["storage"] = self.storage = self._open_storage()
-        self.cache = HiMambaRadixCache(self.pool, self.ckpt, checkpoint_unit=cfg.checkpoint_unit, **host)
+        self.cache = HiMambaRadixCache(self.pool, self.ckpt, checkpoint_unit=cfg.checkpoint_unit,
+                                       policy=CountingLRUPolicy(), **host)
         self.unit = self.cache.checkpoint_unit
         self.kv_token_bytes = self.kv.entry_bytes // cfg.page_size
         self.initial_free = self.free_sizes()
@@ -872,6 +873,8 @@ class Engine:
 
     def stats_dict(self) -> dict:
         out = self.stats.as_dict(self.ckpt, self.transfer)
+        if isinstance(getattr(self.cache, "policy", None), CountingLRUPolicy):
+            out["evictions"] = dict(self.cache.policy.counts)  # victims per resource (tier)
         if self.storage is not None:
             t3 = {k[3:]: v for k, v in self.cache.stats.items() if k.startswith("t3_")}
             t3["tier"] = dict(self.storage.stats)

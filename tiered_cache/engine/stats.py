@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from tiered_cache.checkpoint_pool import Int8CheckpointPool
+from tiered_cache.radix.policy import LRUPolicy
 
 
 class CountingCheckpointPool(Int8CheckpointPool):
@@ -37,6 +38,23 @@ class CountingCheckpointPool(Int8CheckpointPool):
         n = len(ckpt_slots)
         self.counts["loads"] += n
         self.counts["load_bytes"] += n * self.slot_bytes
+
+
+class CountingLRUPolicy(LRUPolicy):
+    """``LRUPolicy`` that counts its victims per resource: ``counts["kv"]`` device KV nodes evicted (demoted
+    to T2 or dropped), ``"state"`` T1 states, ``"kv_host"`` / ``"state_host"`` T2 copies dropped. The tree
+    asks ``pop`` once per victim, so these are the evictions per tier (the stress report says which tier
+    ran out from them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def pop(self, resource: str):
+        x = super().pop(resource)
+        if x is not None:
+            self.counts[resource] += 1
+        return x
 
 
 def percentile(xs: Sequence[float], q: float) -> Optional[float]:
