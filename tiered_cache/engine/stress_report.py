@@ -230,6 +230,16 @@ def reuse_lines(cached: dict, turns: Sequence[Any], cfg: dict) -> tuple[list[str
 
 
 def write_chart(path: str, cached: dict, base: Optional[dict]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = chart(cached, base)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def chart(cached: dict, base: Optional[dict]):
+    """The report's figure (2 x 2 axes): TTFT per round, prompt tokens, where states came from (every
+    tier the run used), bytes per tier."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,5 +286,4 @@ def write_chart(path: str, cached: dict, base: Optional[dict]) -> None:
                  + ")", xlabel="MiB")
     ax[1, 1].title.set_fontsize(9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
