@@ -25,9 +25,9 @@ from tiered_cache.errors import InvalidArgumentError
 
 
 def _int(name: str, v, lo: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise InvalidArgumentError(name, f"an int >= {lo}", v)
-    return v
+    from tiered_cache.validate import int_arg
+
+    return int_arg(name, v, lo=lo)  # InvalidTypeError for a str / float / bool, as everywhere
 
 
 def checkpoint_position(end: int, unit: int) -> int:
