@@ -132,9 +132,9 @@ class WrapBackend(StorageBackend):
         if self.delay_s and method in self.slow:
             time.sleep(self.delay_s)
 
-    def get_many(self, keys):
+    def get_many(self, keys, sizes=None, stop=None):
         self._enter("get")
-        return self.inner.get_many(keys)
+        return self.inner.get_many(keys, sizes, stop)
 
     def exists_many(self, keys):
         self._enter("exists")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from storage_util import FP, fill_slots, make_region, wait_done
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.storage import FileStore, Kind, StorageFingerprint, StorageTier, page_keys
 
@@ -28,9 +29,54 @@ def test_chain_is_a_prefix_hash():
 
 def test_salt_isolates_tenants():
     assert page_keys(TOKENS, FP, "tenant-a") != page_keys(TOKENS, FP, "tenant-b")
-    assert page_keys(TOKENS, FP, "x") == page_keys(TOKENS, FP, b"x") != page_keys(TOKENS, FP)
+    assert page_keys(TOKENS, FP, "x") != page_keys(TOKENS, FP)
     with pytest.raises(InvalidArgumentError, match="salt"):
         page_keys(TOKENS, FP, 5)
+    with pytest.raises(InvalidTypeError, match="extra_key"):
+        page_keys(TOKENS, FP, extra_key=5)
+
+
+TENANTS = [(None, None), ("", None), (None, ""), ("", ""), ("a", None), (None, "a"), ("a", "a"), ("ab", "c"),
+           ("a", "bc"), ("abc", None), (None, "abc"), ("x", None), (b"x", None), (None, b"x"), ("a\0", None),
+           ("a", "\0"), ("\x00", ""), ("\x01", None), ("é", None), ("\ud800", None), (b"\xed\xa0\x80", None)]
+
+
+def test_tenant_pairs_are_unambiguous():
+    """Issue 17 item 1: the T3 key binds the tier salt AND the request key, unambiguously. Before, the
+    request key was not a field at all (the hook passed it as the salt, so tier salts "A" and "B" shared
+    every entry), None and "" seeded alike, and a concatenation like ("ab", "c") / ("a", "bc") could
+    collide. Every distinct (salt, extra_key) pair must give distinct keys, and the chain must depend
+    on both fields from its first page on."""
+    seeds = {}
+    for salt, key in TENANTS:
+        ks = tuple(page_keys(TOKENS[:8], FP, salt, extra_key=key))
+        assert ks not in seeds, f"{(salt, key)} and {seeds[ks]} share T3 keys"
+        seeds[ks] = (salt, key)
+        assert page_keys(TOKENS[:8], FP, salt, extra_key=key) == list(ks)  # and they are a function of the pair
+
+
+def test_v2_keys_never_meet_v1_entries():
+    """Issue 17 item 1: the key derivation changed, so the seed tag changed with it: entries written under
+    the v1 derivation (salt alone, length in 4 bytes) are never read under a v2 key."""
+    import hashlib
+    for salt in (None, "", "t"):
+        s = (salt or "").encode()
+        v1 = hashlib.sha256(b"tiered-cache/t3/seed\0" + FP.digest + len(s).to_bytes(4, "little") + s).digest()
+        v1_keys = page_keys(TOKENS, FP, parent=v1)  # the v1 chain: the same pages after a v1 seed
+        for key in (None, ""):
+            assert not set(page_keys(TOKENS, FP, salt, extra_key=key)) & set(v1_keys)
+
+
+@pytest.mark.parametrize("tokens", [[1.5, 2.5, 3.5, 4.5], [1.0, 2.0, 3.0, 4.0], [True, False, True, False], "abcd",
+                                    ["1", "2", "3", "4"], np.array([1.5, 2.5, 3.5, 4.5]),
+                                    torch.tensor([1.0, 2.0, 3.0, 4.0]), [[1, 2, 3, 4]], [None] * 4])
+def test_non_integer_tokens_are_refused(tokens):
+    """Issue 17 item 6: ``page_keys([1.5, 2.5]) == page_keys([1, 2])`` served float tokens an integer
+    prefix's entry (numpy truncated them). Token ids are integers only: a typed error naming ``tokens``."""
+    with pytest.raises(InvalidTypeError) as ei:
+        page_keys(tokens, FP)
+    assert ei.value.arg == "tokens"
+    assert page_keys(np.array([1, 2, 3, 4]), FP) == page_keys([1, 2, 3, 4], FP) == page_keys(torch.arange(1, 5), FP)
 
 
 VARIANTS = {

@@ -17,8 +17,10 @@ The tree calls these (all on the engine's thread; none blocks except the ``wait_
     poll()                 check_hicache_events: advance fetches whose storage ops are done
     cancel(req)            the request was aborted: its fetches stop; their slots go back when done
 
-Keys: ``page_keys`` over the node's token path from the root, salted with the tenant salt of the
-path (``RadixKey.extra_key``); states use the key of the page they end at, under ``Kind.STATE``.
+Keys: ``tier.keys`` over the node's token path from the root, for the tenant of the path: the tier's
+``salt`` and the path's ``RadixKey.extra_key`` (``None`` and ``""`` apart, as the tree keeps them),
+so two caches whose tiers carry other salts, or two requests with other keys, share no T3 entry;
+states use the key of the page they end at, under ``Kind.STATE``.
 Anything wrong below (miss, damage, backend down, no T2 room, the tree changed meanwhile) makes the
 fetch a miss, counted in ``cache.stats`` as ``t3_*``; the tier counts its own reasons in ``tier.stats``.
 
@@ -32,12 +34,12 @@ import dataclasses
 import time
 from typing import Any, Optional
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.moves import demote_states
 from tiered_cache.radix.checks import common_len
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.storage.format import Kind
-from tiered_cache.storage.keys import page_keys
+from tiered_cache.validate import choice_arg, float_arg
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WAIT_COMPLETE_BOUND_S = 60.0  # "wait for completion" still never waits forever
@@ -66,8 +68,10 @@ class StorageHook:
             raise InvalidArgumentError("storage", "None without a host tier (T3 prefetches into T2)", tier)
         if cache.mode != "mamba":
             raise InvalidArgumentError("storage", "None in SWA mode (T3 is wired for the mamba tree only)", tier)
-        if policy not in PREFETCH_POLICIES:
-            raise InvalidArgumentError("prefetch_policy", f"one of {PREFETCH_POLICIES}", policy)
+        choice_arg("prefetch_policy", policy, PREFETCH_POLICIES)
+        timeout_s = float_arg("prefetch_timeout_s", timeout_s, lo=0, lo_open=True)
+        if not isinstance(write_through, bool):
+            raise InvalidTypeError("storage_write_through", "a bool", write_through)
         if tier.fingerprint.page_size != cache.page_size:
             raise InvalidArgumentError("storage", f"a tier of page_size {cache.page_size}",
                                        tier.fingerprint.page_size)
@@ -83,13 +87,15 @@ class StorageHook:
             y = y.parent
         parts.append(y.key)
         ck = y.ck
+        # A root child's key is (extra_key, first token or page) under a request key, else the bare
+        # token (an int) or page (a tuple of ints): a str first element can only be an extra_key.
         salt = ck[0] if isinstance(ck, tuple) and len(ck) == 2 and isinstance(ck[0], str) else None
         toks = [t for p in reversed(parts) for t in p]
         return toks, salt
 
     def _node_keys(self, x: TreeNode) -> list[bytes]:
         toks, salt = self._path(x)
-        keys = page_keys(toks, self.tier.fingerprint, salt)
+        keys = self.tier.keys(toks, extra_key=salt)
         return keys[len(keys) - len(x.key) // self.cache.page_size:]
 
     # ----------------------------------------------------------------------------- writes
@@ -179,7 +185,7 @@ class StorageHook:
         for f in self.fetches:
             if f.salt == salt and tuple(f.toks[:f.start + ps]) == first:
                 return  # already being fetched
-        keys = page_keys(toks[:end], self.tier.fingerprint, salt)[start // ps:]
+        keys = self.tier.keys(toks[:end], extra_key=salt)[start // ps:]
         ops = [self.tier.lookup(keys, Kind.KV), self.tier.lookup(keys, Kind.STATE)]
         f = _Fetch(req, salt, list(toks[:end]), start, anchor, keys, ops)
         self.fetches.append(f)

@@ -10,6 +10,12 @@ before the rename (and survives power loss, at the cost of a disk flush per valu
 crash can leave a short or empty file, which the format's checksum turns into a counted miss.
 Temp files older than an hour (a writer that died) are removed when a store opens the directory.
 
+Keys are file names from a fixed alphabet (``[A-Za-z0-9_-]``, at most 200 characters): no separator,
+no dot, so no key can name a path outside ``root`` (``"evil.."`` once wrote one level above it);
+every path is also resolved and checked to lie under the resolved root (a symlinked shard folder
+pointing elsewhere is refused too). A file's size is checked against the size the reader expects
+(``fstat``) before a byte of it is read or a buffer allocated.
+
 A new ``FileStore`` on the same directory finds what earlier ones wrote: that is how a restarted
 engine starts warm. There is no size limit or eviction here (left to the operator, e.g. a cron job
 removing the oldest files; a missing file is just a miss).
@@ -19,15 +25,19 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
 from typing import Optional
 
-from tiered_cache.errors import InvalidArgumentError, StorageUnavailableError
-from tiered_cache.storage.backend import Buffer, StorageBackend
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, StorageUnavailableError
+from tiered_cache.storage.backend import DEFAULT_MAX_VALUE_BYTES, Buffer, Stop, StorageBackend, Value, WrongSize
+from tiered_cache.validate import int_arg
 
 _STALE_TMP_S = 3600.0
+_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
+_KEY_TEXT = "1-200 characters of [A-Za-z0-9_-] (no separator, no dot)"
 
 
 class FileStore(StorageBackend):
@@ -35,30 +45,58 @@ class FileStore(StorageBackend):
 
     name = "file"
 
-    def __init__(self, root: str, *, fsync: bool = False) -> None:
-        if not isinstance(root, (str, os.PathLike)) or not str(root):
+    def __init__(self, root: str, *, fsync: bool = False, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
             raise InvalidArgumentError("root", "a directory path", root)
+        if not isinstance(fsync, bool):
+            raise InvalidTypeError("fsync", "a bool", fsync)
+        self.max_value_bytes = int_arg("max_value_bytes", max_value_bytes, lo=1)
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync
         self._tmp = os.path.join(self.root, ".tmp")
         self._n = itertools.count()
         try:
             os.makedirs(self._tmp, exist_ok=True)
-        except OSError as e:
+            self._real_root = os.path.realpath(self.root)
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the path
             raise StorageUnavailableError(f"file store {self.root}", e) from e
         self._clean_stale_tmp()
 
     def path(self, key: str) -> str:
-        if not key or "/" in key or key.startswith("."):
-            raise InvalidArgumentError("key", "a non-empty file name not starting with '.'", key)
-        return os.path.join(self.root, key[-2:], key)
+        """The file of ``key``, always inside ``root`` (typed error naming ``key`` otherwise)."""
+        if not isinstance(key, str):
+            raise InvalidTypeError("key", _KEY_TEXT, key)
+        if not _KEY_RE.fullmatch(key):
+            raise InvalidArgumentError("key", _KEY_TEXT, key)
+        p = os.path.join(self.root, key[-2:], key)
+        # The alphabet already rules out escapes; resolving also catches a shard folder that is a
+        # symlink to elsewhere (planted by someone with write access to the store).
+        real = os.path.realpath(p)
+        if os.path.commonpath([real, self._real_root]) != self._real_root or real == self._real_root:
+            raise InvalidArgumentError("key", f"a key whose file lies under {self._real_root}", key)
+        return p
 
-    def get_many(self, keys: Sequence[str]) -> list[Optional[Buffer]]:
-        out: list[Optional[Buffer]] = []
-        for k in keys:
+    def _paths(self, keys: Sequence[str]) -> list[str]:
+        return [self.path(k) for k in keys]  # all checked before any is touched
+
+    def get_many(self, keys: Sequence[str], sizes: Optional[Sequence[Optional[int]]] = None,
+                 stop: Stop = None) -> list[Optional[Value]]:
+        paths = self._paths(keys)
+        if sizes is not None and len(sizes) != len(paths):
+            raise InvalidArgumentError("sizes", f"{len(paths)} sizes (one per key)", len(sizes))
+        out: list[Optional[Value]] = []
+        for i, p in enumerate(paths):
+            if stop is not None and stop():
+                out += [None] * (len(paths) - i)
+                break
+            want = None if sizes is None else sizes[i]
             try:
-                with open(self.path(k), "rb", buffering=0) as f:
-                    out.append(_read_all(f))
+                with open(p, "rb", buffering=0) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if (size != want) if want is not None else (size > self.max_value_bytes):
+                        out.append(WrongSize(size))  # not read: its size alone says it is not the entry
+                        continue
+                    out.append(_read_all(f, size))
             except FileNotFoundError:
                 out.append(None)
             except OSError as e:
@@ -66,8 +104,8 @@ class FileStore(StorageBackend):
         return out
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
-        for key, parts in items:
-            final = self.path(key)
+        finals = self._paths([key for key, _ in items])
+        for (key, parts), final in zip(items, finals):
             tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{threading.get_ident()}.{next(self._n)}")
             try:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -82,11 +120,11 @@ class FileStore(StorageBackend):
                 raise StorageUnavailableError(f"file store {self.root}", e) from e
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        return [os.path.exists(self.path(k)) for k in keys]
+        return [os.path.exists(p) for p in self._paths(keys)]
 
     def delete_many(self, keys: Sequence[str]) -> None:
-        for k in keys:
-            _unlink_quiet(self.path(k))
+        for p in self._paths(keys):
+            _unlink_quiet(p)
 
     def _clean_stale_tmp(self) -> None:
         now = time.time()
@@ -101,9 +139,8 @@ class FileStore(StorageBackend):
             pass
 
 
-def _read_all(f) -> bytearray:
-    """The whole file in one buffer: ``readinto`` a buffer of the file's size (one copy from the kernel)."""
-    size = os.fstat(f.fileno()).st_size
+def _read_all(f, size: int) -> bytearray:
+    """The whole file (``size`` bytes, from ``fstat``) in one buffer: one copy from the kernel."""
     buf = bytearray(size)
     mv = memoryview(buf)
     got = 0

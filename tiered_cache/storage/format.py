@@ -73,9 +73,26 @@ def pack_header(kind: Kind, payload: Buffer, tag: bytes, key: bytes, t2_checksum
     return head + _CRC.pack(zlib.crc32(head))
 
 
+_BYTE_FORMATS = ("B", "b", "c")
+
+
+def _byte_view(data: object) -> memoryview:
+    """``data`` as a flat byte view, or ``StorageFormatError("type")``: whatever a backend (or a caller)
+    hands in, the parser's contract is to refuse it with the one error type, never ``TypeError``."""
+    try:
+        mv = memoryview(data)  # type: ignore[arg-type]
+    except (TypeError, ValueError, BufferError):  # not a buffer (None, str, int, a tensor), or released
+        raise StorageFormatError("type", f"a bytes-like value, got {type(data).__name__}") from None
+    if mv.format not in _BYTE_FORMATS or mv.itemsize != 1:
+        raise StorageFormatError("type", f"a byte buffer, got a view of format {mv.format!r}")
+    if not mv.c_contiguous:
+        raise StorageFormatError("type", "a contiguous buffer, got a strided view")
+    return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
 def parse_header(data: Buffer) -> Header:
     """Parse and check the first ``HEADER_SIZE`` bytes of ``data`` (payload not checked here)."""
-    mv = memoryview(data).cast("B")
+    mv = _byte_view(data)
     if mv.nbytes < HEADER_SIZE:
         raise StorageFormatError("truncated", f"{mv.nbytes} bytes, a header has {HEADER_SIZE}")
     if mv[:4] != MAGIC:
@@ -103,7 +120,7 @@ def unpack(data: Union[Buffer, Sequence[Buffer]], *, kind: Kind, tag: bytes, key
     """Check a whole stored value against what the reader asked for; returns the header and the
     payload as views of ``data`` (no copy). ``data`` may be one buffer or its parts in order (a chunked
     backend need not join them). Raises ``StorageFormatError`` for anything that is not exactly that entry."""
-    parts = [memoryview(p).cast("B") for p in (data if isinstance(data, (list, tuple)) else (data,))]
+    parts = [_byte_view(p) for p in (data if isinstance(data, (list, tuple)) else (data,))]
     if not parts or parts[0].nbytes < HEADER_SIZE:  # a header split over parts (tiny chunks): join them
         parts = [memoryview(b"".join(parts))]
     h = parse_header(parts[0])

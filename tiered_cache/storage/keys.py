@@ -2,14 +2,21 @@
 
 Page ``i``'s key names the whole prefix ``tokens[: (i + 1) * page_size]``, not the page alone: a KV
 page (and a state at a page's end) is only valid after exactly the tokens before it. The chain is
-seeded with everything that changes the stored bytes, so two configurations never share a key::
+seeded with everything that changes the stored bytes and with the tenant, so two configurations or
+two tenants never share a key::
 
-    seed   = SHA-256("tiered-cache/t3/seed" | fingerprint digest | len(salt) | salt)
+    seed   = SHA-256("tiered-cache/t3/seed/v2" | fingerprint digest | field(salt) | field(extra_key))
+    field(None) = 0x00;  field(str s) = 0x01 | u64 len | UTF-8(s);  field(bytes b) = 0x02 | u64 len | b
     key[0] = SHA-256(seed     | page 0 tokens as int64 little-endian)
     key[i] = SHA-256(key[i-1] | page i tokens as int64 little-endian)
 
 The fingerprint covers model id, layer range, dtypes, codec, page size, layout version and, through
-``from_specs``, the shapes of the specs; the tenant salt isolates tenants that share a store. A
+``from_specs``, the shapes of the specs. A tenant is the pair (the tier's ``salt``, the request's
+``extra_key``), the same pair the radix tree keys its root by: each field carries a presence/type byte
+and a length, so no two distinct pairs give the same seed bytes (``None`` and ``""`` differ, and so
+do ``("ab", "c")`` and ``("a", "bc")``, ``"x"`` and ``b"x"``). Seeds of the v1 derivation (which
+mapped ``None`` and ``""`` alike and took no request key) are under another tag, so their entries
+are never read under v2 keys. A
 value's header also carries the first bytes of the fingerprint digest and the key itself, so a value
 written under the wrong key (or by another model) is recognised when read and counted as ``foreign``.
 """
@@ -25,7 +32,8 @@ from typing import Optional, Union
 
 import numpy as np
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.validate import int_arg, int_list
 
 # Bump when the byte layout of any stored envelope changes (specs.py field order, alignment, codec).
 LAYOUT_VERSION = 1
@@ -55,17 +63,16 @@ class StorageFingerprint:
         if not isinstance(self.model_id, str) or not self.model_id:
             raise InvalidArgumentError("model_id", "a non-empty str", self.model_id)
         lr = self.layer_range
-        if (not isinstance(lr, tuple) or len(lr) != 2 or not all(isinstance(x, int) for x in lr)
+        if (not isinstance(lr, tuple) or len(lr) != 2 or not all(type(x) is int for x in lr)
                 or not 0 <= lr[0] < lr[1]):
             raise InvalidArgumentError("layer_range", "a tuple (first, end) of ints with 0 <= first < end", lr)
         if not isinstance(self.dtypes, tuple) or not all(isinstance(d, str) for d in self.dtypes):
             raise InvalidArgumentError("dtypes", "a tuple of str", self.dtypes)
         if not isinstance(self.codec, str) or not self.codec:
             raise InvalidArgumentError("codec", "a non-empty str", self.codec)
-        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
-            raise InvalidArgumentError("page_size", "an int >= 1", self.page_size)
-        if not isinstance(self.layout_version, int) or self.layout_version < 0:
-            raise InvalidArgumentError("layout_version", "an int >= 0", self.layout_version)
+        # plain ints (a numpy int would not JSON-encode into the digest)
+        object.__setattr__(self, "page_size", int_arg("page_size", self.page_size, lo=1))
+        object.__setattr__(self, "layout_version", int_arg("layout_version", self.layout_version, lo=0))
         if not isinstance(self.extra, tuple) or not all(
                 isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in self.extra):
             raise InvalidArgumentError("extra", "a tuple of (str, str) pairs", self.extra)
@@ -108,37 +115,50 @@ class StorageFingerprint:
         return self.digest[:16]
 
 
-def chain_seed(fingerprint: StorageFingerprint, salt: Salt = None) -> bytes:
-    if salt is None:
-        s = b""
-    elif isinstance(salt, str):
-        s = salt.encode()
-    elif isinstance(salt, bytes):
-        s = salt
+_SEED_TAG = b"tiered-cache/t3/seed/v2\0"
+
+
+def tenant_field(arg: str, value: Salt) -> bytes:
+    """The unambiguous encoding of one tenant field: presence/type byte, u64 length, bytes."""
+    if value is None:
+        return b"\x00"
+    if isinstance(value, str):
+        # surrogatepass: every str (even one with lone surrogates) has exactly one encoding
+        raw, typ = value.encode("utf-8", "surrogatepass"), b"\x01"
+    elif isinstance(value, bytes):
+        raw, typ = value, b"\x02"
     else:
-        raise InvalidArgumentError("salt", "None, str or bytes", salt)
-    return hashlib.sha256(b"tiered-cache/t3/seed\0" + fingerprint.digest + len(s).to_bytes(4, "little") + s).digest()
+        raise InvalidTypeError(arg, "None, str or bytes", value)
+    return typ + len(raw).to_bytes(8, "little") + raw
+
+
+def chain_seed(fingerprint: StorageFingerprint, salt: Salt = None, extra_key: Salt = None) -> bytes:
+    """The chain's seed for one fingerprint and one tenant (tier ``salt``, request ``extra_key``)."""
+    return hashlib.sha256(_SEED_TAG + fingerprint.digest + tenant_field("salt", salt)
+                          + tenant_field("extra_key", extra_key)).digest()
 
 
 def page_keys(tokens: Sequence[int], fingerprint: StorageFingerprint, salt: Salt = None, *,
-              parent: Optional[bytes] = None) -> list[bytes]:
+              extra_key: Salt = None, parent: Optional[bytes] = None) -> list[bytes]:
     """One 32-byte key per whole page of ``tokens`` (a trailing partial page gets none).
 
+    ``salt``: the tier's tenant salt; ``extra_key``: the request's (``RadixKey.extra_key``).
     ``parent``: the key of the page before ``tokens[0]`` (to extend a chain from a tree node without
-    rehashing its ancestors); ``None`` starts from the seed.
+    rehashing its ancestors; it already binds the tenant); ``None`` starts from the seed.
     """
     ps = fingerprint.page_size
+    # Integers only: np.asarray would truncate 1.5 to 1 and serve an integer prefix's entry.
+    toks = int_list("tokens", tokens)
     try:
-        arr = np.asarray(tokens, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidArgumentError("tokens", "a sequence of int token ids", tokens) from None
-    if arr.ndim != 1:
-        raise InvalidArgumentError("tokens", "a 1-D sequence of token ids", arr.shape)
+        arr = np.asarray(toks, dtype=np.int64)
+    except OverflowError:
+        raise InvalidArgumentError("tokens", "token ids that fit in int64", max(toks, key=abs)) from None
     if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
         raise InvalidArgumentError("parent", f"None or a {KEY_BYTES}-byte key", parent)
+    seed = chain_seed(fingerprint, salt, extra_key)  # checks both tenant fields even when parent is given
     raw = arr.astype("<i8").tobytes()
     page = ps * 8
-    h = parent if parent is not None else chain_seed(fingerprint, salt)
+    h = parent if parent is not None else seed
     out = []
     for i in range(len(arr) // ps):
         h = hashlib.sha256(h + raw[i * page:(i + 1) * page]).digest()

@@ -22,7 +22,13 @@ its own timeout); its prefetched slots stay not ``valid``: the tree frees them.
 Whatever goes wrong below (backend down, a value truncated, damaged, of another fingerprint or size)
 becomes a miss counted in ``stats`` under its reason; nothing raises to the caller except misuse
 (typed errors, nothing changed). While a backend is failing, ops fail fast as ``unavailable`` for
-``retry_after_s`` instead of each paying a connect timeout (a circuit breaker).
+``retry_after_s`` instead of each paying a connect timeout (a circuit breaker). Reads and writes
+have a breaker each: a full disk (writes failing) must not turn off reads of what is already stored.
+
+Sizes are the tier's, not the store's: a prefetch expects exactly ``HEADER_SIZE + slot_bytes`` bytes
+per value (a ``get``: ``HEADER_SIZE + entry_bytes[kind]`` when given), and the backend refuses a value
+of any other stored size or chunk count before fetching or allocating it (``bad_length``). A
+multi-round-trip read asks the op's cancel and deadline between round trips.
 
 A prefetched slot gets back the T2 checksum its bytes left the GPU with (kept in the header), so the
 GPU checks the bytes once more when they are promoted.
@@ -42,11 +48,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from tiered_cache.errors import InvalidArgumentError, StorageFormatError, StorageUnavailableError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, StorageFormatError, StorageUnavailableError
 from tiered_cache.host_mirror import HostRegion
-from tiered_cache.storage.backend import StorageBackend
-from tiered_cache.storage.format import Kind, pack_header, unpack
+from tiered_cache.storage.backend import StorageBackend, WrongSize
+from tiered_cache.storage.format import HEADER_SIZE, Kind, pack_header, unpack
 from tiered_cache.storage.keys import KEY_BYTES, Salt, StorageFingerprint, page_keys
+from tiered_cache.validate import float_arg, int_arg
 
 log = logging.getLogger(__name__)
 _DOWN = object()  # what _backend_call returns while the backend is unreachable
@@ -100,17 +107,35 @@ class StorageTier:
         retry_after_s: after a backend failure, ops fail fast as ``unavailable`` for this long.
         skip_existing: ``write`` first asks which keys the store has (content-addressed: same key,
             same bytes) and writes only the others.
+        entry_bytes: ``{Kind: payload bytes}`` of each kind's envelope, the exact size a ``get`` expects
+            (a prefetch takes it from its T2 region); a kind not in it is bounded by the backend's
+            ``max_value_bytes``.
     """
 
     def __init__(self, backend: StorageBackend, fingerprint: StorageFingerprint, *, salt: Salt = None,
                  workers: int = 2, batch_bytes: int = 64 << 20, retry_after_s: float = 2.0,
-                 skip_existing: bool = True) -> None:
+                 skip_existing: bool = True, entry_bytes: Optional[dict] = None) -> None:
         if not isinstance(backend, StorageBackend):
-            raise InvalidArgumentError("backend", "a StorageBackend", backend)
+            raise InvalidTypeError("backend", "a StorageBackend", backend)
         if not isinstance(fingerprint, StorageFingerprint):
-            raise InvalidArgumentError("fingerprint", "a StorageFingerprint", fingerprint)
-        if not isinstance(workers, int) or workers < 1:
-            raise InvalidArgumentError("workers", "an int >= 1", workers)
+            raise InvalidTypeError("fingerprint", "a StorageFingerprint", fingerprint)
+        workers = int_arg("workers", workers, lo=1, hi=256)
+        batch_bytes = int_arg("batch_bytes", batch_bytes, lo=1)
+        retry_after_s = float_arg("retry_after_s", retry_after_s, lo=0)  # inf would never retry
+        if not isinstance(skip_existing, bool):
+            raise InvalidTypeError("skip_existing", "a bool", skip_existing)
+        sizes: dict[Kind, int] = {}
+        if entry_bytes is not None:
+            if not isinstance(entry_bytes, dict):
+                raise InvalidTypeError("entry_bytes", "None or a dict {Kind: payload bytes}", entry_bytes)
+            for k, v in entry_bytes.items():
+                try:
+                    kind = Kind(k)
+                except ValueError:
+                    raise InvalidArgumentError("entry_bytes", f"keys from {[x.name for x in Kind]}", k) from None
+                sizes[kind] = int_arg("entry_bytes", v, lo=0)
+        page_keys([], fingerprint, salt)  # validate salt now, not on the first call
+        self.entry_bytes = sizes
         self.backend = backend
         self.fingerprint = fingerprint
         self.salt = salt
@@ -122,13 +147,14 @@ class StorageTier:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tc-storage")
         self._pending: dict[int, StorageOp] = {}
         self._ids = itertools.count(1)
-        self._down_until = 0.0  # written by workers, read by all: a float store is atomic
-        page_keys([], fingerprint, salt)  # validate salt now, not on the first call
+        # One breaker per direction (written by workers, read by all: a float store is atomic).
+        self._down_until = {"read": 0.0, "write": 0.0}
 
     # ------------------------------------------------------------------------------ keys
-    def keys(self, tokens: Sequence[int], parent: Optional[bytes] = None) -> list[bytes]:
-        """Chained keys of the whole pages of ``tokens`` (after ``parent``'s page, if given)."""
-        return page_keys(tokens, self.fingerprint, self.salt, parent=parent)
+    def keys(self, tokens: Sequence[int], parent: Optional[bytes] = None, *, extra_key: Salt = None) -> list[bytes]:
+        """Chained keys of the whole pages of ``tokens`` (after ``parent``'s page, if given) for the
+        tenant (this tier's ``salt``, the request's ``extra_key``): the one place T3 keys are made."""
+        return page_keys(tokens, self.fingerprint, self.salt, extra_key=extra_key, parent=parent)
 
     @staticmethod
     def storage_key(kind: Kind, key: bytes) -> str:
@@ -203,6 +229,9 @@ class StorageTier:
     def wait(self, op: StorageOp, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``op``; True when it is done (effects applied here, so ``poll``
         does not report it again)."""
+        if not isinstance(op, StorageOp):
+            raise InvalidTypeError("op", "a StorageOp from this tier", type(op).__name__)
+        timeout_s = float_arg("timeout_s", timeout_s, lo=0)
         if op.done:
             return True
         try:
@@ -218,6 +247,8 @@ class StorageTier:
     def cancel(self, op: StorageOp) -> None:
         """Stop ``op`` (its request was aborted). Results are discarded; ``poll`` reports it done
         once its worker has stopped, and only then are its slots free to reuse."""
+        if not isinstance(op, StorageOp):
+            raise InvalidTypeError("op", "a StorageOp from this tier", type(op).__name__)
         if not op.done and not op.cancelled:
             self._cancel(op)
 
@@ -226,6 +257,7 @@ class StorageTier:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel what is pending, wait for the workers (each bounded by the backend's timeouts)."""
+        timeout_s = float_arg("timeout_s", timeout_s, lo=0)
         for op in list(self._pending.values()):
             self._cancel(op)
         deadline = time.monotonic() + timeout_s
@@ -251,9 +283,12 @@ class StorageTier:
         return keys, lst
 
     def _new(self, name, kind, keys, region, slots, timeout_s) -> StorageOp:
-        kind = Kind(kind)
-        if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
-            raise InvalidArgumentError("timeout_s", "None or a positive number of seconds", timeout_s)
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise InvalidArgumentError("kind", f"one of {[k.name for k in Kind]}", kind) from None
+        if timeout_s is not None:  # None: no deadline; NaN or inf would be one that never comes
+            timeout_s = float_arg("timeout_s", timeout_s, lo=0, lo_open=True)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         return StorageOp(next(self._ids), name, kind, keys, region, slots, deadline)
 
@@ -307,16 +342,17 @@ class StorageTier:
         del self._pending[op.id]
         return op
 
-    def _backend_call(self, fn, *args):
-        """A backend call's result, or ``_DOWN`` when the backend is down (breaker open, or it just failed)."""
-        if time.monotonic() < self._down_until:
+    def _backend_call(self, direction: str, fn, *args, **kw):
+        """A backend call's result, or ``_DOWN`` when the backend is down for ``direction`` (``"read"``
+        or ``"write"``: its breaker is open, or the call just failed and opened it)."""
+        if time.monotonic() < self._down_until[direction]:
             return _DOWN
         try:
-            return fn(*args)
+            return fn(*args, **kw)
         except StorageUnavailableError as e:
-            log.warning("storage backend %s unavailable (misses for %.1f s): %s", self.backend.name,
-                        self.retry_after_s, e)
-            self._down_until = time.monotonic() + self.retry_after_s
+            log.warning("storage backend %s unavailable for %ss (misses for %.1f s): %s", self.backend.name,
+                        direction, self.retry_after_s, e)
+            self._down_until[direction] = time.monotonic() + self.retry_after_s
             return _DOWN
 
     # Workers: no T2 bookkeeping here (poll applies results); counts returned, merged by _finish.
@@ -324,6 +360,8 @@ class StorageTier:
         n = len(op.keys)
         counts: collections.Counter[str] = collections.Counter()
         hits, extra = [False] * n, [None if dests is None else 0] * n
+        payload = slot_bytes if slot_bytes is not None else self.entry_bytes.get(op.kind)
+        size = None if payload is None else HEADER_SIZE + payload
         per = max(1, self.batch_bytes // (slot_bytes or self.batch_bytes))
         for s in range(0, n, per):
             if op._stop():
@@ -331,13 +369,22 @@ class StorageTier:
                 counts["_stopped"] = 1
                 break
             idx = range(s, min(n, s + per))
-            vals = self._backend_call(self.backend.get_many, [self.storage_key(op.kind, op.keys[i]) for i in idx])
+            vals = self._backend_call("read", self.backend.get_many,
+                                      [self.storage_key(op.kind, op.keys[i]) for i in idx], [size] * len(idx),
+                                      op._stop)
             if vals is _DOWN:
                 counts["unavailable"] += len(idx)
                 continue
+            if op._stop():  # stopped inside the read: what it returned may be partial
+                counts["cancelled" if op.cancelled and not op.timed_out else "timed_out"] += n - s
+                counts["_stopped"] = 1
+                break
             for i, v in zip(idx, vals):
                 if v is None:
                     counts["absent"] += 1
+                    continue
+                if isinstance(v, WrongSize):  # refused by its stored size / chunk layout, before it was read
+                    counts["bad_length"] += 1  # (a cut file is one of another size: not read to tell)
                     continue
                 try:
                     h, payload = unpack(v, kind=op.kind, tag=self.tag, key=op.keys[i])
@@ -366,7 +413,7 @@ class StorageTier:
         skeys = [self.storage_key(op.kind, k) for k in op.keys]
         todo = list(range(n))
         if self.skip_existing:
-            have = self._backend_call(self.backend.exists_many, skeys)
+            have = self._backend_call("write", self.backend.exists_many, skeys)
             if have is _DOWN:
                 counts["write_unavailable"] += n
                 return done, None, counts
@@ -383,7 +430,7 @@ class StorageTier:
             idx = todo[s:s + per]
             items = [(skeys[i], [pack_header(op.kind, srcs[i], self.tag, op.keys[i], op._t2_checksums[i]), srcs[i]])
                      for i in idx]
-            if self._backend_call(self.backend.put_many, items) is _DOWN:
+            if self._backend_call("write", self.backend.put_many, items) is _DOWN:
                 counts["write_unavailable"] += len(idx)
                 continue
             for i in idx:
@@ -393,7 +440,7 @@ class StorageTier:
 
     def _lookup_work(self, op: StorageOp):
         counts: collections.Counter[str] = collections.Counter()
-        have = self._backend_call(self.backend.exists_many, [self.storage_key(op.kind, k) for k in op.keys])
+        have = self._backend_call("read", self.backend.exists_many, [self.storage_key(op.kind, k) for k in op.keys])
         if have is _DOWN:
             counts["unavailable"] += len(op.keys)
             return [False] * len(op.keys), None, counts
