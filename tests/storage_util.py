@@ -150,3 +150,61 @@ class WrapBackend(StorageBackend):
 
     def close(self) -> None:
         self.inner.close()
+
+
+# ------------------------------------------------------------------------------ radix caches over T3
+def make_t3_cache(tier, *, kv_pages: int = 64, states: int = 8, t1_slots: int = 16, host_pages: int = 64,
+                  host_states: int = 16):
+    """A CPU ``HiMambaRadixCache`` with T0-T3 (lossless T1, write-through to T2 and T3, ``wait_complete``
+    prefetch so one match already sees what T3 holds). Page size: the tier's fingerprint's."""
+    from radix_util import KV_SPEC, STATE_SPEC
+
+    from tiered_cache.checkpoint_pool import Int8CheckpointPool
+    from tiered_cache.radix import HiMambaRadixCache, HostTierConfig
+    from tiered_cache.transfer import TransferEngine
+    from tiered_cache.unified_pool import UnifiedPool
+
+    ps = tier.fingerprint.page_size
+    pool = UnifiedPool(KV_SPEC, STATE_SPEC, low_slots=kv_pages, high_slots=states, page_size=ps, device="cpu",
+                       check_memory=False, backend="torch")
+    ckpt = Int8CheckpointPool(STATE_SPEC, t1_slots, device="cpu", codec="lossless", check_memory=False,
+                              backend="torch")
+    host = HostMirror([RegionSpec("state", ckpt.slot_bytes, host_states),
+                       RegionSpec("full", pool.low.entry_bytes, host_pages)], check_memory=False)
+    return HiMambaRadixCache(pool, ckpt, host=host, transfer=TransferEngine("cpu"),
+                             host_config=HostTierConfig(prefetch_policy="wait_complete"), storage=tier)
+
+
+def settle(cache, timeout_s: float = 20.0) -> None:
+    """Drive ``check_hicache_events`` until T2 backups have landed and every T3 op of the cache's tier
+    is done (the writes they start go to T3 when they land)."""
+    tier = cache.t3.tier
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cache.check_hicache_events()
+        # _ops: the tree's T2 transfers in flight (read only here, to know when backups have landed)
+        if not cache._ops and tier.pending() == 0 and not cache.t3.fetches:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"T2/T3 ops not done in {timeout_s} s")
+
+
+def stored_names(backend) -> set:
+    """Every entry name a backend holds: file names under a ``FileStore`` root (temp files aside), or
+    the entry keys of a ``RedisStore``'s prefix (each chunked value counted once, by its chunk 0)."""
+    from tiered_cache.storage import FileStore, RedisStore
+
+    if isinstance(backend, FileStore):
+        out = set()
+        for _d, subdirs, files in os.walk(backend.root):
+            subdirs[:] = [s for s in subdirs if s != ".tmp"]
+            out |= set(files)
+        return out
+    assert isinstance(backend, RedisStore)
+    import redis
+
+    r = redis.Redis(host=backend.host, port=backend.port)
+    try:
+        return {k.decode() for k in r.scan_iter(match=f"{backend.prefix}*:0", count=1000)}
+    finally:
+        r.close()
