@@ -198,3 +198,30 @@ def insert_fresh(cache: HiMambaRadixCache, toks: list[int], salt: Optional[str] 
         cache.states.free(slot)
         slot = None
     return res, slot
+
+
+def full_snapshot(cache) -> tuple:
+    """Everything a caller can observe: the tree (keys, ids, states, locks, hit counts, LRU stamps and
+    candidate sets), sizes, stats, and the free sizes of every pool. Equal before and after a call that
+    raised means the call changed nothing."""
+    pol = cache.policy
+    nodes = []
+    stack = [(cache.root, ())]
+    while stack:
+        x, pre = stack.pop()
+        for ck in sorted(x.children, key=repr):
+            c = x.children[ck]
+            nodes.append((pre, tuple(c.key), None if c.value is None else tuple(c.value.tolist()),
+                          None if c.mamba_value is None else int(c.mamba_value), c.state_host, c.host_kv,
+                          c.full_lock_ref, c.mamba_lock_ref, c.hit_count,
+                          tuple(pol.stamp(r, c) for r in ("kv", "state")),
+                          tuple(c in pol.candidates(r) for r in ("kv", "state", "kv_host", "state_host", "swa"))))
+            stack.append((c, pre + tuple(c.key)))
+    sizes = (cache.full_evictable_size(), cache.full_protected_size(), cache.mamba_evictable_size(),
+             cache.mamba_protected_size(), cache.kv.available_size())
+    if cache.ckpt is not None:
+        sizes += (cache.states.available_size(), cache.ckpt.available_size())
+    if cache.host is not None:
+        sizes += tuple(r.available_size() for r in cache.host.regions.values()) if hasattr(cache.host, "regions") \
+            else ()
+    return sorted(nodes, key=repr), sizes, dict(cache.stats)

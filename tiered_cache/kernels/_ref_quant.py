@@ -13,11 +13,17 @@ below fp16's smallest subnormal), and ``x / 0`` is NaN. The rounded scale is the
 dtype's smallest positive value (``MIN_SCALE``: fp16 ``2**-24``; fp32 and bf16 never reach it because
 of the ``1e-8`` clamp, so their math is untouched). With that scale ``|x / scale| < 127`` still holds.
 
+Finiteness flags (``finite``, optional, uint8 ``[slots]``): a store clears ``finite[dst]`` to 0 when any value
+it reads for that destination is NaN or +-inf, and never sets it (the caller sets the flags of a store's
+slots to 1 first). A NaN would spread through its int8 scale group, so such a state must never be served.
+
 Canonical layout: ``[..., d_v, d_k]`` (value axis second to last). Stores take sources ``[L, R, H, a, b]``
 with ``value_axis`` 1 (``a`` is d_v) or 2 (``b`` is d_v) and write ``qdata [L, S, H, d_v, d_k]``.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -30,10 +36,13 @@ __all__ = [
     "quantize_store_reference",
     "dequantize_load_reference",
     "copy_rows_reference",
+    "FLAG_DTYPES",
 ]
 
 QMAX = 127
 AMAX_EPS = 1e-8
+# Dtypes whose copies are checked for NaN/inf (others, e.g. fp8 without an inf, are copied unchecked).
+FLAG_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def min_scale(dtype: torch.dtype) -> float:
@@ -67,17 +76,29 @@ def _canonical(t: torch.Tensor, value_axis: int) -> torch.Tensor:
     return t.transpose(3, 4) if value_axis == 2 else t
 
 
+def _clear_nonfinite(finite: torch.Tensor, dst: torch.Tensor, values: torch.Tensor) -> None:
+    """``finite[dst[i]] &= all(isfinite(values[:, i]))`` for ``values [L, n, ...]``, on the device (no sync)."""
+    if values.dtype not in FLAG_DTYPES:
+        return
+    ok = torch.isfinite(values).transpose(0, 1).reshape(values.shape[1], -1).all(dim=1)
+    finite[dst] = finite[dst] & ok.to(finite.dtype)
+
+
 def quantize_store_reference(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor,
-                             scale: torch.Tensor, dst_slots: torch.Tensor, value_axis: int = 1) -> None:
+                             scale: torch.Tensor, dst_slots: torch.Tensor, value_axis: int = 1,
+                             finite: Optional[torch.Tensor] = None) -> None:
     """Twin of ``quant.quantize_store``: quantize ``src[:, src_rows]`` into ``qdata/scale[:, dst_slots]``.
 
-    ``src [L, R, H, a, b]``, ``qdata [L, S, H, d_v, d_k]`` int8, ``scale [L, S, H, 1, d_k]`` (src dtype).
+    ``src [L, R, H, a, b]``, ``qdata [L, S, H, d_v, d_k]`` int8, ``scale [L, S, H, 1, d_k]`` (src dtype);
+    ``finite [S]`` uint8: cleared for a slot whose state holds a NaN or an inf (see the module docstring).
     """
     state = _canonical(src, value_axis)[:, src_rows.long()]
     q, s = quantize_reference(state)
     slots = dst_slots.long()
     qdata[:, slots] = q
     scale[:, slots] = s
+    if finite is not None:
+        _clear_nonfinite(finite, slots, state)
 
 
 def dequantize_load_reference(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor,
@@ -89,6 +110,10 @@ def dequantize_load_reference(qdata: torch.Tensor, scale: torch.Tensor, src_slot
 
 
 def copy_rows_reference(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
-                        dst_rows: torch.Tensor) -> None:
-    """Twin of ``quant.copy_rows``: ``dst[:, dst_rows] = src[:, src_rows]`` for ``[L, rows, ...]`` tensors."""
-    dst[:, dst_rows.long()] = src[:, src_rows.long()]
+                        dst_rows: torch.Tensor, finite: Optional[torch.Tensor] = None) -> None:
+    """Twin of ``quant.copy_rows``: ``dst[:, dst_rows] = src[:, src_rows]`` for ``[L, rows, ...]`` tensors;
+    ``finite [dst rows]`` uint8 is cleared for a destination row that received a NaN or an inf."""
+    vals = src[:, src_rows.long()]
+    dst[:, dst_rows.long()] = vals
+    if finite is not None:
+        _clear_nonfinite(finite, dst_rows.long(), vals)

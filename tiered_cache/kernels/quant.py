@@ -27,11 +27,13 @@ a correctly rounded reciprocal-multiply-and-correct on the GPU (see the store ke
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels._ref_quant import (
     copy_rows_reference,
@@ -51,6 +53,9 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _STORE_TILE, _STORE_WARPS = 8192, 4
 _LOAD_TILE, _LOAD_WARPS = 16384, 8
 _COPY_TILE = 4096
+# Exponent bits of the float dtypes whose copies are checked for NaN/inf (FLAG_DTYPES), read as integers.
+_EXP_MASK = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00,
+             torch.float64: 0x7FF0000000000000}
 
 
 @triton.jit
@@ -67,12 +72,13 @@ def _round_to_dtype(x, KIND: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, N, H, D_V, D_K,
+def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
                            s_l, s_r, s_h, s_v, s_k,
                            q_l, q_s, q_h, q_v, q_k,
                            c_l, c_s, c_h, c_k,
                            BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
-                           MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr):
+                           MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr,
+                           FLAG: tl.constexpr):
     # Heads innermost: neighbouring programs read neighbouring bytes of one state's envelope.
     pid = tl.program_id(0).to(tl.int64)
     h = pid % H
@@ -91,6 +97,11 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, N, H, D_V
         x = tl.load(src).to(tl.float32)
     else:
         x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    if FLAG:
+        # x - x is 0 for every finite x and NaN for NaN and +-inf: the tile is already in registers,
+        # so the check costs one subtract and a reduction. Programs of one slot only ever write 0.
+        bad = tl.max(tl.max(((x - x) != 0.0).to(tl.int32), axis=1), axis=0)
+        tl.store(fin_ptr + slot, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
     scale = _round_to_dtype(tl.math.div_rn(amax, 127.0), KIND)
     if MIN_SCALE > 0.0:
@@ -153,7 +164,8 @@ def _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, N, C, s_l, s_r, d_l, d_r, BLOCK: tl.constexpr):
+def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, fin_ptr, N, C, s_l, s_r, d_l, d_r,
+                      BLOCK: tl.constexpr, EXP_MASK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     n = pid % N
     layer = pid // N
@@ -161,8 +173,12 @@ def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, N, C, s_l, s_r, d_l
     slot = tl.load(slots_ptr + n).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
-    vals = tl.load(src_ptr + layer * s_l + row * s_r + offs, mask=mask)
+    vals = tl.load(src_ptr + layer * s_l + row * s_r + offs, mask=mask, other=0)
     tl.store(dst_ptr + layer * d_l + slot * d_r + offs, vals, mask=mask)
+    if EXP_MASK != 0:
+        # The bits of a float: NaN and +-inf are the values whose exponent bits are all ones.
+        bad = tl.max(((vals & EXP_MASK) == EXP_MASK).to(tl.int32), axis=0)
+        tl.store(fin_ptr + slot, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +245,17 @@ def _check_codes(state: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) 
             raise InvalidArgumentError(name, f"a tensor on {state.device}", t.device)
 
 
+def _check_flags(finite: object, rows: int, device: torch.device) -> None:
+    """``finite``: None, or a 1-D uint8 tensor on ``device`` with one flag per destination row."""
+    if finite is None:
+        return
+    if not isinstance(finite, torch.Tensor) or finite.dim() != 1 or finite.dtype != torch.uint8:
+        raise InvalidTypeError("finite", "a 1-D uint8 tensor of flags", getattr(finite, "dtype", type(finite).__name__))
+    if finite.device != device or finite.numel() < rows or finite.stride(0) != 1:
+        raise InvalidArgumentError("finite", f"a contiguous tensor of >= {rows} flags on {device}",
+                                   (finite.numel(), finite.device))
+
+
 def _check_pair(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
     if a.numel() != b.numel():
         raise InvalidArgumentError(b_name, f"{a.numel()} ids, as many as {a_name}", b.numel())
@@ -236,7 +263,7 @@ def _check_pair(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> N
 
 def validate_quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor,
                             scale: torch.Tensor, dst_slots: torch.Tensor, value_axis: int = 1,
-                            check_ids: bool = True) -> torch.Tensor:
+                            check_ids: bool = True, finite: Optional[torch.Tensor] = None) -> torch.Tensor:
     """All checks of ``quantize_store``; returns the canonical ``[L, R, H, d_v, d_k]`` view of ``src``."""
     if value_axis not in (1, 2):
         raise InvalidArgumentError("value_axis", "1 or 2", value_axis)
@@ -247,6 +274,7 @@ def validate_quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: to
     _ids("src_rows", src_rows, src.device)
     _ids("dst_slots", dst_slots, src.device)
     _check_pair("src_rows", src_rows, "dst_slots", dst_slots)
+    _check_flags(finite, qdata.shape[1], src.device)
     if check_ids:
         check_id_values("src_rows", src_rows, src.shape[1], unique=False)
         check_id_values("dst_slots", dst_slots, qdata.shape[1], unique=True)
@@ -272,7 +300,8 @@ def validate_dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots
 
 
 def validate_copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
-                       check_ids: bool = True, names: tuple[str, str] = ("src", "dst")) -> None:
+                       check_ids: bool = True, names: tuple[str, str] = ("src", "dst"),
+                       finite: Optional[torch.Tensor] = None) -> None:
     """All checks of ``copy_rows``: ``[L, rows, *inner]`` tensors, same dtype and inner shape, inner contiguous."""
     for name, t in zip(names, (src, dst)):
         if not isinstance(t, torch.Tensor) or t.dim() < 3:
@@ -292,6 +321,7 @@ def validate_copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Ten
     _ids("src_rows", src_rows, src.device)
     _ids("dst_rows", dst_rows, src.device)
     _check_pair("src_rows", src_rows, "dst_rows", dst_rows)
+    _check_flags(finite, dst.shape[1], src.device)
     if check_ids:
         check_id_values("src_rows", src_rows, src.shape[1], unique=False)
         check_id_values("dst_rows", dst_rows, dst.shape[1], unique=True)
@@ -315,28 +345,30 @@ def _even(d_v: int, d_k: int, block_v: int, block_k: int) -> bool:
 
 def quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                    dst_slots: torch.Tensor, value_axis: int = 1, *, backend: str = "auto",
-                   check_ids: bool = True) -> None:
+                   check_ids: bool = True, finite: Optional[torch.Tensor] = None) -> None:
     """Quantize states ``src[:, src_rows[i]]`` into ``qdata/scale[:, dst_slots[i]]``, all layers, one launch.
 
     ``check_ids`` reads the ids back to range-check them (a sync on CUDA); callers that checked
-    them already pass ``False``.
+    them already pass ``False``. ``finite`` (uint8 ``[S]``): ``finite[dst_slots[i]]`` is set to 0 when
+    state ``i`` holds a NaN or an inf, and left as it is otherwise (see ``_ref_quant``).
     """
-    state = validate_quantize_store(src, src_rows, qdata, scale, dst_slots, value_axis, check_ids)
+    state = validate_quantize_store(src, src_rows, qdata, scale, dst_slots, value_axis, check_ids, finite)
     n = src_rows.numel()
     if n == 0:
         return
     if not use_triton(src.device, backend):
-        quantize_store_reference(src, src_rows, qdata, scale, dst_slots, value_axis)
+        quantize_store_reference(src, src_rows, qdata, scale, dst_slots, value_axis, finite)
         return
     L, _, H, dv, dk = state.shape
     block_v, block_k = _tile(dv, dk, src.device, _STORE_TILE)
     grid = (L * n * H, triton.cdiv(dk, block_k))
     _quantize_store_kernel[grid](
-        state, src_rows, qdata, scale, dst_slots, n, H, dv, dk,
+        state, src_rows, qdata, scale, dst_slots, qdata if finite is None else finite, n, H, dv, dk,
         *state.stride(), *qdata.stride(),
         scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4),
         BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype),
-        FMA_DIV=src.device.type == "cuda", EVEN=_even(dv, dk, block_v, block_k), num_warps=_STORE_WARPS,
+        FMA_DIV=src.device.type == "cuda", EVEN=_even(dv, dk, block_v, block_k), FLAG=finite is not None,
+        num_warps=_STORE_WARPS,
     )
 
 
@@ -364,18 +396,19 @@ def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.T
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
-              backend: str = "auto", check_ids: bool = True) -> None:
+              backend: str = "auto", check_ids: bool = True, finite: Optional[torch.Tensor] = None) -> None:
     """``dst[:, dst_rows[i]] = src[:, src_rows[i]]`` bit for bit, all layers, one launch.
 
     For conv windows (and lossless states): ``[L, rows, *inner]`` with the inner dims contiguous.
-    Bytes per call: ``2 * L * n * inner_bytes``.
+    Bytes per call: ``2 * L * n * inner_bytes``. ``finite`` (uint8, one per ``dst`` row): set to 0 for a
+    row that received a NaN or an inf (float dtypes of ``FLAG_DTYPES``; other dtypes are not checked).
     """
-    validate_copy_rows(src, src_rows, dst, dst_rows, check_ids)
+    validate_copy_rows(src, src_rows, dst, dst_rows, check_ids, finite=finite)
     n = src_rows.numel()
     if n == 0:
         return
     if not use_triton(src.device, backend):
-        copy_rows_reference(src, src_rows, dst, dst_rows)
+        copy_rows_reference(src, src_rows, dst, dst_rows, finite)
         return
     bits = _BITS[src.element_size()]
     s = src.view(src.shape[0], src.shape[1], -1).view(bits)
@@ -383,5 +416,6 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     c = s.shape[2]
     block = min(_COPY_TILE if src.device.type == "cuda" else 1 << 16, triton.next_power_of_2(c))
     grid = (s.shape[0] * n, triton.cdiv(c, block))
-    _copy_rows_kernel[grid](s, src_rows, d, dst_rows, n, c, s.stride(0), s.stride(1), d.stride(0), d.stride(1),
-                            BLOCK=block)
+    mask = 0 if finite is None else _EXP_MASK.get(src.dtype, 0)
+    _copy_rows_kernel[grid](s, src_rows, d, dst_rows, d if finite is None else finite, n, c, s.stride(0), s.stride(1),
+                            d.stride(0), d.stride(1), BLOCK=block, EXP_MASK=mask)

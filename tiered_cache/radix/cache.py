@@ -18,8 +18,14 @@ Ownership (SGLang's ``MambaRadixCache`` contract, with one difference):
   it owns (``Int8CheckpointPool.store_from_active``). The caller keeps its slot; ``mamba_exist`` says
   the node already had a state. ``cache_finished_req`` frees the finished request's T0 slot.
 - A ``cow_mamba`` match dequantizes the T1 state of ``last_device_node`` into the request's T0 slot,
-  allocating one (``req.mamba_pool_idx``) when it has none, evicting KV for room; with no room the
-  device part of the match is a miss.
+  allocating one (``req.mamba_pool_idx``) when it has none, evicting KV for room. No room is a value,
+  not an error (as in SGLang's tree, which evicts or reports no state): the device part of the match
+  is a miss (``device_indices`` empty, ``last_device_node`` the root), and nothing of what the device
+  part would have used is counted as hit (the KV path's recency is refreshed: it was matched).
+
+Errors: every call checks all its arguments and preconditions first and raises a typed error from
+``tiered_cache.errors`` before its first change (``InvalidTypeError`` for a wrong type). A state
+whose store read a NaN or an inf is never served (``nonfinite.py``, ``stats["nonfinite_states"]``).
 
 Tiers: device KV is upward closed (a node on the device has its parent on the device) and so are host
 copies (nodes backed up on the host form a contiguous prefix from the root). Movement to and from T2
@@ -42,11 +48,13 @@ from typing import Any, Optional
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix import invariants as _inv
+from tiered_cache.radix import nonfinite as _nf
 from tiered_cache.radix import requests as _req
 from tiered_cache.radix.checks import (
     check_callers_kv,
+    check_locked,
     check_node,
     check_prev_prefix_len,
     check_state_allocated,
@@ -100,13 +108,23 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
                  storage: Any = None) -> None:
         self._setup(pool, kv_side, policy, validate)
         self.states = pool.side(state_side)
+        from tiered_cache.checkpoint_pool import Int8CheckpointPool
+
+        if not isinstance(ckpt_pool, Int8CheckpointPool):
+            raise InvalidTypeError("ckpt_pool", "an Int8CheckpointPool", type(ckpt_pool).__name__)
+        if ckpt_pool.spec != self.states.spec:
+            raise InvalidArgumentError("ckpt_pool", f"a pool of the T0 state spec {self.states.spec}", ckpt_pool.spec)
         self.ckpt = ckpt_pool
         if self.states.device != self.kv.device or ckpt_pool.device != self.kv.device:
             raise InvalidArgumentError("ckpt_pool", f"a pool on {self.kv.device}", ckpt_pool.device)
         ps = self.page_size
         unit = ps if checkpoint_unit is None else checkpoint_unit
-        if not isinstance(unit, int) or isinstance(unit, bool) or unit < ps or unit % ps:
+        if not isinstance(unit, int) or isinstance(unit, bool):
+            raise InvalidTypeError("checkpoint_unit", f"a positive multiple of page_size={ps}", unit)
+        if unit < ps or unit % ps:
             raise InvalidArgumentError("checkpoint_unit", f"a positive multiple of page_size={ps}", unit)
+        if placement is not None and not isinstance(placement, CheckpointPlacement):
+            raise InvalidTypeError("placement", "a CheckpointPlacement", type(placement).__name__)
         self.checkpoint_unit = unit
         self.placement = placement or CheckpointPlacement(unit, ps, unit, unit)
         self._init_host(host, transfer, host_config, storage)
@@ -117,8 +135,12 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         self.kv = pool.side(kv_side)
         self.page_size = ps = self.kv.page_size
         self.device = self.kv.device
+        if not hasattr(pool, "side"):
+            raise InvalidTypeError("pool", "a UnifiedPool", type(pool).__name__)
         if policy is not None and not isinstance(policy, EvictionPolicy):
-            raise InvalidArgumentError("policy", "an EvictionPolicy", type(policy).__name__)
+            raise InvalidTypeError("policy", "an EvictionPolicy", type(policy).__name__)
+        if not isinstance(validate, bool):
+            raise InvalidTypeError("validate", "a bool", validate)
         self.policy = policy or LRUPolicy()
         self.validate = bool(validate)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -154,6 +176,7 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         self.root = TreeNode(self._token, None, [], self._empty)
         self.policy.clear()
         self._owned.zero_()
+        self._t1_owner: dict[int, TreeNode] = {}  # T1 host slot id -> node, while its NaN/inf flag is unread
         self._full_evictable = self._full_protected = 0
         self._mamba_evictable = self._mamba_protected = 0
         self._n_dev_freed = self._n_t1_freed = self._n_swa_freed = 0  # running totals; evict reports deltas
@@ -190,17 +213,33 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
 
     # ----------------------------------------------------------------------------- match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """Longest cached prefix of ``params.key`` that ends at a state (see ``MatchResult``)."""
+        """Longest cached prefix of ``params.key`` that ends at a state (see ``MatchResult``).
+
+        With ``cow_mamba`` and no T0 state slot for the request even after evicting KV, the device part
+        is a miss (a value, not an error: see the module docstring); a bad argument raises first."""
+        if not isinstance(params, MatchPrefixParams):
+            raise InvalidTypeError("params", "a MatchPrefixParams", type(params).__name__)
         toks, salt = parse_key(params.key)
-        req = params.req
+        req, cow = params.req, params.cow_mamba
+        if not isinstance(cow, bool):
+            raise InvalidTypeError("cow_mamba", "a bool", cow)
+        dst = None
+        if cow:
+            if req is None or not hasattr(req, "mamba_pool_idx"):
+                raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
+            if req.mamba_pool_idx is not None:
+                dst = state_slot(self, "req.mamba_pool_idx", req.mamba_pool_idx)
+                if self.validate:
+                    check_state_allocated(self, dst, "req.mamba_pool_idx")
+        # Every check is done: what follows may change the tree.
         if self.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
             self.t3.maybe_prefetch(toks, salt, req)
-        if params.cow_mamba and (req is None or not hasattr(req, "mamba_pool_idx")):
-            raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
-        dst = None if req is None or not params.cow_mamba else req.mamba_pool_idx
-        if dst is not None:
-            dst = state_slot(self, "req.mamba_pool_idx", dst)
-        path, values, kv_len, dev, dev_len, dev_k, best, best_len = self._walk(toks, salt, len(toks))
+        _nf.poll(self)
+        while True:
+            path, values, kv_len, dev, dev_len, dev_k, best, best_len = self._walk(toks, salt, len(toks))
+            # Neither state may be reported before its NaN/inf flag is read: a drop changes the walk.
+            if _nf.verify(self, dev) and _nf.verify(self, best):
+                break
         touch = self.policy.touch
         for x in path:
             touch("kv", x)
@@ -210,21 +249,22 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
             branching = b if b > best_len else None
         if best is self.root:
             return self._result(self._empty, self.root, self.root, 0, 0, branching, kv_len)
-        touch("state", best)
-        best.hit_count += 1
+        unserved = None
+        if cow and dev is not self.root and dst is None:
+            dst = self._alloc_active_state(dev)  # evicts KV (dev's path locked meanwhile)
+            if dst is None:  # no room for the request's state: the device part is unusable, a miss
+                unserved, dev, dev_k, dev_len = dev, self.root, 0, 0
+            else:
+                req.mamba_pool_idx = dst
+        if best is not unserved:  # a state not served is not a hit
+            touch("state", best)
+            best.hit_count += 1
         if dev is not best and dev is not self.root:
             touch("state", dev)
         if self.host is not None and self.hconf.write_policy == "write_through_selective":
             self._count_hits(path, best)
-        if params.cow_mamba and dev is not self.root:
-            if dst is None:
-                dst = self._alloc_active_state(dev)
-                if dst is None:  # no room for the request's state even after evicting KV: device part unusable
-                    dev, dev_k, dev_len = self.root, 0, 0
-                else:
-                    req.mamba_pool_idx = dst
-            if dst is not None:
-                self.ckpt.load_to_active(dev.mamba_value, self.states, dst)
+        if cow and dev is not self.root:
+            self.ckpt.load_to_active(dev.mamba_value, self.states, dst)
         idx = self._empty if dev_k == 0 else values[0] if dev_k == 1 else torch.cat(values[:dev_k])
         host_len = best_len - dev_len
         mamba_host = int(best is not dev and best.mamba_value is None)
@@ -290,12 +330,15 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         tombstone). With no T1 room even after evicting states, nothing is cached:
         ``prefix_len == cached_len == prev_prefix_len`` and the caller keeps ``value[prev_prefix_len:]``.
         """
+        if not isinstance(params, InsertParams):
+            raise InvalidTypeError("params", "an InsertParams", type(params).__name__)
         toks, salt = parse_key(params.key)
         n, ps = len(toks), self.page_size
         value = params.value
         self._check_value("value", value, n)
         prev = params.prev_prefix_len
         check_prev_prefix_len(prev, n, ps)
+        prev = int(prev)
         slot = None if params.mamba_value is None else state_slot(self, "mamba_value", params.mamba_value)
         aligned = n // ps * ps
         if aligned == 0:
@@ -314,24 +357,27 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
                 raise InvalidArgumentError("prev_prefix_len", f"<= the prefix whose load succeeded ({dev_prefix})",
                                            prev)
         mamba_exist = aligned == n and end_node is not None and self._has_state(end_node)
-        t1 = None
+        t1 = t1_id = None
         if slot is not None and aligned == n and not mamba_exist:
-            t1 = self.ckpt.alloc(1)
-            if t1 is None:
-                t1 = self._alloc_ckpt_protected(path[-1] if path else None)
-                if t1 is None:
-                    return InsertResult(prefix_len=prev, cached_len=prev, last_device_node=None)
+            got = self.ckpt.alloc_ids(1) or self._alloc_ckpt_protected(path[-1] if path else None)
+            if got is None:
+                return InsertResult(prefix_len=prev, cached_len=prev, last_device_node=None)
+            t1, (t1_id,) = got
             try:
                 self.ckpt.store_from_active(self.states, slot, t1)
             except BaseException:
                 self.ckpt.free(t1)
                 raise
         res = self._insert_walk(toks, salt, value, aligned, prev, t1, mamba_exist, slot is not None)
+        if res.mamba_stored:
+            _nf.stored(self, res.last_device_node, t1_id)
         self._after_insert(res)
         return res
 
     def _check_value(self, arg: str, value: Any, n: int) -> None:
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != torch.int64:
+        if not isinstance(value, torch.Tensor):
+            raise InvalidTypeError(arg, "a 1-D int64 tensor of KV ids", desc(value))
+        if value.dim() != 1 or value.dtype != torch.int64:
             raise InvalidArgumentError(arg, "a 1-D int64 tensor of KV ids", desc(value))
         if value.device != self.device:
             raise InvalidArgumentError(arg, f"a tensor on {self.device}", value.device)
@@ -489,9 +535,9 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         return IncLockRefResult(delta=self._lock(node), node_id=node.id)
 
     def dec_lock_ref(self, node: TreeNode, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
-        check_node(self, node)
-        if node is not self.root and node.mamba_lock_ref <= 0:
-            raise InvalidArgumentError("node", "a node locked by inc_lock_ref", node)
+        check_locked(self, node, "node")
+        if params is not None and not isinstance(params, DecLockRefParams):
+            raise InvalidTypeError("params", "a DecLockRefParams or None", type(params).__name__)
         return DecLockRefResult(delta=self._unlock(node))
 
     def _lock(self, node: TreeNode) -> int:
@@ -552,7 +598,8 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
     # ----------------------------------------------------------------------------- requests
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
         """A request finished: cache its tokens (``is_insert``), free the KV ids and the T0 state slot it
-        still owns, release its lock (``requests.py``)."""
+        still owns, release its lock (``requests.py``). Checks everything first: when it raises, the
+        request still owns all it owned and the tree is unchanged."""
         _req.cache_finished_req(self, req, is_insert)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:

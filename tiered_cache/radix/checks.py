@@ -6,9 +6,10 @@ from typing import Any, Optional
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import RadixKey
+from tiered_cache.validate import _INT_TORCH, int_list, is_int
 
 
 def common_len(node_key: list[int], key: list[int], start: int, end: int, page_size: int) -> int:
@@ -29,42 +30,64 @@ def common_len(node_key: list[int], key: list[int], start: int, end: int, page_s
 
 def check_prev_prefix_len(prev: Any, n: int, page_size: int) -> None:
     """``InsertParams.prev_prefix_len``: a whole number of pages inside the key."""
-    if not isinstance(prev, int) or isinstance(prev, bool) or not 0 <= prev <= n or prev % page_size:
-        raise InvalidArgumentError("prev_prefix_len", f"a multiple of page_size={page_size} in [0, {n}]", prev)
+    what = f"a multiple of page_size={page_size} in [0, {n}]"
+    if not is_int(prev):
+        raise InvalidTypeError("prev_prefix_len", what, prev)
+    if not 0 <= int(prev) <= n or int(prev) % page_size:
+        raise InvalidArgumentError("prev_prefix_len", what, prev)
 
 
-def check_node(cache, node: Any) -> None:
-    if not isinstance(node, TreeNode) or node.owner is not cache._token or not node.alive:
-        raise InvalidArgumentError("node", "a live node of this cache", node)
+def check_node(cache, node: Any, arg: str = "node") -> None:
+    if not isinstance(node, TreeNode):
+        raise InvalidTypeError(arg, "a TreeNode of this cache", type(node).__name__)
+    if node.owner is not cache._token or not node.alive:
+        raise InvalidArgumentError(arg, "a live node of this cache", node)
 
 
-def parse_key(key: Any) -> tuple[list[int], Optional[str]]:
+def check_locked(cache, node: Any, arg: str) -> None:
+    """``node`` is a live node of this cache that ``inc_lock_ref`` locked (the root always counts)."""
+    check_node(cache, node, arg)
+    if node is not cache.root and node.mamba_lock_ref <= 0:
+        raise InvalidArgumentError(arg, "a node locked by inc_lock_ref", node)
+
+
+def parse_key(key: Any, arg: str = "key") -> tuple[list[int], Optional[str]]:
+    """-> (token ids as Python ints, tenant salt). Integers only (``validate.int_list``): a str, float,
+    bool, None or nested sequence is an ``InvalidTypeError`` naming ``key`` (``key.token_ids``)."""
     salt = None
     if isinstance(key, RadixKey):
         key, salt = key.token_ids, key.extra_key
         if salt is not None and not isinstance(salt, str):
-            raise InvalidArgumentError("key.extra_key", "a str or None", salt)
-    if isinstance(key, list):
-        return key, salt
-    if isinstance(key, torch.Tensor) and key.dim() == 1 and not key.dtype.is_floating_point:
-        return key.tolist(), salt
-    if isinstance(key, (tuple, range)):
-        return list(key), salt
-    raise InvalidArgumentError("key", "a RadixKey or a list of token ids", desc(key))
+            raise InvalidTypeError(f"{arg}.extra_key", "a str or None", salt)
+        arg = f"{arg}.token_ids"
+    if key is None or isinstance(key, (str, bytes)):
+        raise InvalidTypeError(arg, "a RadixKey or a sequence of int token ids", desc(key))
+    toks = int_list(arg, key)
+    if toks and (min(toks) < -2**63 or max(toks) >= 2**63):
+        raise InvalidArgumentError(arg, "token ids in the int64 range", [t for t in toks if abs(t) >= 2**63][:8])
+    return toks, salt
 
 
 def state_slot(cache, arg: str, slot: Any) -> torch.Tensor:
-    if isinstance(slot, int) and not isinstance(slot, bool):
-        return torch.tensor([slot], dtype=torch.int64, device=cache.device)
-    if (not isinstance(slot, torch.Tensor) or slot.numel() != 1 or slot.dtype not in (torch.int64, torch.int32)
-            or slot.device != cache.device):
-        raise InvalidArgumentError(arg, f"one T0 state slot id (int64 tensor on {cache.device})", desc(slot))
-    return slot.reshape(1)
+    """One T0 state slot id (an int or a 1-element integer tensor on the cache's device) as a tensor [1].
+    Slot 0 is the sink: never an active id."""
+    what = f"one T0 state slot id in [1, {cache.states.capacity}) (an int or an int64 tensor on {cache.device})"
+    if is_int(slot) and not isinstance(slot, torch.Tensor):
+        v = int(slot)
+        if not 0 < v < cache.states.capacity:
+            raise InvalidArgumentError(arg, what, slot)
+        return torch.tensor([v], dtype=torch.int64, device=cache.device)
+    if not isinstance(slot, torch.Tensor) or slot.dtype not in _INT_TORCH:
+        raise InvalidTypeError(arg, what, desc(slot))
+    if slot.numel() != 1 or slot.device != cache.device:
+        raise InvalidArgumentError(arg, what, desc(slot))
+    return slot.reshape(1) if slot.dtype in (torch.int64, torch.int32) else slot.reshape(1).to(torch.int64)
 
 
-def check_state_allocated(cache, slot: torch.Tensor) -> None:
-    if not 0 < int(slot) < cache.states.capacity or int(cache.states.translate(slot)) < 0:
-        raise InvalidArgumentError("mamba_value", "an allocated T0 state slot", int(slot))
+def check_state_allocated(cache, slot: torch.Tensor, arg: str = "mamba_value") -> None:
+    v = int(slot)
+    if not 0 < v < cache.states.capacity or int(cache.states.translate(slot)) < 0:
+        raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
 
 
 def check_callers_kv(cache, v: torch.Tensor) -> None:

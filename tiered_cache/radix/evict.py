@@ -18,9 +18,10 @@ from typing import Any, Optional
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidTypeError
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import EvictParams, EvictResult
+from tiered_cache.validate import int_arg
 
 
 class Frees:
@@ -104,10 +105,10 @@ class EvictionMixin:
         ``num_tokens``: device KV tokens (demoted when backed up, else dropped; a leaf dropped takes its
         states); ``mamba_num``: T1 states (demoted to T2 when it has room); ``host_*``: T2 entries.
         ``num_tokens_evicted`` counts every device KV token freed (state eviction removes leaves)."""
+        if not isinstance(params, EvictParams):
+            raise InvalidTypeError("params", "an EvictParams", type(params).__name__)
         for arg in ("num_tokens", "swa_num_tokens", "mamba_num", "host_num_tokens", "host_mamba_num"):
-            v = getattr(params, arg)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidArgumentError(arg, "an int >= 0", v)
+            int_arg(arg, getattr(params, arg), lo=0)
         # Counted as freed wherever the cascade frees them (a host eviction for room can remove a
         # leaf with a T1 state; a T2 state eviction can remove a leaf on the device).
         dev0, t10, swa0 = self._n_dev_freed, self._n_t1_freed, self._n_swa_freed
@@ -184,7 +185,11 @@ class EvictionMixin:
                     continue
                 break
             st += 1
-            if self.host is not None and x.state_host is None:
+            from tiered_cache.radix.nonfinite import state_bad
+
+            if state_bad(self, x):  # never demoted: dropped (and counted) instead
+                self.stats["nonfinite_states"] += 1
+            elif self.host is not None and x.state_host is None:
                 self._demote_state_sync(x)
             f.t1.append(x.mamba_value)
             x.mamba_value = None
@@ -286,15 +291,15 @@ class EvictionMixin:
         f.flush(self)
 
     # ----------------------------------------------------------------------------- room
-    def _alloc_ckpt_protected(self, protect: Optional[TreeNode]) -> Optional[torch.Tensor]:
-        """A T1 slot, evicting states; ``protect``'s path survives (unlocked without pruning: the
-        insert that follows gives its end a state or a child, or prunes it)."""
+    def _alloc_ckpt_protected(self, protect: Optional[TreeNode]) -> Optional[tuple[torch.Tensor, list[int]]]:
+        """A T1 slot (device tensor, host id), evicting states; ``protect``'s path survives (unlocked
+        without pruning: the insert that follows gives its end a state or a child, or prunes it)."""
         if protect is not None:
             self._lock(protect)
         try:
             t1 = None
             while t1 is None and self._evict_states(1)[1]:
-                t1 = self.ckpt.alloc(1)
+                t1 = self.ckpt.alloc_ids(1)
         finally:
             if protect is not None:
                 self._unlock(protect, prune=False)

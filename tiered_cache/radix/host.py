@@ -27,12 +27,13 @@ from typing import Any, Optional
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.moves import demote_kv, demote_states, load_kv, restore_states
-from tiered_cache.radix.checks import check_node, state_slot
+from tiered_cache.radix.checks import check_node, check_state_allocated, state_slot
 from tiered_cache.radix.evict import Frees
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import HostTierConfig, InitLoadBackParams
+from tiered_cache.validate import choice_arg, int_arg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +67,8 @@ class LoadBack:
         """Make ``stream`` (default: the current one) wait until layer ``layer`` of the ``kind`` KV
         (``"kv"``: the full-attention layers; ``"swa"``: the sliding-window layers, in their own
         order) has landed. A kind this load does not move has nothing to wait for."""
-        if kind not in ("kv", "swa"):
-            raise InvalidArgumentError("kind", "'kv' or 'swa'", kind)
+        choice_arg("kind", kind, ("kv", "swa"))
+        layer = int_arg("layer", layer, lo=0)
         t = self.tickets.get(kind)
         if t is not None:
             t.wait_layer(layer, stream)
@@ -124,6 +125,10 @@ class HostTierMixin:
 
         The cache polls its ``TransferEngine``; another user of the same engine must track its own
         tickets by ``ticket.done`` rather than by what ``poll`` returns."""
+        if self.mode == "mamba":
+            from tiered_cache.radix.nonfinite import poll
+
+            poll(self)  # NaN/inf flags of earlier stores: landed by now, read without waiting
         if self.engine is None:
             return
         self.engine.poll()
@@ -179,7 +184,10 @@ class HostTierMixin:
                 and node is not self.root and node.alive:
             self._backup_path(node)
         if self.t3 is not None and res.mamba_stored and node is not None and node.alive:
-            self.t3.on_state(node, demoted=False)
+            from tiered_cache.radix.nonfinite import verify
+
+            if verify(self, node):  # T3 is shared: a NaN state never goes there (write-through waits anyway)
+                self.t3.on_state(node, demoted=False)
 
     def _count_hits(self, path: list[TreeNode], best: TreeNode) -> None:
         """write_through_selective: a node matched ``write_through_threshold`` times is backed up."""
@@ -337,12 +345,22 @@ class HostTierMixin:
         or a node of the path already in flight). Host copies stay; the locks the load takes are
         released when its ticket completes. ``req.load_back`` (a ``LoadBack``) tracks it.
         """
-        best, hl = params.best_match_node, params.host_hit_length
-        check_node(self, best)
-        if not isinstance(hl, int) or isinstance(hl, bool) or hl < 0:
-            raise InvalidArgumentError("host_hit_length", "an int >= 0", hl)
+        if not isinstance(params, InitLoadBackParams):
+            raise InvalidTypeError("params", "an InitLoadBackParams", type(params).__name__)
+        best, hl, quota, req = params.best_match_node, params.host_hit_length, params.mem_quota, params.req
+        check_node(self, best, "best_match_node")
+        hl = int_arg("host_hit_length", hl, lo=0)
+        if quota is not None:
+            quota = int_arg("mem_quota", quota, lo=0)
         if self.host is None or hl == 0 or best is self.root:
             return self._empty, best
+        if self.mode == "mamba":  # checked before anything changes (stats included)
+            if req is None or not hasattr(req, "mamba_pool_idx"):
+                raise InvalidArgumentError("req", "a request with .mamba_pool_idx to receive the state", req)
+            if req.mamba_pool_idx is not None:
+                slot = state_slot(self, "req.mamba_pool_idx", req.mamba_pool_idx)
+                if self.validate:
+                    check_state_allocated(self, slot, "req.mamba_pool_idx")
         chain, start, n = [], best, 0
         while n < hl and start is not self.root:
             chain.append(start)
@@ -352,6 +370,11 @@ class HostTierMixin:
             raise InvalidArgumentError("host_hit_length", "the tokens from last_device_node to best_match_node", hl)
         chain.reverse()
         miss = (self._empty, start)
+        if self.mode == "mamba":
+            from tiered_cache.radix.nonfinite import verify
+
+            if not verify(self, best):  # its T1 state held a NaN or an inf: dropped, nothing to load
+                return miss
         if any(y.value is None and (y.host_kv is None or y.tickets) for y in chain) or not self._has_state(best):
             return miss
         load = [y for y in chain if y.value is None]
@@ -359,14 +382,8 @@ class HostTierMixin:
         if not self._state_on_host(best) and host_tokens < self.hconf.load_back_threshold:
             self.stats["load_back_below_threshold"] += 1
             return miss
-        if params.mem_quota is not None and host_tokens > params.mem_quota:
+        if quota is not None and host_tokens > quota:
             return miss
-        req = params.req
-        if self.mode == "mamba":
-            if req is None or not hasattr(req, "mamba_pool_idx"):
-                raise InvalidArgumentError("req", "a request with .mamba_pool_idx to receive the state", req)
-            if req.mamba_pool_idx is not None:
-                state_slot(self, "req.mamba_pool_idx", req.mamba_pool_idx)
         self._lock(best)  # the load's own lock: the path and best's state stay until its ticket completes
         op = self._start_load(load, best, req)
         if op is None:
@@ -418,12 +435,11 @@ class HostTierMixin:
                 return None
             slot = state_slot(self, "req.mamba_pool_idx", slot)
             if self._state_on_host(best):
-                scratch = self.ckpt.alloc(1)
-                if scratch is None:
-                    scratch = self._alloc_ckpt_protected(best)
-                if scratch is None:
+                t1 = self.ckpt.alloc_ids(1) or self._alloc_ckpt_protected(best)
+                if t1 is None:
                     undo()
                     return None
+                scratch = t1[0]
         op = Op("load", {}, list(load), lock=best, scratch=scratch)
         for s, ys, ids in got:
             hs = [h for y in ys for h in getattr(y, s.host)]

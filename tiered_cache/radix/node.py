@@ -17,6 +17,7 @@ the node owns, because the tree changes where a node lives only when the ticket 
                    with one is never dropped and never a victim
     full_lock_ref  locks on this node or any descendant (the lock covers the path to the root)
     mamba_lock_ref locks taken on this node itself; they protect its state. full >= mamba.
+    t1_unverified  host id of ``mamba_value`` until its store's NaN/inf flag has been read (then None)
 
 A node with KV nowhere (no ``value``, no ``host_kv``, nothing pending) is *dead*: a load back found
 its host copy corrupt while a request held it locked. It matches nothing and goes with its last lock.
@@ -36,7 +37,7 @@ class TreeNode:
     __slots__ = (
         "id", "parent", "children", "ck", "key", "value", "value_pending", "host_kv", "host_pending",
         "mamba_value", "state_host", "swa_value", "swa_pending", "swa_host", "swa_host_pending", "swa_tomb",
-        "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
+        "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "t1_unverified", "__weakref__",
     )
 
     def __init__(self, owner: Any, parent: Optional[TreeNode], key: list[int],
@@ -63,6 +64,9 @@ class TreeNode:
         self.mamba_lock_ref = 0
         self.alive = True
         self.hit_count = 0
+        # Host id of the T1 slot of ``mamba_value`` while the finiteness of its store is not known yet
+        # (``Int8CheckpointPool.poll_flags``): checked before the state is served or moved.
+        self.t1_unverified: Optional[int] = None
 
     @property
     def is_root(self) -> bool:

@@ -21,6 +21,19 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from tiered_cache.errors import InvalidTypeError
+from tiered_cache.validate import choice_arg, float_arg, int_arg, int_list
+
+
+def _bool(arg: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise InvalidTypeError(arg, "a bool", v)
+
+
+def _salt(arg: str, v: Any) -> None:
+    if v is not None and not isinstance(v, str):
+        raise InvalidTypeError(arg, "a str or None", v)
+
 
 @dataclasses.dataclass
 class RadixKey:
@@ -28,6 +41,13 @@ class RadixKey:
 
     token_ids: Sequence[int]
     extra_key: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        # Integers only (validate.int_list); the cache checks again when it reads the key.
+        if self.token_ids is None or isinstance(self.token_ids, (str, bytes)):
+            raise InvalidTypeError("token_ids", "a sequence of int token ids", self.token_ids)
+        int_list("token_ids", self.token_ids)
+        _salt("extra_key", self.extra_key)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -39,6 +59,9 @@ class MatchPrefixParams:
     # Copy-on-write of the matched state into a T0 slot the request then owns (``req.mamba_pool_idx``).
     cow_mamba: bool = False
     req: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        _bool("cow_mamba", self.cow_mamba)
 
 
 class MatchResult(NamedTuple):
@@ -90,6 +113,12 @@ class InsertParams:
     chunked: bool = False
     priority: int = 0
 
+    def __post_init__(self) -> None:
+        for arg in ("prev_prefix_len", "swa_evicted_seqlen"):
+            setattr(self, arg, int_arg(arg, getattr(self, arg), lo=0))
+        _bool("chunked", self.chunked)
+        self.priority = int_arg("priority", self.priority)
+
 
 @dataclasses.dataclass
 class InsertResult:
@@ -113,6 +142,10 @@ class EvictParams:
     mamba_num: int = 0  # T1 states (demoted to T2 when it has room, else dropped)
     host_num_tokens: int = 0  # T2 KV tokens (dropped; not in SGLang)
     host_mamba_num: int = 0  # T2 states (dropped; not in SGLang)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, int_arg(f.name, getattr(self, f.name), lo=0))
 
 
 @dataclasses.dataclass
@@ -154,6 +187,11 @@ class InitLoadBackParams:
     mem_quota: Optional[int] = None
     req: Optional[Any] = None
 
+    def __post_init__(self) -> None:
+        self.host_hit_length = int_arg("host_hit_length", self.host_hit_length, lo=0)
+        if self.mem_quota is not None:
+            self.mem_quota = int_arg("mem_quota", self.mem_quota, lo=0)
+
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -184,18 +222,15 @@ class HostTierConfig:
     prefetch_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
-        from tiered_cache.errors import InvalidArgumentError
-
-        if self.write_policy not in WRITE_POLICIES:
-            raise InvalidArgumentError("write_policy", f"one of {WRITE_POLICIES}", self.write_policy)
+        choice_arg("write_policy", self.write_policy, WRITE_POLICIES)
         for arg in ("write_through_threshold", "load_back_threshold"):
-            v = getattr(self, arg)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidArgumentError(arg, "an int >= 0", v)
-        if self.prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
-            raise InvalidArgumentError("prefetch_policy", "best_effort | wait_complete | timeout", self.prefetch_policy)
-        if not isinstance(self.prefetch_timeout_s, (int, float)) or not self.prefetch_timeout_s > 0:
-            raise InvalidArgumentError("prefetch_timeout_s", "a number of seconds > 0", self.prefetch_timeout_s)
+            int_arg(arg, getattr(self, arg), lo=0)
+        for arg in ("kv_region", "state_region", "swa_region"):
+            if not isinstance(getattr(self, arg), str):
+                raise InvalidTypeError(arg, "a region name (str)", getattr(self, arg))
+        _bool("storage_write_through", self.storage_write_through)
+        choice_arg("prefetch_policy", self.prefetch_policy, ("best_effort", "wait_complete", "timeout"))
+        float_arg("prefetch_timeout_s", self.prefetch_timeout_s, lo=0.0, lo_open=True)
 
 
 @dataclasses.dataclass
@@ -221,3 +256,12 @@ class CacheReq:
     cache_protected_len: int = 0
     prefix_indices: Optional[torch.Tensor] = None
     extra_key: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.token_ids is None or isinstance(self.token_ids, (str, bytes)):
+            raise InvalidTypeError("token_ids", "a sequence of int token ids", self.token_ids)
+        int_list("token_ids", self.token_ids)
+        if not isinstance(self.kv_indices, torch.Tensor):
+            raise InvalidTypeError("kv_indices", "a 1-D int64 tensor of KV ids", type(self.kv_indices).__name__)
+        self.cache_protected_len = int_arg("cache_protected_len", self.cache_protected_len, lo=0)
+        _salt("extra_key", self.extra_key)

@@ -12,16 +12,31 @@ from typing import Any
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
-from tiered_cache.radix.checks import check_node, desc, state_slot
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.radix.checks import (
+    check_callers_kv,
+    check_locked,
+    check_state_allocated,
+    desc,
+    parse_key,
+    state_slot,
+)
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import InsertParams, RadixKey
+from tiered_cache.validate import int_arg
+
+_FIELDS = ("token_ids", "kv_indices", "mamba_pool_idx", "last_node", "cache_protected_len", "extra_key")
 
 
 def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
     """A request finished: cache its tokens (``is_insert``), free the KV ids and the T0 state slot it
-    still owns, release its lock."""
+    still owns, release its lock. Everything it frees or releases is checked before the insert: when
+    it raises, the request still owns all it owned and the tree is unchanged."""
+    if not isinstance(is_insert, bool):
+        raise InvalidTypeError("is_insert", "a bool", is_insert)
     toks, kv, prev = req_fields(cache, req)
+    if cache.validate and prev < kv.numel():
+        check_callers_kv(cache, kv[prev:])  # what it frees after the insert is the request's
     keep = prev
     if is_insert:
         res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
@@ -41,6 +56,8 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
 def cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
     """A chunk of a prefill is done: cache what it wrote, point the request's prefix at the tree's
     ids, move its lock to the new end. The request keeps its T0 state slot."""
+    if not isinstance(chunked, bool):
+        raise InvalidTypeError("chunked", "a bool", chunked)
     toks, kv, prev = req_fields(cache, req)
     res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
                                    mamba_value=req.mamba_pool_idx, prev_prefix_len=prev, chunked=chunked))
@@ -59,15 +76,28 @@ def cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
 
 
 def req_fields(cache, req: Any) -> tuple[list[int], torch.Tensor, int]:
-    toks = req.token_ids.tolist() if isinstance(req.token_ids, torch.Tensor) else list(req.token_ids)
+    """Every field a request flow reads, checked (typed errors naming ``req.<field>``) before it acts."""
+    missing = [f for f in _FIELDS if not hasattr(req, f)]
+    if missing:
+        raise InvalidTypeError("req", f"a request with {', '.join(_FIELDS)} (CacheReq)", type(req).__name__)
+    toks, _ = parse_key(req.token_ids, "req.token_ids")
+    if req.extra_key is not None and not isinstance(req.extra_key, str):
+        raise InvalidTypeError("req.extra_key", "a str or None", req.extra_key)
     kv = req.kv_indices
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 1 or kv.dtype != torch.int64 or kv.device != cache.device:
+    if not isinstance(kv, torch.Tensor):
+        raise InvalidTypeError("req.kv_indices", f"a 1-D int64 tensor on {cache.device}", desc(kv))
+    if kv.dim() != 1 or kv.dtype != torch.int64 or kv.device != cache.device:
         raise InvalidArgumentError("req.kv_indices", f"a 1-D int64 tensor on {cache.device}", desc(kv))
     if kv.numel() < len(toks) or kv.numel() % cache.page_size:
         raise InvalidArgumentError("req.kv_indices", f"whole pages covering {len(toks)} tokens", kv.numel())
+    prev = int_arg("req.cache_protected_len", req.cache_protected_len, lo=0, hi=len(toks))
     if req.last_node is not None:
-        check_node(cache, req.last_node)
-    return toks, kv, int(req.cache_protected_len)
+        check_locked(cache, req.last_node, "req.last_node")  # released at the end: must be held now
+    if req.mamba_pool_idx is not None:
+        slot = state_slot(cache, "req.mamba_pool_idx", req.mamba_pool_idx)
+        if cache.validate:
+            check_state_allocated(cache, slot, "req.mamba_pool_idx")
+    return toks, kv, prev
 
 
 def path_values(cache, node: TreeNode) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix.cache import HiMambaRadixCache
 from tiered_cache.radix.checks import check_node, check_prev_prefix_len, common_len, parse_key
 from tiered_cache.radix.evict import Frees
@@ -42,6 +42,7 @@ from tiered_cache.radix.params import (
     RadixKey,
 )
 from tiered_cache.radix.policy import EvictionPolicy
+from tiered_cache.validate import int_arg
 
 
 class HiSWARadixCache(HiMambaRadixCache):
@@ -90,6 +91,8 @@ class HiSWARadixCache(HiMambaRadixCache):
     # ----------------------------------------------------------------------------- match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """Longest cached prefix of ``params.key`` whose window's SWA KV is present (see module docstring)."""
+        if not isinstance(params, MatchPrefixParams):
+            raise InvalidTypeError("params", "a MatchPrefixParams", type(params).__name__)
         toks, salt = parse_key(params.key)
         ps, w, root = self.page_size, self.window, self.root
         end = len(toks) // ps * ps
@@ -149,14 +152,15 @@ class HiSWARadixCache(HiMambaRadixCache):
         """Cache ``key`` -> (``value``, ``swa_value``). Ownership as for full ids: the tree frees the
         caller's duplicates in ``[prev_prefix_len, prefix_len)`` (SWA ids before ``swa_evicted_seqlen``
         are ignored: the caller freed them), takes what it caches, the caller keeps ``[cached_len:]``."""
+        if not isinstance(params, InsertParams):
+            raise InvalidTypeError("params", "an InsertParams", type(params).__name__)
         toks, salt = parse_key(params.key)
         n, ps = len(toks), self.page_size
         self._check_value("value", params.value, n)
         self._check_value("swa_value", params.swa_value, n)
         prev, ev = params.prev_prefix_len, params.swa_evicted_seqlen
         check_prev_prefix_len(prev, n, ps)
-        if not isinstance(ev, int) or isinstance(ev, bool) or ev < 0:
-            raise InvalidArgumentError("swa_evicted_seqlen", "an int >= 0", ev)
+        prev, ev = int(prev), int_arg("swa_evicted_seqlen", ev, lo=0)
         aligned = n // ps * ps
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=self.root)
