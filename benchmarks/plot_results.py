@@ -1,10 +1,12 @@
 """Charts for benchmarks/results/: one PNG per result file that has something to draw.
 
-    python benchmarks/plot_results.py        # reads *.json in benchmarks/results, writes *.png beside them
+    python benchmarks/plot_results.py                 # reads *.json in benchmarks/results, writes *.png beside them
+    python benchmarks/plot_results.py --results DIR   # another folder (e.g. a GPU run's $OUT/results)
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -90,8 +92,12 @@ def plot_workload_rates(rec: dict, path: str) -> list[str]:
     return out
 
 
-def main() -> None:
-    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--results", default=RESULTS, help="folder of result JSON files; PNGs are written beside them")
+    args = p.parse_args(argv)  # before anything is drawn: --help and bad flags leave the committed PNGs alone
+    for path in sorted(glob.glob(os.path.join(args.results, "*.json"))):
         with open(path) as f:
             rec = json.load(f)
         fn = PLOTTERS.get(rec.get("bench"))

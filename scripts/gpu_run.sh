@@ -8,7 +8,10 @@
 #   workload, decoding through CUDA graphs; --decode-batch instead for eager batched decode; add e.g.
 #   "--rates 4 8 12" for TTFT and throughput against the arrival rate, about 60 s per rate) and, when
 #   .whl/ holds the flash-linear-attention wheels (carry .whl), installs them for that benchmark only:
-#   the tests keep transformers' fp32 torch gated delta.
+#   the tests keep transformers' fp32 torch gated delta. bench_workload also needs asyncio-throttle (its
+#   Poisson arrival clock), which the GPU machine cannot download: put its wheel in .whl/ beside the
+#   flash-linear-attention ones (pip download asyncio-throttle -d .whl); without it the benchmark is skipped
+#   with that message.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -38,6 +41,10 @@ WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-grap
       if ls .whl/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
           && site=/tmp/site:$PYTHONPATH
+      fi
+      if ! PYTHONPATH=$site python3 -c "import asyncio_throttle" >/dev/null 2>&1; then
+        echo "bench_workload needs asyncio-throttle: put its wheel in .whl/ beside the flash-linear-attention wheels (skipped)"
+        continue
       fi
       # shellcheck disable=SC2086
       PYTHONPATH=$site timeout 540 python3 benchmarks/bench_workload.py $WORKLOAD_ARGS --out "$OUT/results" 2>&1 | tail -40

@@ -587,7 +587,8 @@ def test_stress_command_smoke(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "TTFT p50" in res.stdout and "hits: states from T1" in res.stdout
-    assert "identical answers (cached vs no cache): 4 / 4 turns" in res.stdout
+    assert "identical answers, free-running (cached vs no cache): 4 / 4 turns" in res.stdout
+    assert "identical answers, teacher-forced (same prompts for both): 4 / 4 turns" in res.stdout  # lossless
     rep = json.loads((out / "report.json").read_text())
     assert rep["cached"]["requests"]["finished"] == 4 and rep["no_cache"]["tokens"]["reused"] == 0
     assert rep["cached"]["tokens"]["reused"] > 0
