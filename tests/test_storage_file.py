@@ -108,3 +108,95 @@ def test_open_backend_urls(tmp_path):
             open_backend(bad)
     with pytest.raises(InvalidArgumentError, match="key"):
         FileStore(str(tmp_path)).path("../escape")
+
+
+def _tree(path) -> dict:
+    """Every file and folder under ``path`` with its size (what a write outside the root would change)."""
+    out = {}
+    for d, subdirs, files in os.walk(path):
+        for n in subdirs + files:
+            p = os.path.join(d, n)
+            out[os.path.relpath(p, path)] = os.path.getsize(p) if os.path.isfile(p) else -1
+    return out
+
+
+BAD_KEYS = ["evil..", "..", "../x", "x/../../y", "a/b", ".", "", ".hidden", "kv-ab.", "/abs/olute", "/tmp",
+            "a\0b", "\0", "x" * 201, "é", "a b", "a\\b", "kv-" + "0" * 62 + "..", "\n"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS, ids=[repr(k)[:24] for k in BAD_KEYS])
+def test_a_key_that_could_leave_the_root_is_refused_everywhere(tmp_path, key):
+    """Issue 17 item 5: ``"evil.."`` was written, read and deleted one directory above the root (its
+    shard folder was ``".."``). Keys are a fixed alphabet: every call refuses a bad one with a typed
+    error naming ``key``, before anything is done (nothing written anywhere under the parent)."""
+    root = tmp_path / "store" / "t3"
+    store = FileStore(str(root))
+    store.put_many([("kv-good", [b"fine"])])
+    before = _tree(tmp_path)
+    calls = [lambda: store.put_many([("kv-first", [b"x"]), (key, [b"payload"])]),  # checked first, then written
+             lambda: store.get_many([key]), lambda: store.exists_many([key]), lambda: store.delete_many([key]),
+             lambda: store.path(key)]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError) as ei:
+            call()
+        assert ei.value.arg == "key"
+    assert _tree(tmp_path) == before
+    assert bytes(store.get_many(["kv-good"])[0]) == b"fine"
+
+
+@pytest.mark.parametrize("key", [None, 3, b"kv-aa", ["kv-aa"]])
+def test_a_key_of_the_wrong_type_is_a_type_error(tmp_path, key):
+    from tiered_cache.errors import InvalidTypeError
+
+    store = FileStore(str(tmp_path))
+    with pytest.raises(InvalidTypeError) as ei:
+        store.get_many([key])
+    assert ei.value.arg == "key"
+
+
+def test_a_shard_folder_linked_out_of_the_root_is_refused(tmp_path):
+    """Issue 17 item 5, the second guard: paths are resolved and must lie under the resolved root, so a
+    shard folder replaced by a symlink to elsewhere is not followed."""
+    root = tmp_path / "t3"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store = FileStore(str(root))
+    os.symlink(outside, root / "aa")
+    with pytest.raises(InvalidArgumentError, match="key"):
+        store.put_many([("kv-aa", [b"x"])])
+    assert os.listdir(outside) == []
+
+
+def test_a_full_disk_does_not_turn_reads_off(tmp_path, monkeypatch):
+    """Issue 17 item 10: write failures opened the one shared circuit breaker, so entries already on disk
+    read as unavailable for ``retry_after_s``. Reads and writes have breakers of their own."""
+    import errno
+
+    import tiered_cache.storage.file_store as fs
+
+    store = FileStore(str(tmp_path / "t3"))
+    tier = StorageTier(store, FP, retry_after_s=60.0)
+    keys = tier.keys(TOKENS[:16])
+    _write_all(tier, make_region(SLOT, 4), keys[:2])
+
+    def full(f, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fs, "_write_all", full)
+    region = make_region(SLOT, 8)
+    slots = region.alloc(2)
+    fill_slots(region, slots, keys[2:])
+    op = wait_done(tier, tier.write(keys[2:], Kind.KV, region, slots))
+    assert op.hits == [False, False] and tier.stats["write_unavailable"] == 2
+    assert not os.listdir(tmp_path / "t3" / ".tmp")  # the failed temp files are gone
+    dst = region.alloc(2)
+    op = wait_done(tier, tier.prefetch(keys[:2], Kind.KV, region, dst))
+    assert op.hits == [True, True] and tier.stats["unavailable"] == 0
+    check_slots(region, dst, keys[:2])
+    assert wait_done(tier, tier.lookup(keys, Kind.KV)).hits == [True, True, False, False]
+    # ... while writes stay off for retry_after_s (no disk hammering): the next write fails fast
+    n_calls = []
+    monkeypatch.setattr(fs, "_write_all", lambda f, data: n_calls.append(1))
+    op = wait_done(tier, tier.write(keys[2:], Kind.KV, region, slots))
+    assert op.hits == [False, False] and not n_calls
+    tier.close()
