@@ -1,16 +1,40 @@
 """Per-row checksums of slot envelopes, computed on the device where the bytes are.
 
-Twin: ``reference.row_checksums_reference``. A row of ``E`` bytes is read as ``E/4`` unsigned 32-bit
-words ``w_i`` and reduced to ``sum_i w_i * (2i + 1) mod 2**64``. Flipping bit ``b`` of word ``i``
-changes the sum by ``+-2**b * (2i + 1)``; two flips cancel only if ``2**a (2i + 1) = 2**b (2j + 1)``,
-that is the same bit of the same word. So every one- and two-bit flip is detected (an earlier form
-with two 32-bit lanes missed two flips of bit 31, which cancel mod 2**32). The position weight also
-catches swapped words. Addition mod 2**64 is associative, so block-wise partial sums equal the
-reference's whole-row sum exactly. The 32 x 32 -> 64-bit products keep it near memory speed, and the
-transfer engine runs it beside the copy on its own stream.
+Twin: ``reference.row_checksums_reference``. A row of ``E`` bytes (``E % 16 == 0``) is read as
+``n = E/4`` little-endian uint32 words ``w_i``, ``n <= 2**26``. Its checksum is one int64:
+``S | H << 32``, ``S`` a 32-bit extended-Hamming syndrome and ``H`` a keyed universal hash below 2**31.
 
-Bytes moved: each row read once (``len(rows) * E``), 8 bytes written per (row, block), then read
-once more and 8 bytes written per row by the sum of the parts.
+S: write the row's bits at global positions ``t = 32 i + b`` (word ``i``, bit ``b``; ``t < 2**31``).
+``S = P | B << 1 | I << 6`` where, with ``X`` the XOR of all words, ``P = parity(X)`` (of all set bits),
+``B`` has bit ``k`` = ``parity(X & M_k)`` for the masks ``M_k`` of bit positions whose bit ``k`` is set
+(``0xAAAAAAAA, 0xCCCCCCCC, 0xF0F0F0F0, 0xFF00FF00, 0xFFFF0000``), and ``I`` is the XOR of the indices
+``i`` of the words with an odd popcount. Together ``(P, I << 5 | B)`` is the XOR, over every set bit,
+of ``(1, t)``: the syndrome of an extended Hamming code, linear over GF(2). So an error pattern ``e``
+changes ``S`` by ``S(e)``, and ``S(e) != 0`` for every ``e`` of 1, 2 or 3 bits: odd weight flips
+``P``; two bits leave ``P`` and change the position XOR by ``t1 ^ t2 != 0``. That is the property
+asked for, whatever the row's length up to 2**26 words (beyond it positions would alias: refused).
+The old checksum, ``sum_i w_i (2i + 1) mod 2**64``, missed 3-bit errors such as +1 (bit 0 of word 0),
++3 (bit 0 of word 1) and -4 (bit 2 of word 0), which sum to 0.
+
+H: with ``p = 2**31 - 1``, ``T = 2048`` words a tile, word ``i = g T + j`` and ``lo, hi`` its 16-bit
+halves, ``H = sum_g s_g * sum_{j<T} (lo_{g,j} a_j + hi_{g,j} b_j) mod p``, for fixed tables
+``a_j, b_j`` (``j < T``) and ``s_g`` (``g < 2**26 / T``) uniform in ``[0, p)`` (``_checksum_tables``:
+splitmix64 from a constant seed, the same on every device and torch version). For an error that does
+not depend on the tables, ``P(H unchanged) <= 2/p < 2**-30``: take a tile ``g*`` where a half
+changed; each change ``|d| < 2**16 < p`` is nonzero mod p, so the tile's inner sum of changes is a
+nonzero linear form in ``a, b`` and is 0 with probability ``1/p``; given it is not, the total is 0
+with probability ``1/p`` over ``s_{g*}`` (the other tiles' terms do not involve ``s_{g*}``).
+
+Together: ``S`` is a function of the error pattern alone and the bound on ``H`` holds for every fixed
+pattern, so ``P(miss) <= P(S(e) = 0) * 2/p``: 0 for 1-3 bits and every odd weight; for random
+corruption ``S(e) = 0`` needs an even weight of at least 4 whose positions XOR to 0, which a random
+replacement of any aligned word hits with probability ``< 2**-6`` (of a single byte ``1/17``; of at
+least four random bit positions ``< 2**-3``), and random flips of ``w >= 4`` positions among ``N``
+with probability ``< 1/(N - w)``; each gives ``P(miss) < 2**-32``.
+
+Bytes moved: each row read once (``len(rows) * E``), plus the tables from L1/L2 (8 bytes a word, 16 KiB
+for every program); 24 bytes written per (row, part), read once more, and 8 bytes written per row.
+The transfer engine runs it beside the copy on its own stream.
 """
 
 from __future__ import annotations
@@ -21,67 +45,120 @@ import torch
 import triton
 import triton.language as tl
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.kernels import use_triton
+from tiered_cache.kernels._checksum_tables import MAX_WORDS, TILE, P, checksum_tables
 from tiered_cache.kernels.reference import row_checksums_reference
 
 
 @triton.jit
-def _checksum_kernel(words_ptr, rows_ptr, out_ptr, row_stride_words, row_words, n_blocks,
-                     BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    i = tl.program_id(0)
-    part = tl.program_id(1)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    base = words_ptr + row * row_stride_words
-    acc = tl.zeros([BLOCK], dtype=tl.int64)
-    for it in range(ITERS):
-        offs = (part * ITERS + it) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < row_words
-        w = tl.load(base + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-        acc += w * (2 * offs.to(tl.int64) + 1)  # int64 arithmetic wraps mod 2**64
-    tl.store(out_ptr + i * n_blocks + part, tl.sum(acc, axis=0))
+def _parity(x):
+    """Bit 0: the parity of ``x``'s low 32 bits. Works on int32 although ``>>`` shifts arithmetically:
+    sign copies land only above the bits that reach bit 0."""
+    x = x ^ (x >> 16)
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return x & 1
 
 
 @triton.jit
-def _sum_parts_kernel(parts_ptr, out_ptr, n_parts, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    acc = tl.zeros([BLOCK], dtype=tl.int64)
+def _checksum_kernel(words_ptr, rows_ptr, a_ptr, b_ptr, s_ptr, parts_ptr, row_stride_words, row_words, n_parts,
+                     part_stride, BLOCK: tl.constexpr, ITERS: tl.constexpr, TILE: tl.constexpr,
+                     PRIME: tl.constexpr):
+    """One (row, part): ``ITERS`` blocks of ``BLOCK`` words. A block lies inside one tile (``BLOCK``
+    divides ``TILE``), so its hash needs one tile weight. Writes the part's word XOR, index XOR and hash
+    at ``parts[0|1|2][row, part]``."""
+    r = tl.program_id(0)
+    part = tl.program_id(1)
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    base = words_ptr + row * row_stride_words
+    acc_x = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_i = tl.zeros([BLOCK], dtype=tl.int32)
+    h = tl.zeros([], dtype=tl.int64)
+    lane = tl.arange(0, BLOCK)
+    for it in range(ITERS):
+        start = (part * ITERS + it) * BLOCK
+        offs = start + lane
+        w = tl.load(base + offs, mask=offs < row_words, other=0)  # masked words are 0: they add nothing
+        j = start % TILE + lane
+        a = tl.load(a_ptr + j).to(tl.int64)
+        b = tl.load(b_ptr + j).to(tl.int64)
+        v = (w & 0xFFFF).to(tl.int64) * a + ((w >> 16) & 0xFFFF).to(tl.int64) * b  # < 2**48
+        sg = tl.load(s_ptr + start // TILE, mask=start < row_words, other=0).to(tl.int64)
+        h = (h + (tl.sum(v, axis=0) % PRIME) * sg) % PRIME  # block sum < 2**59, product < 2**62
+        acc_x = acc_x ^ w
+        acc_i = acc_i ^ tl.where(_parity(w) != 0, offs, 0)
+    out = parts_ptr + r * n_parts + part
+    tl.store(out, tl.xor_sum(acc_x, axis=0).to(tl.int64))
+    tl.store(out + part_stride, tl.xor_sum(acc_i, axis=0).to(tl.int64))
+    tl.store(out + 2 * part_stride, h)
+
+
+@triton.jit
+def _combine_kernel(parts_ptr, out_ptr, n_parts, part_stride, PRIME: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: XOR the parts' word and index XORs, add their hashes mod p, pack ``S | H << 32``."""
+    r = tl.program_id(0)
+    acc_x = tl.zeros([BLOCK], dtype=tl.int64)
+    acc_i = tl.zeros([BLOCK], dtype=tl.int64)
+    acc_h = tl.zeros([BLOCK], dtype=tl.int64)
     for start in range(0, n_parts, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(parts_ptr + i * n_parts + offs, mask=offs < n_parts, other=0)
-    tl.store(out_ptr + i, tl.sum(acc, axis=0))  # wraps mod 2**64, as the reference's sum
+        mask = offs < n_parts
+        p = parts_ptr + r * n_parts + offs
+        acc_x = acc_x ^ tl.load(p, mask=mask, other=0)
+        acc_i = acc_i ^ tl.load(p + part_stride, mask=mask, other=0)
+        acc_h += tl.load(p + 2 * part_stride, mask=mask, other=0)  # each < 2**31
+    x = tl.xor_sum(acc_x, axis=0).to(tl.int32)
+    idx = tl.xor_sum(acc_i, axis=0)
+    hsh = tl.sum(acc_h, axis=0) % PRIME
+    # The masks as int32 bit patterns (0xAAAAAAAA, 0xCCCCCCCC, 0xF0F0F0F0, 0xFF00FF00, 0xFFFF0000).
+    s = (_parity(x) | _parity(x & -0x55555556) << 1 | _parity(x & -0x33333334) << 2
+         | _parity(x & -0x0F0F0F10) << 3 | _parity(x & -0x00FF0100) << 4 | _parity(x & -0x00010000) << 5)
+    s = s.to(tl.int64) | (idx & 0x3FFFFFF) << 6
+    tl.store(out_ptr + r, s | (hsh << 32))
 
 
 def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto",
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Checksums (int64) of ``rows_view[rows]``, on the view's device or written into ``out``.
 
-    ``rows_view``: ``[R, E]`` uint8 with ``E % 16 == 0`` and a unit inner stride (a pool's rows view);
-    ``rows``: 1-D int64 row ids on the same device, or (GPU) in page-locked host memory, which the
-    kernel reads through mapped memory: no copy on any stream.
+    ``rows_view``: ``[R, E]`` uint8 with ``E % 16 == 0``, ``E <= 2**28`` and a unit inner stride (a
+    pool's rows view); ``rows``: 1-D int64 row ids on the same device, or (GPU) in page-locked host
+    memory, which the kernel reads through mapped memory: no copy on any stream.
     ``out``: a 1-D int64 tensor of ``len(rows)``, on the view's device or (GPU) in page-locked host
     memory, which the last kernel writes through mapped memory: the sums reach the host without a
     copy-engine transfer (one would queue behind every large copy already in that engine). Returned.
     """
-    if not isinstance(rows_view, torch.Tensor) or rows_view.dtype != torch.uint8 or rows_view.dim() != 2:
-        raise InvalidArgumentError("rows_view", "a 2-D uint8 tensor [rows, bytes]", getattr(rows_view, "shape", None))
+    if not isinstance(rows_view, torch.Tensor):
+        raise InvalidTypeError("rows_view", "a 2-D uint8 tensor [rows, bytes]", type(rows_view).__name__)
+    if rows_view.dtype != torch.uint8 or rows_view.dim() != 2:
+        raise InvalidArgumentError("rows_view", "a 2-D uint8 tensor [rows, bytes]",
+                                   (tuple(rows_view.shape), rows_view.dtype))
     if rows_view.stride(1) != 1 or rows_view.shape[1] % 16 or rows_view.stride(0) % 16:
         raise InvalidArgumentError("rows_view", "rows of a multiple of 16 bytes, 16-byte aligned, unit inner stride",
                                    (tuple(rows_view.shape), rows_view.stride()))
-    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
-        raise InvalidArgumentError("rows", "a 1-D int32/int64 tensor", getattr(rows, "dtype", type(rows)))
+    if rows_view.shape[1] > 4 * MAX_WORDS:
+        # Past 2**26 words the bit positions t = 32 i + b no longer fit the syndrome's 31 bits.
+        raise InvalidArgumentError("rows_view", f"rows of at most {4 * MAX_WORDS} bytes", tuple(rows_view.shape))
+    if not isinstance(rows, torch.Tensor):
+        raise InvalidTypeError("rows", "a 1-D int32/int64 tensor", type(rows).__name__)
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgumentError("rows", "a 1-D int32/int64 tensor", (tuple(rows.shape), rows.dtype))
     mapped = rows_view.is_cuda and rows.device.type == "cpu" and rows.is_pinned()
     if rows.device != rows_view.device and not mapped:
         raise InvalidArgumentError("rows", f"a tensor on {rows_view.device} (or page-locked host memory)",
                                    rows.device)
     if out is not None:
+        want = (f"a contiguous int64 tensor of shape ({rows.numel()},) on {rows_view.device} "
+                "(or page-locked host memory)")
+        if not isinstance(out, torch.Tensor):
+            raise InvalidTypeError("out", want, type(out).__name__)
         out_mapped = rows_view.is_cuda and out.device.type == "cpu" and out.is_pinned()
-        if (not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.shape != (rows.numel(),)
-                or not out.is_contiguous() or (out.device != rows_view.device and not out_mapped)):
-            raise InvalidArgumentError("out", f"a contiguous int64 tensor of shape ({rows.numel()},) on "
-                                       f"{rows_view.device} (or page-locked host memory)",
-                                       (getattr(out, "dtype", type(out)), tuple(getattr(out, "shape", ())),
-                                        getattr(out, "device", None)))
+        if (out.dtype != torch.int64 or out.shape != (rows.numel(),) or not out.is_contiguous()
+                or (out.device != rows_view.device and not out_mapped)):
+            raise InvalidArgumentError("out", want, (out.dtype, tuple(out.shape), out.device))
     if rows.numel() == 0:
         return out if out is not None else torch.zeros(0, dtype=torch.int64, device=rows_view.device)
     if not use_triton(rows_view.device, backend):
@@ -89,18 +166,22 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
         return res if out is None else out.copy_(res)
     if rows_view.data_ptr() % 16:
         raise InvalidArgumentError("rows_view", "a 16-byte aligned start", rows_view.data_ptr())
+    a, b, s = checksum_tables(rows_view.device)  # cached per device: a dict look-up after the first call
     row_words = rows_view.shape[1] // 4
-    block = min(2048, triton.next_power_of_2(row_words))
+    # A power of two <= TILE, so a block never straddles two tiles.
+    block = min(TILE, triton.next_power_of_2(row_words))
     # On the GPU split long rows over programs (~64 KiB each) so a few big envelopes still fill the
     # chip; in the interpreter, one program per row.
     iters = max(1, min(8, triton.cdiv(row_words, block))) if rows_view.is_cuda else triton.cdiv(row_words, block)
-    n_blocks = triton.cdiv(row_words, block * iters)
-    parts = torch.empty(rows.numel(), n_blocks, dtype=torch.int64, device=rows_view.device)
+    n_parts = triton.cdiv(row_words, block * iters)
+    part_stride = rows.numel() * n_parts
+    parts = torch.empty(3, rows.numel(), n_parts, dtype=torch.int64, device=rows_view.device)
     # A plain dtype view (no set_ on the storage: the CUDA sanitizer counts that as a write).
     words = rows_view.view(torch.int32)
-    _checksum_kernel[(rows.numel(), n_blocks)](words, rows, parts, words.stride(0), row_words, n_blocks,
-                                                BLOCK=block, ITERS=iters)
+    _checksum_kernel[(rows.numel(), n_parts)](words, rows, a, b, s, parts, words.stride(0), row_words, n_parts,
+                                               part_stride, BLOCK=block, ITERS=iters, TILE=TILE, PRIME=P)
     if out is None:
         out = torch.empty(rows.numel(), dtype=torch.int64, device=rows_view.device)
-    _sum_parts_kernel[(rows.numel(),)](parts, out, n_blocks, BLOCK=min(1024, triton.next_power_of_2(n_blocks)))
+    _combine_kernel[(rows.numel(),)](parts, out, n_parts, part_stride, PRIME=P,
+                                     BLOCK=min(1024, triton.next_power_of_2(n_parts)))
     return out
