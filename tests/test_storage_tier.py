@@ -292,3 +292,78 @@ def test_misuse_is_a_typed_error_and_changes_nothing(tmp_path):
         tier.lookup(keys, 42)
     assert tier.pending() == 0 and not region.allocator.busy_ids and not tier.stats
     tier.close()
+
+
+NAN, INF = float("nan"), float("inf")
+TIER_SETTINGS = [("workers", 0), ("workers", 1.5), ("workers", True), ("workers", NAN), ("batch_bytes", 0),
+                 ("batch_bytes", INF), ("retry_after_s", NAN), ("retry_after_s", INF), ("retry_after_s", -1.0),
+                 ("retry_after_s", "2"), ("skip_existing", 1), ("skip_existing", None), ("entry_bytes", {99: 10}),
+                 ("entry_bytes", {Kind.KV: -1}), ("entry_bytes", {Kind.KV: 1.5}), ("entry_bytes", [1])]
+
+
+@pytest.mark.parametrize("arg, bad", TIER_SETTINGS, ids=[f"{a}={b!r}" for a, b in TIER_SETTINGS])
+def test_tier_settings_are_checked(tmp_path, arg, bad):
+    """Issue 17 item 8: settings were taken unchecked (a NaN ``retry_after_s`` kept the breaker open or
+    shut forever). Each is refused with a typed error naming it."""
+    with pytest.raises(InvalidArgumentError) as ei:
+        StorageTier(FileStore(str(tmp_path)), FP, **{arg: bad})
+    assert ei.value.arg == arg
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, 0, -1.0, "1", True])
+def test_op_timeouts_are_checked(tmp_path, bad):
+    """Issue 17 item 8: ``timeout_s=nan`` made an op whose deadline never came (NaN compares false)."""
+    tier = StorageTier(FileStore(str(tmp_path)), FP)
+    keys = tier.keys(TOKENS[:8])
+    for call in (lambda: tier.lookup(keys, Kind.KV, timeout_s=bad), lambda: tier.get(keys, Kind.KV, timeout_s=bad),
+                 lambda: tier.put(keys[:1], Kind.BLOB, [b"x"], timeout_s=bad)):
+        with pytest.raises(InvalidArgumentError) as ei:
+            call()
+        assert ei.value.arg == "timeout_s"
+    assert tier.pending() == 0 and not tier.stats
+    op = wait_done(tier, tier.lookup(keys, Kind.KV))
+    if bad != 0:  # a wait of 0 s is a poll; the rest are refused
+        with pytest.raises(InvalidArgumentError, match="timeout_s"):
+            tier.wait(op, bad)
+    tier.close()
+
+
+REDIS_SETTINGS = [("socket_timeout", NAN), ("socket_timeout", INF), ("socket_timeout", 0), ("connect_timeout", NAN),
+                  ("connect_timeout", -1), ("chunk_bytes", 100), ("chunk_bytes", 4096.0), ("pipeline_bytes", 0),
+                  ("ttl_s", 0), ("ttl_s", 1.5), ("socket_read_size", 0), ("db", -1), ("port", 0), ("port", 70000),
+                  ("port", "6379"), ("max_value_bytes", 0), ("prefix", None), ("cluster_nodes", [("h", NAN)])]
+
+
+@pytest.mark.parametrize("arg, bad", REDIS_SETTINGS, ids=[f"{a}={b!r}" for a, b in REDIS_SETTINGS])
+def test_redis_settings_are_checked(arg, bad):
+    """Issue 17 item 8: a NaN socket timeout never expires; every numeric setting is range-checked."""
+    pytest.importorskip("redis")
+    with pytest.raises(InvalidArgumentError) as ei:
+        RedisStore(**{arg: bad})
+    assert ei.value.arg == arg
+
+
+@pytest.mark.parametrize("arg, bad", [("fsync", 1), ("fsync", "yes"), ("max_value_bytes", 0),
+                                      ("max_value_bytes", NAN)])
+def test_file_store_settings_are_checked(tmp_path, arg, bad):
+    with pytest.raises(InvalidArgumentError) as ei:
+        FileStore(str(tmp_path), **{arg: bad})
+    assert ei.value.arg == arg
+
+
+@pytest.mark.parametrize("kw, arg", [(dict(timeout_s=INF), "prefetch_timeout_s"),
+                                     (dict(timeout_s=NAN), "prefetch_timeout_s"),
+                                     (dict(policy="eager"), "prefetch_policy"),
+                                     (dict(write_through=1), "storage_write_through")])
+def test_storage_hook_settings_are_checked(tmp_path, kw, arg):
+    """Issue 17 item 8 (the radix side of T3): the hook's timeout, policy and switch are checked."""
+    from storage_util import make_t3_cache
+
+    from tiered_cache.radix.storage_hook import StorageHook
+
+    tier = StorageTier(FileStore(str(tmp_path)), FP)
+    cache = make_t3_cache(tier)
+    with pytest.raises(InvalidArgumentError) as ei:
+        StorageHook(cache, tier, **kw)
+    assert ei.value.arg == arg
+    tier.close()
