@@ -16,7 +16,8 @@ All in one run:
 - a bf16 GEMM on the compute stream alone, then while transfers run (``gemm_slowdown``: GPU time by
   CUDA events; ``gemm_slowdown_wall``: wall clock);
 - the checksum's cost: the same state moves with checksums switched off, in interleaved rounds
-  (``checksum_overhead``: the median round's time with / without - 1), and
+  (``checksum_overhead``: the median round's time with / without - 1), the same for KV pages
+  (``checksum_overhead_kv``: sustained both ways; ``checksum_overhead_kv_single_call`` beside it), and
   a diagnostic of which direction's checksums slow sustained both-ways moves (``diag_bidir_*``);
 - pinning 1 GiB with ``pin_memory`` against ``cudaHostRegister``.
 GB/s counts bytes crossing PCIe (one side of each copy).
@@ -52,15 +53,20 @@ def _off(eng, fn):
         eng.checksums = True
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():  # the CPU smoke test times the same helpers without a device
+        torch.cuda.synchronize()
+
+
 def timed(fn, reps: int) -> float:
     """Median wall seconds of ``fn`` (which must end synchronized)."""
     out = []
     fn()
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
 
@@ -116,6 +122,19 @@ def interleaved(base, ours, rounds: int) -> tuple[float, float, float, float]:
         o.append(timed(ours, 1))
     ratios = [x / y for x, y in zip(b, o)]
     return statistics.median(b), statistics.median(o), statistics.median(ratios), min(ratios)
+
+
+def checksum_overheads(eng, moves: dict, rounds: int) -> dict:
+    """What checksums cost each named move (a callable that ends synchronized): its time with checksums
+    / without - 1, timed in ``rounds`` interleaved rounds (``name``: the median round's ratio;
+    ``name_worst_round``: the lowest). The PCIe rate drifts between measurements; timed one after the
+    other, the same overhead measured -0.005 and 0.10 on two calls."""
+    out = {}
+    for name, fn in moves.items():
+        _, _, ratio, low = interleaved(lambda fn=fn: _off(eng, fn), fn, rounds)
+        out[name] = 1 / ratio - 1
+        out[f"{name}_worst_round"] = 1 / low - 1
+    return out
 
 
 def main() -> None:
@@ -320,16 +339,15 @@ def main() -> None:
     for r in rows:
         metrics[f"{r['data'].replace(' ', '_')}_{r['direction']}_{r['method']}_GBps"] = r["GBps"]
 
-    # checksum overhead: the same scattered state moves, sustained both ways, against themselves with
-    # the checksum kernels switched off, in interleaved rounds (the PCIe rate drifts between
-    # measurements; timed one after the other, the same overhead measured -0.005 and 0.10 on two calls).
-    # Per round: time with checksums / time without - 1; the median round, and the worst beside it.
+    # checksum overhead: the same scattered state moves and KV pages, both ways, against themselves
+    # with the checksum kernels switched off, in interleaved rounds (``checksum_overheads``).
     eng = tuned(TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes)))
-    for name, fn in (("checksum_overhead", lambda: pipelined(run_states, eng, "bidir")),
-                     ("checksum_overhead_single_call", lambda: run_states(eng, "bidir"))):
-        _, _, ratio, low = interleaved(lambda fn=fn: _off(eng, fn), fn, a.rounds)
-        metrics[name] = 1 / ratio - 1
-        metrics[f"{name}_worst_round"] = 1 / low - 1
+    metrics.update(checksum_overheads(eng, {
+        "checksum_overhead": lambda: pipelined(run_states, eng, "bidir"),
+        "checksum_overhead_single_call": lambda: run_states(eng, "bidir"),
+        "checksum_overhead_kv": lambda: pipelined(run_kv, eng, "bidir"),
+        "checksum_overhead_kv_single_call": lambda: run_kv(eng, "bidir"),
+    }, a.rounds))
 
     # Diagnostic: which direction's checksums stall sustained both-ways moves. Demotes and promotes go
     # through two engines (each its own in-flight bound), checksums on or off per direction.

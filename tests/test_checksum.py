@@ -66,6 +66,33 @@ def test_kernel_equals_reference_bit_exact(nbytes):
         assert torch.equal(row_checksums(rows, ids, backend="torch"), out)
 
 
+@pytest.mark.parametrize("iters", [1, 2])
+def test_kernel_split_over_parts_equals_reference(monkeypatch, iters):
+    """A row split over several programs (as on the GPU), whose parts the combine kernel XORs and adds
+    mod p: 6148 words in 4 or 2 parts of 1 or 2 blocks."""
+    from tiered_cache.kernels import checksum
+
+    monkeypatch.setattr(checksum, "_iters", lambda row_words, block, cuda: iters)
+    rows = _rows(3, 2048 * 4 * 3 + 16, 21)
+    ids = torch.tensor([2, 0, 1, 2])
+    out = torch.randint(-2**62, 2**62, (4,), dtype=torch.int64)
+    row_checksums(rows, ids, backend="triton", out=out)
+    assert torch.equal(out, row_checksums_reference(rows, ids))
+
+
+@pytest.mark.gpu
+def test_kernel_on_the_gpu_equals_reference_for_long_split_rows():
+    """Rows of 1 MiB + 16 B (17 parts of up to 8 blocks) and a state-envelope-like 21 MB row, read
+    through page-locked row ids and written into page-locked sums, as the transfer engine does."""
+    for nbytes, n in ((1 << 20) + 16, 5), (21_233_664, 2):
+        rows = _rows(n, nbytes, 31).cuda()
+        ids = torch.arange(n - 1, -1, -1)
+        out = torch.full((n,), -1, dtype=torch.int64).pin_memory()
+        row_checksums(rows, ids.pin_memory(), backend="triton", out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, row_checksums_reference(rows.cpu(), ids))
+
+
 @pytest.mark.parametrize("nbytes", [16, 48, 4096, 2048 * 4 + 32])
 def test_reference_equals_the_definition(nbytes):
     """The vectorized twin against a bit-by-bit Python reading of the definition (a second tile included)."""
@@ -297,3 +324,29 @@ def test_three_bit_flip_in_a_state_slots_host_bytes_fails_its_promote():
     dst = t1.alloc(2).tolist()
     t = promote_states(eng, region, hs, t1, dst)
     assert eng.wait(t) and t.ok == [True, False] and eng.stats["checksum_failures"] == 1
+
+
+def test_bench_transfer_checksum_overheads_smoke_on_cpu():
+    """bench_transfer's checksum-overhead helper (which now also times KV pages, ``checksum_overhead_kv``)
+    runs its interleaved on/off rounds on a CPU engine, switches checksums back on, and every verified
+    load in it passes: the GPU run cannot trip on it."""
+    from benchmarks.bench_transfer import checksum_overheads
+
+    pool, _, mirror, eng = _setup()
+    full, region = pool.side("full"), mirror.region("full")
+    src, dst = full.alloc(8), full.alloc(8)
+    full.rows_bytes().copy_(_rows(*full.rows_bytes().shape, 9))
+    hs = region.alloc(4)
+    assert eng.wait(demote_kv(eng, full, src, region, hs[:2]))
+    loads = []
+
+    def kv_bidir():
+        d = demote_kv(eng, full, src, region, hs[2:])
+        t = load_kv(eng, region, hs[:2], full, dst, layerwise=False)
+        assert eng.wait(d) and eng.wait(t) and t.ok == [True, True]
+        loads.append(eng.checksums)
+
+    m = checksum_overheads(eng, {"checksum_overhead_kv": kv_bidir}, rounds=2)
+    assert set(m) == {"checksum_overhead_kv", "checksum_overhead_kv_worst_round"}
+    assert all(np.isfinite(v) and v > -1 for v in m.values())
+    assert eng.checksums and True in loads and False in loads and eng.stats["checksum_failures"] == 0

@@ -120,6 +120,13 @@ def _combine_kernel(parts_ptr, out_ptr, n_parts, part_stride, PRIME: tl.constexp
     tl.store(out_ptr + r, s | (hsh << 32))
 
 
+def _iters(row_words: int, block: int, cuda: bool) -> int:
+    """Blocks a program: on the GPU long rows are split over programs (~64 KiB each) so a few big
+    envelopes still fill the chip; in the interpreter, one program per row. (Tests on CPU replace it to
+    run the GPU's split, and so the combine of several parts.)"""
+    return max(1, min(8, triton.cdiv(row_words, block))) if cuda else triton.cdiv(row_words, block)
+
+
 def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto",
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Checksums (int64) of ``rows_view[rows]``, on the view's device or written into ``out``.
@@ -170,9 +177,7 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     row_words = rows_view.shape[1] // 4
     # A power of two <= TILE, so a block never straddles two tiles.
     block = min(TILE, triton.next_power_of_2(row_words))
-    # On the GPU split long rows over programs (~64 KiB each) so a few big envelopes still fill the
-    # chip; in the interpreter, one program per row.
-    iters = max(1, min(8, triton.cdiv(row_words, block))) if rows_view.is_cuda else triton.cdiv(row_words, block)
+    iters = _iters(row_words, block, rows_view.is_cuda)
     n_parts = triton.cdiv(row_words, block * iters)
     part_stride = rows.numel() * n_parts
     parts = torch.empty(3, rows.numel(), n_parts, dtype=torch.int64, device=rows_view.device)
