@@ -367,3 +367,31 @@ def test_storage_hook_settings_are_checked(tmp_path, kw, arg):
         StorageHook(cache, tier, **kw)
     assert ei.value.arg == arg
     tier.close()
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda t, k: t.lookup("k" * 32, Kind.KV), "keys"),           # a str is not a list of keys
+    (lambda t, k: t.lookup(["k" * 32], Kind.KV), "keys"),         # nor is a list of str
+    (lambda t, k: t.lookup(k, "kv"), "kind"),
+    (lambda t, k: t.lookup(k, None), "kind"),
+    (lambda t, k: t.get(k, 1.0), "kind"),
+    (lambda t, k: t.put(k[:1], Kind.BLOB, None), "payloads"),
+    (lambda t, k: t.put(k[:1], Kind.BLOB, [3]), "payloads"),
+    (lambda t, k: t.put(k[:1], Kind.BLOB, [b"x"], t2_checksums=[1.5]), "t2_checksums"),
+    (lambda t, k: t.storage_key("kv", k[0]), "kind"),
+    (lambda t, k: t.storage_key(Kind.KV, None), "key"),
+    (lambda t, k: t.prefetch(k, Kind.KV, None, [1]), "region"),
+    (lambda t, k: t.wait(object(), 1.0), "op"),
+    (lambda t, k: t.cancel(None), "op"),
+])
+def test_wrong_types_are_type_errors_naming_the_argument(tmp_path, call, arg):
+    """Issue 17 item 8 (types): these raised builtin ValueError / TypeError / AttributeError, or took a
+    str of keys as a list of one-character keys. Now ``InvalidTypeError`` (also a ``TypeError``)."""
+    from tiered_cache.errors import InvalidTypeError
+
+    tier = StorageTier(FileStore(str(tmp_path)), FP)
+    keys = tier.keys(TOKENS[:8])
+    with pytest.raises(InvalidTypeError) as ei:
+        call(tier, keys)
+    assert ei.value.arg == arg and tier.pending() == 0 and not tier.stats
+    tier.close()

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.storage.backend import StorageBackend
 from tiered_cache.storage.file_store import FileStore
 from tiered_cache.storage.format import HEADER_SIZE, Kind
@@ -22,14 +22,16 @@ from tiered_cache.storage.tier import StorageOp, StorageTier
 def open_backend(url: str, **kwargs) -> StorageBackend:
     """A backend from a URL: ``file:///abs/dir`` (or a bare path), ``redis://host:port``,
     ``redis-cluster://host:port,host:port``. ``kwargs`` go to the backend's constructor."""
-    if not isinstance(url, str) or not url:
+    if not isinstance(url, str):
+        raise InvalidTypeError("url", "file:///dir, redis://host:port or redis-cluster://h:p,h:p", url)
+    if not url:
         raise InvalidArgumentError("url", "file:///dir, redis://host:port or redis-cluster://h:p,h:p", url)
     if url.startswith("redis://") or url.startswith("redis-cluster://"):
         scheme, rest = url.split("://", 1)
         nodes = []
         for hp in rest.rstrip("/").split(","):
             host, _, port = hp.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise InvalidArgumentError("url", "host:port pairs after the scheme", url)
             nodes.append((host, int(port)))
         if scheme == "redis":

@@ -46,7 +46,9 @@ class FileStore(StorageBackend):
     name = "file"
 
     def __init__(self, root: str, *, fsync: bool = False, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
-        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+        if not isinstance(root, (str, os.PathLike)) or not isinstance(os.fspath(root), str):
+            raise InvalidTypeError("root", "a directory path (str or os.PathLike)", root)
+        if not os.fspath(root):
             raise InvalidArgumentError("root", "a directory path", root)
         if not isinstance(fsync, bool):
             raise InvalidTypeError("fsync", "a bool", fsync)
@@ -77,6 +79,8 @@ class FileStore(StorageBackend):
         return p
 
     def _paths(self, keys: Sequence[str]) -> list[str]:
+        if not isinstance(keys, (list, tuple)):  # a str would be iterated as one-character keys
+            raise InvalidTypeError("keys", "a list or tuple of keys", keys)
         return [self.path(k) for k in keys]  # all checked before any is touched
 
     def get_many(self, keys: Sequence[str], sizes: Optional[Sequence[Optional[int]]] = None,
@@ -104,6 +108,15 @@ class FileStore(StorageBackend):
         return out
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
+        if not isinstance(items, (list, tuple)) or not all(
+                isinstance(it, tuple) and len(it) == 2 and isinstance(it[1], (list, tuple)) for it in items):
+            raise InvalidTypeError("items", "a list of (key, [bytes-like parts])", items)
+        for _, parts in items:
+            for p in parts:
+                try:
+                    memoryview(p)
+                except TypeError:
+                    raise InvalidTypeError("items", "bytes-like parts", p) from None
         finals = self._paths([key for key, _ in items])
         for (key, parts), final in zip(items, finals):
             tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{threading.get_ident()}.{next(self._n)}")

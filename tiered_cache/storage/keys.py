@@ -60,16 +60,19 @@ class StorageFingerprint:
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_id, str) or not self.model_id:
-            raise InvalidArgumentError("model_id", "a non-empty str", self.model_id)
+        for arg in ("model_id", "codec"):
+            v = getattr(self, arg)
+            if not isinstance(v, str):
+                raise InvalidTypeError(arg, "a non-empty str", v)
+            if not v:
+                raise InvalidArgumentError(arg, "a non-empty str", v)
         lr = self.layer_range
-        if (not isinstance(lr, tuple) or len(lr) != 2 or not all(type(x) is int for x in lr)
-                or not 0 <= lr[0] < lr[1]):
+        if not isinstance(lr, tuple) or len(lr) != 2 or not all(type(x) is int for x in lr):
+            raise InvalidTypeError("layer_range", "a tuple (first, end) of ints with 0 <= first < end", lr)
+        if not 0 <= lr[0] < lr[1]:
             raise InvalidArgumentError("layer_range", "a tuple (first, end) of ints with 0 <= first < end", lr)
         if not isinstance(self.dtypes, tuple) or not all(isinstance(d, str) for d in self.dtypes):
-            raise InvalidArgumentError("dtypes", "a tuple of str", self.dtypes)
-        if not isinstance(self.codec, str) or not self.codec:
-            raise InvalidArgumentError("codec", "a non-empty str", self.codec)
+            raise InvalidTypeError("dtypes", "a tuple of str", self.dtypes)
         # plain ints (a numpy int would not JSON-encode into the digest)
         object.__setattr__(self, "page_size", int_arg("page_size", self.page_size, lo=1))
         object.__setattr__(self, "layout_version", int_arg("layout_version", self.layout_version, lo=0))
@@ -82,6 +85,15 @@ class StorageFingerprint:
                    page_size: int, layer_range: Optional[tuple[int, int]] = None,
                    layout_version: int = LAYOUT_VERSION) -> StorageFingerprint:
         """The fingerprint of a cache built from ``KVSpec`` / ``StateSpec``: dtypes and shapes from the specs."""
+        from tiered_cache.specs import KVSpec, StateSpec
+
+        if kv_spec is not None and not isinstance(kv_spec, KVSpec):
+            raise InvalidTypeError("kv_spec", "None or a KVSpec", kv_spec)
+        if state_spec is not None and not isinstance(state_spec, StateSpec):
+            raise InvalidTypeError("state_spec", "None or a StateSpec", state_spec)
+        for arg, v in (("model_id", model_id), ("codec", codec)):
+            if not isinstance(v, str):
+                raise InvalidTypeError(arg, "a non-empty str", v)
         dtypes: list[str] = []
         extra: list[tuple[str, str]] = []
         n_layers = 0
@@ -146,6 +158,8 @@ def page_keys(tokens: Sequence[int], fingerprint: StorageFingerprint, salt: Salt
     ``parent``: the key of the page before ``tokens[0]`` (to extend a chain from a tree node without
     rehashing its ancestors; it already binds the tenant); ``None`` starts from the seed.
     """
+    if not isinstance(fingerprint, StorageFingerprint):
+        raise InvalidTypeError("fingerprint", "a StorageFingerprint", fingerprint)
     ps = fingerprint.page_size
     # Integers only: np.asarray would truncate 1.5 to 1 and serve an integer prefix's entry.
     toks = int_list("tokens", tokens)
@@ -153,7 +167,9 @@ def page_keys(tokens: Sequence[int], fingerprint: StorageFingerprint, salt: Salt
         arr = np.asarray(toks, dtype=np.int64)
     except OverflowError:
         raise InvalidArgumentError("tokens", "token ids that fit in int64", max(toks, key=abs)) from None
-    if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+    if parent is not None and not isinstance(parent, bytes):
+        raise InvalidTypeError("parent", f"None or a {KEY_BYTES}-byte key", parent)
+    if parent is not None and len(parent) != KEY_BYTES:
         raise InvalidArgumentError("parent", f"None or a {KEY_BYTES}-byte key", parent)
     seed = chain_seed(fingerprint, salt, extra_key)  # checks both tenant fields even when parent is given
     raw = arr.astype("<i8").tobytes()

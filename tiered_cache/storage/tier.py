@@ -51,9 +51,10 @@ import numpy as np
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, StorageFormatError, StorageUnavailableError
 from tiered_cache.host_mirror import HostRegion
 from tiered_cache.storage.backend import StorageBackend, WrongSize
+from tiered_cache.storage.checks import entry_bytes_arg, key_arg, key_list, kind_arg, payload_list
 from tiered_cache.storage.format import HEADER_SIZE, Kind, pack_header, unpack
-from tiered_cache.storage.keys import KEY_BYTES, Salt, StorageFingerprint, page_keys
-from tiered_cache.validate import float_arg, int_arg
+from tiered_cache.storage.keys import Salt, StorageFingerprint, page_keys
+from tiered_cache.validate import float_arg, int_arg, int_list
 
 log = logging.getLogger(__name__)
 _DOWN = object()  # what _backend_call returns while the backend is unreachable
@@ -124,16 +125,7 @@ class StorageTier:
         retry_after_s = float_arg("retry_after_s", retry_after_s, lo=0)  # inf would never retry
         if not isinstance(skip_existing, bool):
             raise InvalidTypeError("skip_existing", "a bool", skip_existing)
-        sizes: dict[Kind, int] = {}
-        if entry_bytes is not None:
-            if not isinstance(entry_bytes, dict):
-                raise InvalidTypeError("entry_bytes", "None or a dict {Kind: payload bytes}", entry_bytes)
-            for k, v in entry_bytes.items():
-                try:
-                    kind = Kind(k)
-                except ValueError:
-                    raise InvalidArgumentError("entry_bytes", f"keys from {[x.name for x in Kind]}", k) from None
-                sizes[kind] = int_arg("entry_bytes", v, lo=0)
+        sizes = entry_bytes_arg("entry_bytes", entry_bytes)
         page_keys([], fingerprint, salt)  # validate salt now, not on the first call
         self.entry_bytes = sizes
         self.backend = backend
@@ -158,7 +150,7 @@ class StorageTier:
 
     @staticmethod
     def storage_key(kind: Kind, key: bytes) -> str:
-        return f"{Kind(kind).name.lower()}-{key.hex()}"
+        return f"{kind_arg('kind', kind).name.lower()}-{key_arg('key', key).hex()}"
 
     # ------------------------------------------------------------------------------ T2 moves
     def prefetch(self, keys: Sequence[bytes], kind: Kind, region: HostRegion, slots: Sequence[int], *,
@@ -201,14 +193,14 @@ class StorageTier:
             timeout_s: Optional[float] = None, t2_checksums: Optional[Sequence[int]] = None) -> StorageOp:
         """Store ``payloads`` (bytes-like, read by a worker until the op is done: pass copies) under
         ``keys``. ``t2_checksums``: the T2 checksums a later ``prefetch`` gives back (default 0)."""
-        keys = self._check_keys(keys)
-        if len(payloads) != len(keys):
-            raise InvalidArgumentError("payloads", f"{len(keys)} bytes-like values", len(payloads))
-        if t2_checksums is not None and len(t2_checksums) != len(keys):
-            raise InvalidArgumentError("t2_checksums", f"{len(keys)} ints", len(t2_checksums))
-        srcs = [np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in payloads]
+        keys = key_list("keys", keys)
+        kind_arg("kind", kind)
+        srcs = payload_list("payloads", payloads, len(keys))
+        sums = [0] * len(keys) if t2_checksums is None else int_list("t2_checksums", t2_checksums)
+        if len(sums) != len(keys) or any(not -(1 << 63) <= c < 1 << 63 for c in sums):
+            raise InvalidArgumentError("t2_checksums", f"{len(keys)} int64 checksums", t2_checksums)
         op = self._new("put", kind, keys, None, [], timeout_s)
-        op._t2_checksums = [0] * len(keys) if t2_checksums is None else [int(c) for c in t2_checksums]
+        op._t2_checksums = sums
         return self._submit(op, self._write_work, op, srcs)
 
     # ------------------------------------------------------------------------------ completion
@@ -231,6 +223,7 @@ class StorageTier:
         does not report it again)."""
         if not isinstance(op, StorageOp):
             raise InvalidTypeError("op", "a StorageOp from this tier", type(op).__name__)
+        self._check_op(op)
         timeout_s = float_arg("timeout_s", timeout_s, lo=0)
         if op.done:
             return True
@@ -247,6 +240,7 @@ class StorageTier:
     def cancel(self, op: StorageOp) -> None:
         """Stop ``op`` (its request was aborted). Results are discarded; ``poll`` reports it done
         once its worker has stopped, and only then are its slots free to reuse."""
+        self._check_op(op)
         if not isinstance(op, StorageOp):
             raise InvalidTypeError("op", "a StorageOp from this tier", type(op).__name__)
         if not op.done and not op.cancelled:
@@ -267,26 +261,26 @@ class StorageTier:
         self.backend.close()
 
     # ------------------------------------------------------------------------------ internals
+    def _check_op(self, op: Any) -> None:
+        if not isinstance(op, StorageOp):
+            raise InvalidTypeError("op", "a StorageOp of this tier", op)
+        if not op.done and self._pending.get(op.id) is not op:
+            raise InvalidArgumentError("op", "a StorageOp of this tier", op.id)
+
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        lst = list(keys)
-        if any(not isinstance(k, bytes) or len(k) != KEY_BYTES for k in lst):
-            raise InvalidArgumentError("keys", f"{KEY_BYTES}-byte keys from StorageTier.keys", lst[:4])
-        return lst
+        return key_list("keys", keys)
 
     def _check_slots(self, keys, region, slots) -> tuple[list[bytes], list[int]]:
         keys = self._check_keys(keys)
         if not isinstance(region, HostRegion):
-            raise InvalidArgumentError("region", "a HostRegion", region)
+            raise InvalidTypeError("region", "a HostRegion", region)
         lst = region.allocator.check("slots", slots)
         if len(lst) != len(keys):
             raise InvalidArgumentError("slots", f"one slot per key ({len(keys)})", len(lst))
         return keys, lst
 
     def _new(self, name, kind, keys, region, slots, timeout_s) -> StorageOp:
-        try:
-            kind = Kind(kind)
-        except ValueError:
-            raise InvalidArgumentError("kind", f"one of {[k.name for k in Kind]}", kind) from None
+        kind = kind_arg("kind", kind)
         if timeout_s is not None:  # None: no deadline; NaN or inf would be one that never comes
             timeout_s = float_arg("timeout_s", timeout_s, lo=0, lo_open=True)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
