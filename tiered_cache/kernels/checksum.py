@@ -20,7 +20,7 @@ H: with ``p = 2**31 - 1``, ``T = 2048`` words a tile, word ``i = g T + j`` and `
 halves, ``H = sum_g s_g * sum_{j<T} (lo_{g,j} a_j + hi_{g,j} b_j) mod p``, for fixed tables
 ``a_j, b_j`` (``j < T``) and ``s_g`` (``g < 2**26 / T``) uniform in ``[0, p)`` (``_checksum_tables``:
 splitmix64 from a constant seed, the same on every device and torch version). For an error that does
-not depend on the tables, ``P(H unchanged) <= 2/p < 2**-30``: take a tile ``g*`` where a half
+not depend on the tables, ``P(H unchanged) <= 2/p = 2**-30 (1 + 2**-31)``: take a tile ``g*`` where a half
 changed; each change ``|d| < 2**16 < p`` is nonzero mod p, so the tile's inner sum of changes is a
 nonzero linear form in ``a, b`` and is 0 with probability ``1/p``; given it is not, the total is 0
 with probability ``1/p`` over ``s_{g*}`` (the other tiles' terms do not involve ``s_{g*}``).
@@ -28,9 +28,11 @@ with probability ``1/p`` over ``s_{g*}`` (the other tiles' terms do not involve 
 Together: ``S`` is a function of the error pattern alone and the bound on ``H`` holds for every fixed
 pattern, so ``P(miss) <= P(S(e) = 0) * 2/p``: 0 for 1-3 bits and every odd weight; for random
 corruption ``S(e) = 0`` needs an even weight of at least 4 whose positions XOR to 0, which a random
-replacement of any aligned word hits with probability ``< 2**-6`` (of a single byte ``1/17``; of at
-least four random bit positions ``< 2**-3``), and random flips of ``w >= 4`` positions among ``N``
-with probability ``< 1/(N - w)``; each gives ``P(miss) < 2**-32``.
+replacement of any aligned word hits with probability ``< 2**-6`` (of a single byte ``1/17``; of any
+k >= 4 bit positions ``< 2**-3``, as their syndromes span at least 3 dimensions), and random flips of
+``w >= 4`` distinct positions among ``N >= w + 4`` with probability ``<= 1/(N - w + 1) <= 1/5`` (the
+last position must be the XOR of the others); each gives ``P(miss) <= 2/(5p) < 2**-32`` (with room
+for ``2/p`` being a hair above ``2**-30``).
 
 Bytes moved: each row read once (``len(rows) * E``), plus the tables from L1/L2 (8 bytes a word, 16 KiB
 for every program); 24 bytes written per (row, part), read once more, and 8 bytes written per row.
