@@ -41,9 +41,8 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -54,49 +53,11 @@ from tiered_cache.storage.backend import StorageBackend, WrongSize
 from tiered_cache.storage.checks import entry_bytes_arg, key_arg, key_list, kind_arg, payload_list
 from tiered_cache.storage.format import HEADER_SIZE, Kind, pack_header, unpack
 from tiered_cache.storage.keys import Salt, StorageFingerprint, page_keys
+from tiered_cache.storage.op import StorageOp
 from tiered_cache.validate import float_arg, int_arg, int_list
 
 log = logging.getLogger(__name__)
 _DOWN = object()  # what _backend_call returns while the backend is unreachable
-
-
-@dataclass(eq=False)
-class StorageOp:
-    """One submitted storage operation. Read the results once ``done`` (after ``poll`` / ``wait``).
-
-    ``hits[i]``: prefetch / lookup / get: key ``i`` was found and verified (prefetch: its bytes are in
-    ``slots[i]``, which is now ``valid``); write / put: key ``i`` is in the store (written or already there).
-    ``values``: ``get`` only, the payloads (``None`` for a miss).
-    """
-
-    id: int
-    op: str
-    kind: Kind
-    keys: list[bytes]
-    region: Optional[HostRegion] = None
-    slots: list[int] = field(default_factory=list)
-    deadline: Optional[float] = None
-    done: bool = False
-    cancelled: bool = False
-    timed_out: bool = False
-    hits: list[bool] = field(default_factory=list)
-    values: list[Optional[bytes]] = field(default_factory=list)
-    error: Optional[str] = None
-    _future: Optional[Future] = None
-    _t2_checksums: list[int] = field(default_factory=list)
-
-    @property
-    def hit_prefix(self) -> int:
-        """Leading hits: with chained keys, how many pages a match can extend by."""
-        n = 0
-        for h in self.hits:
-            if not h:
-                break
-            n += 1
-        return n
-
-    def _stop(self) -> bool:  # read by the worker between sub-batches
-        return self.cancelled or (self.deadline is not None and time.monotonic() > self.deadline)
 
 
 class StorageTier:
@@ -221,8 +182,6 @@ class StorageTier:
     def wait(self, op: StorageOp, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``op``; True when it is done (effects applied here, so ``poll``
         does not report it again)."""
-        if not isinstance(op, StorageOp):
-            raise InvalidTypeError("op", "a StorageOp from this tier", type(op).__name__)
         self._check_op(op)
         timeout_s = float_arg("timeout_s", timeout_s, lo=0)
         if op.done:
@@ -241,8 +200,6 @@ class StorageTier:
         """Stop ``op`` (its request was aborted). Results are discarded; ``poll`` reports it done
         once its worker has stopped, and only then are its slots free to reuse."""
         self._check_op(op)
-        if not isinstance(op, StorageOp):
-            raise InvalidTypeError("op", "a StorageOp from this tier", type(op).__name__)
         if not op.done and not op.cancelled:
             self._cancel(op)
 
