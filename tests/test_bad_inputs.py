@@ -381,7 +381,8 @@ APIS += [
     Api("FileStore.delete_many", lambda w, keys: w.store.delete_many(keys), dict(keys=["kv-x"]), {"keys": SKEYS}),
     Api("FileStore.put_many", lambda w, items: w.store.put_many(items), dict(items=[("kv-x", [b"ab"])]),
         {"items": [T("none", None), T("str", "x"), V("bad_key", [("../x", [b"ab"])]), T("int_payload", [("k", [3])]),
-                   T("flat", [("k", b"ab", 1)]), T("str_payload", [("k", ["ab"])])]}),
+                   T("flat", [("k", b"ab", 1)]), T("str_payload", [("k", ["ab"])])]},
+        {"items": ("key",)}),  # a bad key inside the items is named as the key it is
     Api("StorageFingerprint", lambda w, **k: StorageFingerprint(**k),
         dict(model_id="m", layer_range=(0, 2), dtypes=("kv=float16",), codec="int8", page_size=2),
         {"model_id": NAME, "layer_range": [T("list", [0, 2]), V("empty", (2, 2)), T("floats", (0.0, 2.0)),

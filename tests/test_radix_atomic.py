@@ -96,7 +96,7 @@ def test_cache_finished_req_with_pages_not_the_requests_changes_nothing():
     extra = cache.kv.alloc(2)
     cache.kv.free(extra)  # kv_indices ends with two free ids
     req.kv_indices = torch.cat([req.kv_indices, extra])
-    raises_unchanged(cache, lambda: cache.cache_finished_req(req), arg="value")
+    raises_unchanged(cache, lambda: cache.cache_finished_req(req), arg="req.kv_indices")
 
 
 def test_cache_unfinished_req_with_unlocked_last_node_changes_nothing():

@@ -107,7 +107,7 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
                  transfer: Any = None, host_config: Optional[HostTierConfig] = None,
                  storage: Any = None) -> None:
         self._setup(pool, kv_side, policy, validate)
-        self.states = pool.side(state_side)
+        self.states = _side_of(pool, state_side, "state_side")
         from tiered_cache.checkpoint_pool import Int8CheckpointPool
 
         if not isinstance(ckpt_pool, Int8CheckpointPool):
@@ -131,12 +131,14 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         self.reset()
 
     def _setup(self, pool: Any, kv_side: str, policy: Optional[EvictionPolicy], validate: bool) -> None:
+        from tiered_cache.unified_pool import UnifiedPool
+
+        if not isinstance(pool, UnifiedPool):
+            raise InvalidTypeError("pool", "a UnifiedPool", type(pool).__name__)
         self.pool = pool
-        self.kv = pool.side(kv_side)
+        self.kv = _side_of(pool, kv_side, "kv_side")
         self.page_size = ps = self.kv.page_size
         self.device = self.kv.device
-        if not hasattr(pool, "side"):
-            raise InvalidTypeError("pool", "a UnifiedPool", type(pool).__name__)
         if policy is not None and not isinstance(policy, EvictionPolicy):
             raise InvalidTypeError("policy", "an EvictionPolicy", type(policy).__name__)
         if not isinstance(validate, bool):
@@ -377,12 +379,15 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
     def _check_value(self, arg: str, value: Any, n: int) -> None:
         if not isinstance(value, torch.Tensor):
             raise InvalidTypeError(arg, "a 1-D int64 tensor of KV ids", desc(value))
-        if value.dim() != 1 or value.dtype != torch.int64:
+        if value.dtype != torch.int64:
+            raise InvalidTypeError(arg, "a 1-D int64 tensor of KV ids", desc(value))
+        if value.dim() != 1:
             raise InvalidArgumentError(arg, "a 1-D int64 tensor of KV ids", desc(value))
         if value.device != self.device:
             raise InvalidArgumentError(arg, f"a tensor on {self.device}", value.device)
         if value.numel() != n:
-            raise InvalidArgumentError(arg, f"{n} ids, one per token of key", value.numel())
+            # The two disagree: either may be the wrong one, so the error names both.
+            raise InvalidArgumentError(f"key, {arg}", f"one KV id per token ({n} tokens)", f"{value.numel()} ids")
 
     def _insert_probe(self, toks: list[int], salt: Optional[str], aligned: int):
         """Read-only walk. -> (path, the node ending exactly at ``aligned`` or None, device-matched
@@ -618,3 +623,13 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         """Recompute everything from the sets; ``request_*``: ids the engine's requests own (then every
         slot must be exactly free, cached, a request's or in flight). Raises AssertionError."""
         _inv.check_invariants(self, request_kv, request_states)
+
+
+def _side_of(pool: Any, name: Any, arg: str) -> Any:
+    """``pool.side(name)``, with a bad name reported under the tree's own argument name."""
+    try:
+        return pool.side(name)
+    except InvalidTypeError as e:
+        raise InvalidTypeError(arg, e.expected, name) from None
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(arg, e.expected, name) from None

@@ -90,8 +90,9 @@ def check_state_allocated(cache, slot: torch.Tensor, arg: str = "mamba_value") -
         raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
 
 
-def check_callers_kv(cache, v: torch.Tensor) -> None:
-    """``v`` (whole pages) must be allocated in T0, distinct, and not already the tree's (a few host syncs)."""
+def check_callers_kv(cache, v: torch.Tensor, arg: str = "value") -> None:
+    """``v`` (whole pages) must be allocated in T0, distinct, and not already the tree's (a few host syncs).
+    ``arg``: the caller's name for ``v`` in errors."""
     ps = cache.page_size
     first = v[::ps]
     pages = first // ps
@@ -101,12 +102,12 @@ def check_callers_kv(cache, v: torch.Tensor) -> None:
     else:
         ok_shape = True
     if not ok_shape:
-        raise InvalidArgumentError("value", f"whole KV pages (page*{ps} + 0..{ps - 1})", v[:16].tolist())
+        raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", v[:16].tolist())
     if pages.numel() and (int(pages.min()) < 1 or int(pages.max()) >= cache.kv.capacity):
-        raise InvalidArgumentError("value", f"KV ids of pages in [1, {cache.kv.capacity})", v[:16].tolist())
+        raise InvalidArgumentError(arg, f"KV ids of pages in [1, {cache.kv.capacity})", v[:16].tolist())
     bad = (cache.kv.translate(first) < 0) | cache._owned[pages]
     if bool(bad.any()) or torch.unique(pages).numel() != pages.numel():
-        raise InvalidArgumentError("value", "KV ids the caller owns (allocated, distinct, not cached)",
+        raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)",
                                    v[:16].tolist())
 
 

@@ -86,6 +86,21 @@ class Op:
 
 class HostTierMixin:
     def _init_host(self, host: Any, transfer: Any, config: Optional[HostTierConfig], storage: Any = None) -> None:
+        from tiered_cache.host_mirror import HostMirror
+        from tiered_cache.transfer import TransferEngine
+
+        # Check every argument before anything is built (a bad one must leave nothing behind).
+        if host is not None and not isinstance(host, HostMirror):
+            raise InvalidTypeError("host", "a HostMirror or None", type(host).__name__)
+        if transfer is not None and not isinstance(transfer, TransferEngine):
+            raise InvalidTypeError("transfer", "a TransferEngine or None", type(transfer).__name__)
+        if config is not None and not isinstance(config, HostTierConfig):
+            raise InvalidTypeError("host_config", "a HostTierConfig or None", type(config).__name__)
+        if storage is not None:
+            from tiered_cache.storage import StorageTier
+
+            if not isinstance(storage, StorageTier):
+                raise InvalidTypeError("storage", "a StorageTier or None", type(storage).__name__)
         self.host = host
         self.t3 = None
         self.hconf = config or HostTierConfig()
@@ -95,11 +110,7 @@ class HostTierMixin:
         if host is None:
             self.engine = None
             return
-        if not isinstance(self.hconf, HostTierConfig):
-            raise InvalidArgumentError("host_config", "a HostTierConfig", type(config).__name__)
         if transfer is None:
-            from tiered_cache.transfer import TransferEngine
-
             transfer = TransferEngine(self.device)
         self.engine = transfer
         self.kv_region = self._region(self.hconf.kv_region, self.kv.entry_bytes)

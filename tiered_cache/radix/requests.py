@@ -36,7 +36,7 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
         raise InvalidTypeError("is_insert", "a bool", is_insert)
     toks, kv, prev = req_fields(cache, req)
     if cache.validate and prev < kv.numel():
-        check_callers_kv(cache, kv[prev:])  # what it frees after the insert is the request's
+        check_callers_kv(cache, kv[prev:], "req.kv_indices")  # what it frees after the insert is the request's
     keep = prev
     if is_insert:
         res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
@@ -86,7 +86,9 @@ def req_fields(cache, req: Any) -> tuple[list[int], torch.Tensor, int]:
     kv = req.kv_indices
     if not isinstance(kv, torch.Tensor):
         raise InvalidTypeError("req.kv_indices", f"a 1-D int64 tensor on {cache.device}", desc(kv))
-    if kv.dim() != 1 or kv.dtype != torch.int64 or kv.device != cache.device:
+    if kv.dtype != torch.int64:
+        raise InvalidTypeError("req.kv_indices", f"a 1-D int64 tensor on {cache.device}", desc(kv))
+    if kv.dim() != 1 or kv.device != cache.device:
         raise InvalidArgumentError("req.kv_indices", f"a 1-D int64 tensor on {cache.device}", desc(kv))
     if kv.numel() < len(toks) or kv.numel() % cache.page_size:
         raise InvalidArgumentError("req.kv_indices", f"whole pages covering {len(toks)} tokens", kv.numel())
