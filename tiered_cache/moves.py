@@ -15,12 +15,12 @@ from typing import Optional
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, SlotStateError
+from tiered_cache.errors import InvalidArgumentError, SlotStateError
 from tiered_cache.host_mirror import HostRegion
 from tiered_cache.slots import id_list
 from tiered_cache.transfer import Ticket, TransferEngine
 from tiered_cache.unified_pool import SubPool
-from tiered_cache.validate import bool_arg
+from tiered_cache.validate import bool_arg, instance_arg
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -37,15 +37,12 @@ def _check_parts(engine, region, side=_UNSET, t1=_UNSET, kv: Optional[bool] = No
     its argument, not an AttributeError from deep inside."""
     from tiered_cache.checkpoint_pool import Int8CheckpointPool
 
-    if not isinstance(engine, TransferEngine):
-        raise InvalidTypeError("engine", "a TransferEngine", type(engine).__name__)
-    if not isinstance(region, HostRegion):
-        raise InvalidTypeError("region", "a HostRegion (HostMirror.region(name))", type(region).__name__)
-    if t1 is not _UNSET and not isinstance(t1, Int8CheckpointPool):
-        raise InvalidTypeError("t1", "an Int8CheckpointPool", type(t1).__name__)
+    instance_arg("engine", engine, TransferEngine, "a TransferEngine")
+    instance_arg("region", region, HostRegion, "a HostRegion (HostMirror.region(name))")
+    if t1 is not _UNSET:
+        instance_arg("t1", t1, Int8CheckpointPool, "an Int8CheckpointPool")
     if side is not _UNSET:
-        if not isinstance(side, SubPool):
-            raise InvalidTypeError("side", "a UnifiedPool side (SubPool)", type(side).__name__)
+        instance_arg("side", side, SubPool, "a UnifiedPool side (SubPool)")
         if kv is not None and side.is_kv != kv:
             raise InvalidArgumentError("side", "a KV side" if kv else "a state side", side.name)
 
@@ -120,8 +117,7 @@ def demote_kv(engine: TransferEngine, side: SubPool, token_ids, region: HostRegi
 
 def kv_layer_ranges(side: SubPool) -> list[tuple[int, int]]:
     """``(offset, nbytes)`` of each layer's K and V inside one page envelope (they are adjacent)."""
-    if not isinstance(side, SubPool):
-        raise InvalidTypeError("side", "a UnifiedPool side (SubPool)", type(side).__name__)
+    instance_arg("side", side, SubPool, "a UnifiedPool side (SubPool)")
     if not side.is_kv:
         raise InvalidArgumentError("side", "a KV side", side.name)
     offs = side.spec.field_offsets(side.page_size)

@@ -144,3 +144,11 @@ def index_arg(arg: str, value: Any, size: int) -> int:
     if not 0 <= v < size:
         raise OutOfRangeError(arg, f"an int in [0, {size})", value)
     return v
+
+
+def instance_arg(arg: str, value: Any, cls: type, what: str, *, none_ok: bool = False) -> Any:
+    """``value`` if it is a ``cls`` (or None, with ``none_ok``); else ``InvalidTypeError`` naming ``arg``
+    with ``what`` as the expected thing (e.g. ``"a HostMirror"``)."""
+    if (value is None and none_ok) or isinstance(value, cls):
+        return value
+    raise InvalidTypeError(arg, what + (" or None" if none_ok else ""), type(value).__name__)

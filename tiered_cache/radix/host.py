@@ -33,7 +33,7 @@ from tiered_cache.radix.checks import check_node, check_state_allocated, state_s
 from tiered_cache.radix.evict import Frees
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import HostTierConfig, InitLoadBackParams
-from tiered_cache.validate import choice_arg, int_arg
+from tiered_cache.validate import choice_arg, instance_arg, int_arg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,20 +87,14 @@ class Op:
 class HostTierMixin:
     def _init_host(self, host: Any, transfer: Any, config: Optional[HostTierConfig], storage: Any = None) -> None:
         from tiered_cache.host_mirror import HostMirror
+        from tiered_cache.storage import StorageTier
         from tiered_cache.transfer import TransferEngine
 
         # Check every argument before anything is built (a bad one must leave nothing behind).
-        if host is not None and not isinstance(host, HostMirror):
-            raise InvalidTypeError("host", "a HostMirror or None", type(host).__name__)
-        if transfer is not None and not isinstance(transfer, TransferEngine):
-            raise InvalidTypeError("transfer", "a TransferEngine or None", type(transfer).__name__)
-        if config is not None and not isinstance(config, HostTierConfig):
-            raise InvalidTypeError("host_config", "a HostTierConfig or None", type(config).__name__)
-        if storage is not None:
-            from tiered_cache.storage import StorageTier
-
-            if not isinstance(storage, StorageTier):
-                raise InvalidTypeError("storage", "a StorageTier or None", type(storage).__name__)
+        instance_arg("host", host, HostMirror, "a HostMirror", none_ok=True)
+        instance_arg("transfer", transfer, TransferEngine, "a TransferEngine", none_ok=True)
+        instance_arg("host_config", config, HostTierConfig, "a HostTierConfig", none_ok=True)
+        instance_arg("storage", storage, StorageTier, "a StorageTier", none_ok=True)
         self.host = host
         self.t3 = None
         self.hconf = config or HostTierConfig()

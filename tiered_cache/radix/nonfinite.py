@@ -77,13 +77,8 @@ def drop(cache: Any, x: TreeNode) -> None:
     else:
         cache._mamba_evictable -= 1
     cache.stats["nonfinite_states"] += 1
-    if not x.children and not x.full_lock_ref and not x.tickets and not cache._has_state(x):
-        p = x.parent
-        cache._remove(x, f)
-        cache._after_child_removed(p, f)
-    else:
-        cache._sync(x)
     f.flush(cache)
+    cache._prune_up(x)  # the tree's own rule: an idle stateless leaf goes, anything else is re-listed
 
 
 def stored(cache: Any, x: TreeNode, slot: int) -> None:
