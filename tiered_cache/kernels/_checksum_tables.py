@@ -15,6 +15,8 @@ import threading
 import numpy as np
 import torch
 
+from tiered_cache import device as tc_device
+
 P = (1 << 31) - 1          # the hash's prime modulus
 TILE = 2048                # words a tile: a_j, b_j for j < TILE, s_g for the tile index g
 MAX_WORDS = 1 << 26        # longest row: its bit positions t = 32 i + b stay below 2**31
@@ -53,7 +55,7 @@ def checksum_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, t
     global _host
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+        dev = tc_device.resolve(dev)  # a tensor's device has its index: this is the rare path
     got = _by_device.get(dev)
     if got is not None:
         return got
@@ -69,6 +71,6 @@ def checksum_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, t
             if dev.type == "cuda":
                 # Once per device: a copy from pageable memory may still be landing when the call
                 # returns, and the tables are read later from other streams.
-                torch.cuda.synchronize(dev)
+                tc_device.synchronize(dev)
         _by_device[dev] = got
         return got
