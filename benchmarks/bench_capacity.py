@@ -36,8 +36,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import workload_common as wc  # noqa: E402
 from benchmarks.common import RESULTS, device_tag, write_results  # noqa: E402
-from tiered_cache.checkpoint_pool import Int8CheckpointPool  # noqa: E402
-from tiered_cache.host_mirror import HostMirror, RegionSpec  # noqa: E402
 from tiered_cache.radix import (  # noqa: E402
     CacheReq,
     EvictParams,
@@ -48,8 +46,10 @@ from tiered_cache.radix import (  # noqa: E402
     RadixKey,
 )
 from tiered_cache.specs import KVSpec, StateSpec  # noqa: E402
-from tiered_cache.transfer import TransferEngine  # noqa: E402
-from tiered_cache.unified_pool import UnifiedPool  # noqa: E402
+from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool  # noqa: E402
+from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec  # noqa: E402
+from tiered_cache.tiers.unified_pool import UnifiedPool  # noqa: E402
+from tiered_cache.transfer.engine import TransferEngine  # noqa: E402
 
 GiB = 1 << 30
 # Qwen3-Next-80B-A3B: 48 layers, every 4th full attention.

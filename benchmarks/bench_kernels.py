@@ -42,10 +42,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import commit, device_tag  # noqa: E402
-from tiered_cache.checkpoint_pool import Int8CheckpointPool, envelope_layout  # noqa: E402
 from tiered_cache.kernels import quant  # noqa: E402
 from tiered_cache.kernels.reference import dequantize_load_reference, quantize_store_reference  # noqa: E402
 from tiered_cache.specs import StateSpec  # noqa: E402
+from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool, envelope_layout  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -30,7 +30,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import write_results  # noqa: E402
-from tiered_cache.checkpoint_pool import Int8CheckpointPool  # noqa: E402
 from tiered_cache.radix import (  # noqa: E402
     EvictParams,
     HiMambaRadixCache,
@@ -39,7 +38,8 @@ from tiered_cache.radix import (  # noqa: E402
     RadixKey,
 )
 from tiered_cache.specs import KVSpec, StateSpec  # noqa: E402
-from tiered_cache.unified_pool import UnifiedPool  # noqa: E402
+from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool  # noqa: E402
+from tiered_cache.tiers.unified_pool import UnifiedPool  # noqa: E402
 
 PS = 16
 KV = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)

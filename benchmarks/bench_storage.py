@@ -37,9 +37,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import write_results  # noqa: E402
-from tiered_cache.host_mirror import HostMirror, RegionSpec  # noqa: E402
 from tiered_cache.storage import FileStore, Kind, RedisStore, StorageFingerprint, StorageTier  # noqa: E402
-from tiered_cache.storage.local_redis import LocalRedis  # noqa: E402
+from tiered_cache.testing.local_redis import LocalRedis  # noqa: E402
+from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec  # noqa: E402
 
 FP = StorageFingerprint("bench/qwen3-next-80b", (0, 48), ("kv=bfloat16", "state=int8"), "int8", 16)
 KV_PAGE = 384 << 10

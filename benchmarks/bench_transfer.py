@@ -38,10 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import write_results  # noqa: E402
 from tiered_cache import KVSpec, StateSpec, UnifiedPool  # noqa: E402
-from tiered_cache.checkpoint_pool import Int8CheckpointPool  # noqa: E402
-from tiered_cache.host_mirror import HostMirror, RegionSpec  # noqa: E402
-from tiered_cache.moves import demote_kv, demote_states, load_kv, promote_states  # noqa: E402
-from tiered_cache.transfer import TransferEngine  # noqa: E402
+from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool  # noqa: E402
+from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec  # noqa: E402
+from tiered_cache.transfer.engine import TransferEngine  # noqa: E402
+from tiered_cache.transfer.moves import demote_kv, demote_states, load_kv, promote_states  # noqa: E402
 
 
 def _off(eng, fn):

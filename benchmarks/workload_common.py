@@ -78,7 +78,7 @@ class TierBytes:
 
     @classmethod
     def from_specs(cls, kv_spec, state_spec, page_size: int) -> TierBytes:
-        from tiered_cache.checkpoint_pool import envelope_layout
+        from tiered_cache.tiers.checkpoint_pool import envelope_layout
 
         return cls(kv_spec.bytes_per_slot(page_size), state_spec.bytes_per_slot(),
                    envelope_layout(state_spec, "lossless")[1], envelope_layout(state_spec, "int8")[1])

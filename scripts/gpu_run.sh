@@ -30,8 +30,8 @@ WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-grap
     # shellcheck disable=SC2086
     python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS 2>&1 | tail -40
     echo "== pytest -m gpu under TORCH_CUDA_SANITIZER=1 (transfer, host tier and SWA tests)"
-    TORCH_CUDA_SANITIZER=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_transfer.py \
-      tests/test_radix_host.py tests/test_radix_swa.py > "$OUT/sanitizer.txt" 2>&1
+    TORCH_CUDA_SANITIZER=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/transfer/test_transfer.py \
+      tests/radix/test_radix_host.py tests/radix/test_radix_swa.py > "$OUT/sanitizer.txt" 2>&1
     grep -E "CSAN|passed|failed" "$OUT/sanitizer.txt" | head -20
   fi
   for b in $benches; do

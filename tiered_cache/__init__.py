@@ -6,8 +6,6 @@ checkpoint pool, T2 pinned host mirror, and the HiMamba radix cache that drives 
 
 from __future__ import annotations
 
-from tiered_cache.allocator import MultiEndedAllocator
-from tiered_cache.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -18,7 +16,6 @@ from tiered_cache.errors import (
     SlotStateError,
     TieredCacheError,
 )
-from tiered_cache.host_mirror import HostMirror, RegionSpec
 from tiered_cache.radix import (
     CacheReq,
     EvictParams,
@@ -32,8 +29,11 @@ from tiered_cache.radix import (
     prefill_checkpoint_positions,
 )
 from tiered_cache.specs import KVSpec, StateSpec
-from tiered_cache.transfer import Ticket, TransferEngine
-from tiered_cache.unified_pool import SubPool, UnifiedPool
+from tiered_cache.tiers.allocator import MultiEndedAllocator
+from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
+from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec
+from tiered_cache.tiers.unified_pool import SubPool, UnifiedPool
+from tiered_cache.transfer.engine import Ticket, TransferEngine
 
 __version__ = "0.1.0"
 

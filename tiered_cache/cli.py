@@ -18,7 +18,7 @@ import torch
 from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec, StateSpec
-from tiered_cache.unified_pool import UnifiedPool
+from tiered_cache.tiers.unified_pool import UnifiedPool
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ from tiered_cache.device import host_to_device
 from tiered_cache.engine.models import FULL, LINEAR, SLIDING, ModelSpecs, layer_kinds, spec_for
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec
-from tiered_cache.unified_pool import SubPool
+from tiered_cache.tiers.unified_pool import SubPool
 
 IdsLike = Union[torch.Tensor, Sequence[int]]
 

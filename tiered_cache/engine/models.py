@@ -24,7 +24,7 @@ import torch
 from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec, StateSpec
-from tiered_cache.unified_pool import UnifiedPool
+from tiered_cache.tiers.unified_pool import UnifiedPool
 
 # Layer kinds, as ``config.layer_types`` names them (both 5.17 and 5.24).
 LINEAR, FULL, SLIDING = "linear_attention", "full_attention", "sliding_attention"

@@ -45,7 +45,6 @@ from typing import Any, Optional
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.checkpoint_pool import CODECS
 from tiered_cache.engine.adapters import HybridCacheAdapter, decode_batch, forward_chunk
 from tiered_cache.engine.graph_decode import GraphDecoder
 from tiered_cache.engine.models import spec_for
@@ -61,6 +60,7 @@ from tiered_cache.radix import (
     MatchPrefixParams,
     RadixKey,
 )
+from tiered_cache.tiers.checkpoint_pool import CODECS
 
 # The host tier (T2) of the radix cache comes with the hierarchy issue; until the tree takes a
 # ``host`` the engine runs on T0 + T1 and refuses host budgets (EngineConfig checks this).
@@ -269,9 +269,9 @@ class Engine:
                                            check_memory=cfg.check_memory, backend=cfg.backend)
         host = {}
         if cfg.host_tier:
-            from tiered_cache.host_mirror import HostMirror, RegionSpec
             from tiered_cache.radix.params import HostTierConfig
-            from tiered_cache.transfer import TransferEngine
+            from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec
+            from tiered_cache.transfer.engine import TransferEngine
 
             hc = HostTierConfig(write_policy=cfg.write_policy, prefetch_policy=cfg.prefetch_policy,
                                 prefetch_timeout_s=cfg.prefetch_timeout_s,
@@ -325,9 +325,9 @@ class Engine:
         self.kv, self.swa = self.pool.side("full"), self.pool.side("swa")
         host = {}
         if cfg.host_tier:
-            from tiered_cache.host_mirror import HostMirror, RegionSpec
             from tiered_cache.radix.params import HostTierConfig
-            from tiered_cache.transfer import TransferEngine
+            from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec
+            from tiered_cache.transfer.engine import TransferEngine
 
             hc = HostTierConfig(write_policy=cfg.write_policy)
             self.host = HostMirror([RegionSpec(hc.kv_region, self.kv.entry_bytes, cfg.host_kv_pages),

@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-from tiered_cache.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.radix.policy import LRUPolicy
+from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
 
 
 class CountingCheckpointPool(Int8CheckpointPool):

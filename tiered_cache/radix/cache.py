@@ -108,7 +108,7 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
                  storage: Any = None) -> None:
         self._setup(pool, kv_side, policy, validate)
         self.states = _side_of(pool, state_side, "state_side")
-        from tiered_cache.checkpoint_pool import Int8CheckpointPool
+        from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
 
         if not isinstance(ckpt_pool, Int8CheckpointPool):
             raise InvalidTypeError("ckpt_pool", "an Int8CheckpointPool", type(ckpt_pool).__name__)
@@ -131,7 +131,7 @@ class HiMambaRadixCache(EvictionMixin, HostTierMixin):
         self.reset()
 
     def _setup(self, pool: Any, kv_side: str, policy: Optional[EvictionPolicy], validate: bool) -> None:
-        from tiered_cache.unified_pool import UnifiedPool
+        from tiered_cache.tiers.unified_pool import UnifiedPool
 
         if not isinstance(pool, UnifiedPool):
             raise InvalidTypeError("pool", "a UnifiedPool", type(pool).__name__)

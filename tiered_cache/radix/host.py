@@ -28,11 +28,11 @@ from typing import Any, Optional
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
-from tiered_cache.moves import demote_kv, demote_states, load_kv, restore_states
 from tiered_cache.radix.checks import check_node, check_state_allocated, state_slot
 from tiered_cache.radix.evict import Frees
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import HostTierConfig, InitLoadBackParams
+from tiered_cache.transfer.moves import demote_kv, demote_states, load_kv, restore_states
 from tiered_cache.validate import choice_arg, instance_arg, int_arg
 
 
@@ -86,9 +86,9 @@ class Op:
 
 class HostTierMixin:
     def _init_host(self, host: Any, transfer: Any, config: Optional[HostTierConfig], storage: Any = None) -> None:
-        from tiered_cache.host_mirror import HostMirror
         from tiered_cache.storage import StorageTier
-        from tiered_cache.transfer import TransferEngine
+        from tiered_cache.tiers.host_mirror import HostMirror
+        from tiered_cache.transfer.engine import TransferEngine
 
         # Check every argument before anything is built (a bad one must leave nothing behind).
         instance_arg("host", host, HostMirror, "a HostMirror", none_ok=True)

@@ -35,10 +35,10 @@ import time
 from typing import Any, Optional
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
-from tiered_cache.moves import demote_states
 from tiered_cache.radix.checks import common_len
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.storage.format import Kind
+from tiered_cache.transfer.moves import demote_states
 from tiered_cache.validate import choice_arg, float_arg
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")

@@ -7,8 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tiered_cache.host_mirror import HostRegion
 from tiered_cache.storage.format import Kind
+from tiered_cache.tiers.host_mirror import HostRegion
 
 
 @dataclass(eq=False)

@@ -48,12 +48,12 @@ from typing import Any, Optional
 import numpy as np
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, StorageFormatError, StorageUnavailableError
-from tiered_cache.host_mirror import HostRegion
 from tiered_cache.storage.backend import StorageBackend, WrongSize
 from tiered_cache.storage.checks import entry_bytes_arg, key_arg, key_list, kind_arg, payload_list
 from tiered_cache.storage.format import HEADER_SIZE, Kind, pack_header, unpack
 from tiered_cache.storage.keys import Salt, StorageFingerprint, page_keys
 from tiered_cache.storage.op import StorageOp
+from tiered_cache.tiers.host_mirror import HostRegion
 from tiered_cache.validate import float_arg, int_arg, int_list
 
 log = logging.getLogger(__name__)

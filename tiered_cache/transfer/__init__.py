@@ -1,0 +1,11 @@
+"""Moving bytes between the tiers: the transfer engine and the moves built on it.
+
+    engine.py  TransferEngine: tickets on their own D2H / H2D streams, checksummed on the GPU
+    moves.py   the moves between T0, T1 and T2 for many scattered slots per call
+"""
+
+from __future__ import annotations
+
+from tiered_cache.transfer.engine import Ticket, TransferEngine
+
+__all__ = ["Ticket", "TransferEngine"]
