@@ -1,5 +1,8 @@
 """Test setup. TRITON_INTERPRET must be set before any @triton.jit is decorated, so it is set here,
-before the package is imported, whenever CUDA is absent."""
+before the package is imported, whenever CUDA is absent.
+
+Also the one NaN-poison fixture (``poison``): every test that fills an output before a kernel or a copy
+writes it takes its poison from there, so that "an element nobody wrote" looks the same in every test."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+from tiered_cache.errors import InvalidArgumentError  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -32,3 +37,38 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+class Poison:
+    """Tensors an unwritten element shows in. Outputs are filled with it before the code under test writes
+    them; a test then compares the written part and checks the rest still holds it. Zeros would hide an
+    element nobody wrote (a zero state is a valid state), NaN cannot: it equals nothing, ``torch.equal``
+    fails on it, and a kernel that reads it spreads it.
+
+    Floats get NaN. Integers get the most negative value (``0x80`` for int8: -128, which the int8 codec
+    never writes since it clamps codes to +-127; ``0x80..0`` for the wider ones), unsigned integers their
+    all-ones pattern. Bool has no value to spare and is refused.
+
+    ``poison(shape, dtype, device)`` builds such a tensor, ``poison.like(t)`` one shaped as ``t``, and
+    ``poison.value(dtype)`` is the scalar, for poisoning rows of a tensor in place (``t[:, rows] = ...``).
+    """
+
+    def value(self, dtype: torch.dtype) -> float | int:
+        if dtype == torch.bool:
+            raise InvalidArgumentError("dtype", "a float or integer dtype (bool has no poison value)", dtype)
+        if dtype.is_floating_point or dtype.is_complex:
+            return float("nan")
+        info = torch.iinfo(dtype)
+        return info.max if info.min == 0 else info.min
+
+    def __call__(self, shape, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+        return torch.full(tuple(shape), self.value(dtype), dtype=dtype, device=device)
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, self.value(t.dtype))
+
+
+@pytest.fixture(scope="session")
+def poison() -> Poison:
+    """The one NaN-poison helper (see ``Poison``). Module-level helpers that poison take it as an argument."""
+    return Poison()

@@ -1,9 +1,9 @@
 """Fused int8 quantize-store / dequantize-load and the row copy against their torch twins.
 
 CPU runs go through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA), with small
-L, H and few states so a launch is a handful of program instances. Outputs are poisoned first: int8
-with -128 (the kernel clamps to +-127, so it never writes -128) and floats with NaN, so an element the
-kernel forgot to write fails the comparison.
+L, H and few states so a launch is a handful of program instances. Outputs are poisoned first (the
+``poison`` fixture: int8 with -128, which the kernel never writes since it clamps to +-127, and floats with
+NaN), so an element the kernel forgot to write fails the comparison.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from tiered_cache.kernels.reference import (
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-POISON_Q = -128
 gpu = pytest.mark.gpu
 
 
@@ -49,29 +48,27 @@ def bits(t):
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def poisoned_codes(L, S, H, dv, dk, dtype, device="cpu"):
-    q = torch.full((L, S, H, dv, dk), POISON_Q, dtype=torch.int8, device=device)
-    s = torch.full((L, S, H, 1, dk), float("nan"), dtype=dtype, device=device)
-    return q, s
+def poisoned_codes(poison, L, S, H, dv, dk, dtype, device="cpu"):
+    return poison((L, S, H, dv, dk), torch.int8, device), poison((L, S, H, 1, dk), dtype, device)
 
 
-def run_store_load(L, R, S, H, dv, dk, dtype, value_axis, rows, slots, device="cpu", seed=0):
+def run_store_load(poison, L, R, S, H, dv, dk, dtype, value_axis, rows, slots, device="cpu", seed=0):
     """Kernel vs reference for one store and one load; asserts bit-exactness and untouched poison."""
     rows = torch.tensor(rows, device=device)
     slots = torch.tensor(slots, device=device)
     src = rand_states(state_shape(L, R, H, dv, dk, value_axis), dtype, device, seed, -1 if value_axis == 1 else -2)
-    q, s = poisoned_codes(L, S, H, dv, dk, dtype, device)
+    q, s = poisoned_codes(poison, L, S, H, dv, dk, dtype, device)
     q_ref, s_ref = q.clone(), s.clone()
     quant.quantize_store(src, rows, q, s, slots, value_axis, backend="triton")
     quantize_store_reference(src, rows, q_ref, s_ref, slots, value_axis)
     assert torch.equal(q, q_ref), "int8 codes differ from the reference"
     assert torch.equal(bits(s), bits(s_ref)), "scales differ (bitwise; NaN poison included)"
-    assert (q[:, slots] != POISON_Q).all() and not s[:, slots].isnan().any(), "unwritten codes"
+    assert (q[:, slots] != poison.value(torch.int8)).all() and not s[:, slots].isnan().any(), "unwritten codes"
     others = torch.ones(S, dtype=torch.bool, device=device)
     others[slots] = False
-    assert (q[:, others] == POISON_Q).all(), "wrote outside dst_slots"
+    assert (q[:, others] == poison.value(torch.int8)).all(), "wrote outside dst_slots"
 
-    dst = torch.full_like(src, float("nan"))
+    dst = poison.like(src)
     dst_ref = dst.clone()
     quant.dequantize_load(q, s, slots, dst, rows, value_axis, backend="triton")
     dequantize_load_reference(q_ref, s_ref, slots, dst_ref, rows, value_axis)
@@ -86,14 +83,14 @@ def run_store_load(L, R, S, H, dv, dk, dtype, value_axis, rows, slots, device="c
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("value_axis", [1, 2])
 @pytest.mark.parametrize("dv,dk", [(80, 96), (128, 64), (64, 256)])
-def test_kernels_match_reference(dtype, value_axis, dv, dk):
-    run_store_load(L=2, R=5, S=4, H=2, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
+def test_kernels_match_reference(poison, dtype, value_axis, dv, dk):
+    run_store_load(poison, L=2, R=5, S=4, H=2, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
                    rows=[3, 0, 4], slots=[2, 1, 3], seed=dv * 7 + dk)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_round_trip_relative_error(dtype):
-    src, dst, rows = run_store_load(L=2, R=3, S=3, H=2, dv=128, dk=128, dtype=dtype, value_axis=1,
+def test_round_trip_relative_error(poison, dtype):
+    src, dst, rows = run_store_load(poison, L=2, R=3, S=3, H=2, dv=128, dk=128, dtype=dtype, value_axis=1,
                                     rows=[0, 2], slots=[1, 2], seed=11)
     a, b = src[:, rows].float(), dst[:, rows].float()
     rel = ((a - b).norm() / a.norm()).item()
@@ -101,21 +98,21 @@ def test_round_trip_relative_error(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_zero_state_stays_zero(dtype):
+def test_zero_state_stays_zero(poison, dtype):
     # The one test with zeros on purpose: amax clamps to 1e-8 (fp16: the scale floor), q = 0, back to 0.
     src = torch.zeros(2, 2, 2, 64, 80, dtype=dtype)
-    q, s = poisoned_codes(2, 2, 2, 64, 80, dtype)
+    q, s = poisoned_codes(poison, 2, 2, 2, 64, 80, dtype)
     quant.quantize_store(src, torch.tensor([0, 1]), q, s, torch.tensor([1, 0]), 1, backend="triton")
     assert (q == 0).all() and (s > 0).all()
-    dst = torch.full_like(src, float("nan"))
+    dst = poison.like(src)
     quant.dequantize_load(q, s, torch.tensor([0, 1]), dst, torch.tensor([1, 0]), 1, backend="triton")
     assert (dst == 0).all() and not dst.signbit().any()
 
 
-def test_fp16_tiny_values_do_not_divide_by_zero():
+def test_fp16_tiny_values_do_not_divide_by_zero(poison):
     # fp16 (amax / 127) underflows to 0 below amax ~7.6e-6; the scale floor keeps x / scale finite.
     src = (rand_states((1, 1, 1, 64, 64), torch.float32, seed=5) * 1e-7).to(torch.float16)
-    q, s = poisoned_codes(1, 1, 1, 64, 64, torch.float16)
+    q, s = poisoned_codes(poison, 1, 1, 1, 64, 64, torch.float16)
     q_ref, s_ref = q.clone(), s.clone()
     ids = torch.tensor([0])
     quant.quantize_store(src, ids, q, s, ids, 1, backend="triton")
@@ -123,12 +120,12 @@ def test_fp16_tiny_values_do_not_divide_by_zero():
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and (s > 0).all()
 
 
-def test_ties_round_half_to_even():
+def test_ties_round_half_to_even(poison):
     # scale = 2**-4 exactly (amax = 127 / 16); x = (k + 0.5) * scale lands exactly on a tie.
     dk = 8
     col = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]) / 16
     src = col[:, None].expand(8, dk).contiguous().reshape(1, 1, 1, 8, dk)
-    q, s = poisoned_codes(1, 1, 1, 8, dk, torch.float32)
+    q, s = poisoned_codes(poison, 1, 1, 1, 8, dk, torch.float32)
     ids = torch.tensor([0])
     quant.quantize_store(src, ids, q, s, ids, 1, backend="triton")
     assert torch.equal(s[0, 0, 0, 0], torch.full((dk,), 1 / 16))
@@ -148,23 +145,23 @@ def test_reference_math_is_the_documented_one():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_copy_rows_bitwise(dtype):
+def test_copy_rows_bitwise(poison, dtype):
     L, R, S = 2, 5, 4
     src = rand_states((L, R, 24, 3), dtype, seed=3)
-    dst = torch.full((L, S, 24, 3), float("nan"), dtype=dtype)
+    dst = poison((L, S, 24, 3), dtype)
     dst_ref = dst.clone()
     quant.copy_rows(src, torch.tensor([4, 1]), dst, torch.tensor([3, 0]), backend="triton")
     copy_rows_reference(src, torch.tensor([4, 1]), dst_ref, torch.tensor([3, 0]))
     assert torch.equal(dst[:, [3, 0]], dst_ref[:, [3, 0]]) and dst[:, [1, 2]].isnan().all()
 
 
-def test_strided_source_like_a_pool_view():
+def test_strided_source_like_a_pool_view(poison):
     # Slot-major envelopes: [R, L, H, a, b] storage viewed as [L, R, ...] (neither stride contiguous),
     # plus padding between slots, like UnifiedPool.temporal_view_all().
     L, R, H, a, b = 2, 4, 2, 96, 80
     env = torch.randn(R, L * H * a * b + 64)
     src = env[:, : L * H * a * b].reshape(R, L, H, a, b).transpose(0, 1)
-    q, s = poisoned_codes(L, 3, H, b, a, torch.float32)
+    q, s = poisoned_codes(poison, L, 3, H, b, a, torch.float32)
     q_ref, s_ref = q.clone(), s.clone()
     rows, slots = torch.tensor([2, 3]), torch.tensor([0, 2])
     quant.quantize_store(src, rows, q, s, slots, 2, backend="triton")
@@ -173,9 +170,9 @@ def test_strided_source_like_a_pool_view():
 
 
 # ------------------------------------------------------------------------------ bad inputs
-def _bad_setup():
+def _bad_setup(poison):
     src = rand_states((2, 4, 2, 64, 32), torch.float32, seed=9)
-    q, s = poisoned_codes(2, 3, 2, 64, 32, torch.float32)
+    q, s = poisoned_codes(poison, 2, 3, 2, 64, 32, torch.float32)
     return src, q, s
 
 
@@ -184,8 +181,8 @@ def _bad_setup():
     ("rows_range", "src_rows"), ("slots_range", "dst_slots"), ("dup_slots", "dst_slots"),
     ("lengths", "dst_slots"), ("ids_float", "src_rows"), ("device", "src_rows"), ("expanded", "qdata"),
 ])
-def test_quantize_store_bad_input_writes_nothing(case, arg):
-    src, q, s = _bad_setup()
+def test_quantize_store_bad_input_writes_nothing(poison, case, arg):
+    src, q, s = _bad_setup(poison)
     rows, slots, va = torch.tensor([0, 1]), torch.tensor([1, 2]), 1
     if case == "scale_dtype":
         s = s.to(torch.float16)
@@ -216,10 +213,10 @@ def test_quantize_store_bad_input_writes_nothing(case, arg):
     assert torch.equal(q, q0) and torch.equal(bits(s), bits(s0))
 
 
-def test_dequantize_load_bad_input_writes_nothing():
-    src, q, s = _bad_setup()
+def test_dequantize_load_bad_input_writes_nothing(poison):
+    src, q, s = _bad_setup(poison)
     quantize_store_reference(src, torch.tensor([0, 1, 2]), q, s, torch.tensor([0, 1, 2]), 1)
-    dst = torch.full_like(src, float("nan"))
+    dst = poison.like(src)
     for kwargs, arg in [
         (dict(dst=dst.to(torch.bfloat16)), "scale"),              # scale dtype must match the state dtype
         (dict(dst_rows=torch.tensor([1, 1])), "dst_rows"),        # duplicate destinations
@@ -235,9 +232,9 @@ def test_dequantize_load_bad_input_writes_nothing():
         assert dst.isnan().all()
 
 
-def test_copy_rows_bad_input():
+def test_copy_rows_bad_input(poison):
     src = rand_states((2, 3, 8, 3), torch.float32)
-    dst = torch.full((2, 3, 8, 3), float("nan"))
+    dst = poison((2, 3, 8, 3))
     with pytest.raises(InvalidArgumentError, match="dst"):
         quant.copy_rows(src, torch.tensor([0]), dst.to(torch.bfloat16), torch.tensor([1]), backend="triton")
     with pytest.raises(InvalidArgumentError, match="inner dims contiguous"):
@@ -252,12 +249,12 @@ def test_copy_rows_bad_input():
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("value_axis", [1, 2])
-def test_gpu_qwen3_next_sized(dtype, value_axis):
+def test_gpu_qwen3_next_sized(poison, dtype, value_axis):
     # 36 layers x 32 heads x 128 x 128, 16 scattered states out of 40 rows, into 20 slots.
     perm = torch.randperm(40)[:16].tolist()
     slots = torch.randperm(20)[:16].tolist()
-    src, dst, rows = run_store_load(L=36, R=40, S=20, H=32, dv=128, dk=128, dtype=dtype, value_axis=value_axis,
-                                    rows=perm, slots=slots, device="cuda", seed=1)
+    src, dst, rows = run_store_load(poison, L=36, R=40, S=20, H=32, dv=128, dk=128, dtype=dtype,
+                                    value_axis=value_axis, rows=perm, slots=slots, device="cuda", seed=1)
     a, b = src[:, rows].float(), dst[:, rows].float()
     assert ((a - b).norm() / a.norm()).item() < 1e-2
 
@@ -265,25 +262,25 @@ def test_gpu_qwen3_next_sized(dtype, value_axis):
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dv,dk", [(80, 96), (96, 80), (256, 64), (64, 256), (256, 256)])
-def test_gpu_head_dims(dtype, dv, dk):
+def test_gpu_head_dims(poison, dtype, dv, dk):
     for value_axis in (1, 2):
-        run_store_load(L=4, R=70, S=66, H=8, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
+        run_store_load(poison, L=4, R=70, S=66, H=8, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
                        rows=torch.randperm(70)[:64].tolist(), slots=torch.randperm(66)[:64].tolist(),
                        device="cuda", seed=dv + dk)
 
 
 @gpu
-def test_gpu_copy_rows_and_zero_state():
+def test_gpu_copy_rows_and_zero_state(poison):
     src = rand_states((36, 40, 8192, 3), torch.bfloat16, device="cuda")
-    dst = torch.full((36, 20, 8192, 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dst = poison((36, 20, 8192, 3), torch.bfloat16, "cuda")
     rows, slots = torch.arange(0, 32, 2, device="cuda"), torch.arange(1, 17, device="cuda")
     quant.copy_rows(src, rows, dst, slots, backend="triton")
     assert torch.equal(dst[:, slots], src[:, rows])
     for dtype in DTYPES:
         z = torch.zeros(4, 3, 8, 128, 128, dtype=dtype, device="cuda")
-        q, s = poisoned_codes(4, 3, 8, 128, 128, dtype, "cuda")
+        q, s = poisoned_codes(poison, 4, 3, 8, 128, 128, dtype, "cuda")
         ids = torch.arange(3, device="cuda")
         quant.quantize_store(z, ids, q, s, ids, 1, backend="triton")
-        out = torch.full_like(z, float("nan"))
+        out = poison.like(z)
         quant.dequantize_load(q, s, ids, out, ids, 1, backend="triton")
         assert (q == 0).all() and (out == 0).all()

@@ -58,12 +58,12 @@ def test_checksum_kernel_matches_reference(entry_bytes):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_checksum_kernel_writes_into_out(backend):
+def test_checksum_kernel_writes_into_out(poison, backend):
     rows = torch.randint(0, 256, (7, 8192 + 48), dtype=torch.uint8)
     ids = torch.tensor([6, 0, 3])
-    out = torch.full((4,), -1, dtype=torch.int64)
+    out = poison((4,), torch.int64)
     got = row_checksums(rows, ids, backend=backend, out=out[1:])  # a view: the engine fills slices
-    assert got.data_ptr() == out[1:].data_ptr() and out[0] == -1
+    assert got.data_ptr() == out[1:].data_ptr() and out[0] == poison.value(torch.int64)
     assert torch.equal(out[1:], row_checksums_reference(rows, ids))
     for bad in (torch.empty(2, dtype=torch.int64), torch.empty(3, dtype=torch.int32),
                 torch.empty(6, dtype=torch.int64)[::2]):
@@ -72,7 +72,7 @@ def test_checksum_kernel_writes_into_out(backend):
 
 
 @pytest.mark.gpu
-def test_checksum_kernel_reads_row_ids_from_and_writes_sums_to_page_locked_host_memory():
+def test_checksum_kernel_reads_row_ids_from_and_writes_sums_to_page_locked_host_memory(poison):
     """The transfer engine hands the kernel its row ids in pinned host memory and takes the sums back
     the same way (no copy on any stream, none in a copy engine's queue)."""
     rows = torch.randint(0, 256, (9, 8192 + 48), dtype=torch.uint8).cuda()
@@ -80,7 +80,7 @@ def test_checksum_kernel_reads_row_ids_from_and_writes_sums_to_page_locked_host_
     want = row_checksums_reference(rows.cpu(), ids)
     got = row_checksums(rows, ids.pin_memory(), backend="triton")
     assert got.is_cuda and torch.equal(got.cpu(), want)
-    out = torch.full((5,), -1, dtype=torch.int64).pin_memory()
+    out = poison((5,), torch.int64).pin_memory()
     row_checksums(rows, ids.pin_memory(), backend="triton", out=out)
     torch.cuda.synchronize()
     assert torch.equal(out, want)
@@ -359,7 +359,7 @@ def test_round_trips_on_cuda(method, priority):
 
 
 @pytest.mark.parametrize("block_words,num_warps,progs", [(64, 1, 1), (256, 8, 3), (2048, 4, 16)])
-def test_copy_items_kernel_settings_match_reference(block_words, num_warps, progs):
+def test_copy_items_kernel_settings_match_reference(poison, block_words, num_warps, progs):
     """Every (block, warps, programs) setting the benchmark sweeps moves exactly the reference's words."""
     from tiered_cache.kernels.hostcopy import copy_items
     from tiered_cache.kernels.reference import copy_items_reference
@@ -368,7 +368,7 @@ def test_copy_items_kernel_settings_match_reference(block_words, num_warps, prog
     src = torch.randint(-2**31, 2**31 - 1, (4000,), dtype=torch.int32, generator=g)
     so = torch.tensor([0, 900, 1800, 3000, 2700], dtype=torch.int64)
     do = torch.tensor([1500, 0, 3100, 600, 2300], dtype=torch.int64)
-    want = torch.full((4000,), -7, dtype=torch.int32)
+    want = poison((4000,), torch.int32)
     got = want.clone()
     copy_items_reference(src, so, want, do, 300)
     copy_items(src, so, got, do, 300, progs, block_words, num_warps)
