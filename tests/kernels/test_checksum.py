@@ -81,13 +81,13 @@ def test_kernel_split_over_parts_equals_reference(monkeypatch, iters):
 
 
 @pytest.mark.gpu
-def test_kernel_on_the_gpu_equals_reference_for_long_split_rows():
+def test_kernel_on_the_gpu_equals_reference_for_long_split_rows(poison):
     """Rows of 1 MiB + 16 B (17 parts of up to 8 blocks) and a state-envelope-like 21 MB row, read
     through page-locked row ids and written into page-locked sums, as the transfer engine does."""
     for nbytes, n in ((1 << 20) + 16, 5), (21_233_664, 2):
         rows = _rows(n, nbytes, 31).cuda()
         ids = torch.arange(n - 1, -1, -1)
-        out = torch.full((n,), -1, dtype=torch.int64).pin_memory()
+        out = poison((n,), torch.int64).pin_memory()
         row_checksums(rows, ids.pin_memory(), backend="triton", out=out)
         torch.cuda.synchronize()
         assert torch.equal(out, row_checksums_reference(rows.cpu(), ids))
