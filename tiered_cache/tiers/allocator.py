@@ -24,7 +24,7 @@ speak token ids (``page * page_size + offset``), as a serving engine's token-to-
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import numpy as np
@@ -292,7 +292,7 @@ class MultiEndedAllocator(BusyMarks):
         self._clear_holes()
         return len(sources)
 
-    def physical_rows(self, vids: list[int], arg: str = "vids") -> list[int]:
+    def physical_rows(self, vids: Sequence[int], arg: str = "vids") -> list[int]:
         """Host-side translate of allocated virtual slot (page) ids to physical rows, no device round trip.
 
         The sink (0), free ids and ids outside ``[1, capacity)`` raise ``SlotStateError``: numpy would

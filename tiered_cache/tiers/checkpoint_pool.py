@@ -27,6 +27,7 @@ not serve: one NaN spreads through its whole int8 scale group.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -36,13 +37,14 @@ import numpy as np
 import torch
 
 from tiered_cache import device as dev
+from tiered_cache.config import BACKENDS, CODECS
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError, SlotStateError
 from tiered_cache.kernels import quant, use_triton
 from tiered_cache.specs import StateSpec, align_up
+from tiered_cache.tiers.protocols import StateSide
 from tiered_cache.tiers.slots import SlotAllocator
 from tiered_cache.validate import _INT_TORCH, choice_arg, int_arg, int_list
 
-CODECS = ("int8", "lossless")
 IdsLike = Union[torch.Tensor, Sequence[int]]
 
 
@@ -59,13 +61,17 @@ class EnvelopeField:
 
 @dataclass(frozen=True)
 class ActiveViews:
-    """T0-like views indexed by *physical* row, for callers without a ``SubPool`` (tests, adapters).
+    """T0-like views indexed by *physical* row, for callers without a ``StateSide`` (tests, adapters).
 
     ``temporal [L, R, *spec.temporal_shape]`` and one ``[L, R, *conv_shape]`` per conv window.
     """
 
     temporal: torch.Tensor
     convs: tuple[torch.Tensor, ...] = ()
+
+
+# Where T0 states are read from / written to: a T0 side (virtual ids) or plain views (physical rows).
+ActiveLike = Union[StateSide, ActiveViews, torch.Tensor]
 
 
 def envelope_layout(spec: StateSpec, codec: str = "int8") -> tuple[tuple[EnvelopeField, ...], int]:
@@ -105,13 +111,16 @@ class Int8CheckpointPool:
         num_slots = int_arg("num_slots", num_slots, lo=1)
         if not isinstance(check_memory, bool):
             raise InvalidTypeError("check_memory", "a bool", check_memory)
-        choice_arg("backend", backend, ("auto", "triton", "torch"))
+        choice_arg("backend", backend, BACKENDS)
         self.fields, self.slot_bytes = envelope_layout(spec, codec)
         self.spec, self.codec, self.num_slots = spec, codec, num_slots
         self.device = dev.resolve(device)
         use_triton(self.device, backend)  # validates backend
         self.backend = backend
         self.capacity = num_slots + 1
+        # T0 <-> T1 moves: "stores" / "loads" (slots) and "store_bytes" / "load_bytes" (envelopes written
+        # or read), so an owner reports T1 traffic without wrapping the pool.
+        self.stats: collections.Counter = collections.Counter()
         need = self.estimate_bytes(spec, num_slots, codec)
         if check_memory:
             free = dev.free_memory(self.device)
@@ -250,10 +259,10 @@ class Int8CheckpointPool:
         self._flag_pending.append((event, set(host)))
 
     # ----------------------------------------------------------------------- T0 <-> T1 moves
-    def store_from_active(self, side, active_ids: IdsLike, ckpt_slots: IdsLike) -> None:
+    def store_from_active(self, side: ActiveLike, active_ids: IdsLike, ckpt_slots: IdsLike) -> None:
         """Checkpoint: quantize (or copy) the T0 states ``active_ids`` into slots ``ckpt_slots``.
 
-        ``side``: a T0 ``SubPool`` (``active_ids`` are its *virtual* ids, translated once), or
+        ``side``: a T0 ``StateSide`` (``active_ids`` are its *virtual* ids, translated once), or
         ``ActiveViews`` / a temporal tensor (``active_ids`` are physical rows). Every check runs before
         the first launch: a bad argument raises and writes nothing.
         """
@@ -268,6 +277,8 @@ class Int8CheckpointPool:
             quant.validate_copy_rows(temporal, rows, self.data, slots, check_ids=False, names=("side", "data"))
         for c_src, c_dst in zip(convs, self.conv):
             quant.validate_copy_rows(c_src, rows, c_dst, slots, check_ids=False, names=("side", "conv"))
+        self.stats["stores"] += rows.numel()
+        self.stats["store_bytes"] += rows.numel() * self.slot_bytes
         if rows.numel() == 0:
             return
         fin = self.finite
@@ -281,7 +292,7 @@ class Int8CheckpointPool:
             quant.copy_rows(c_src, rows, c_dst, slots, backend=self.backend, check_ids=False, finite=fin)
         self._flags_sent(host_slots.tolist())
 
-    def load_to_active(self, ckpt_slots: IdsLike, side, active_ids: IdsLike) -> None:
+    def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
         """Hit: dequantize (or copy) checkpoints ``ckpt_slots`` into the T0 states ``active_ids``.
 
         The checkpoints stay (copy-on-write); one slot may be loaded into several active states.
@@ -298,6 +309,8 @@ class Int8CheckpointPool:
             quant.validate_copy_rows(self.data, slots, temporal, rows, check_ids=False, names=("data", "side"))
         for c_src, c_dst in zip(self.conv, convs):
             quant.validate_copy_rows(c_src, slots, c_dst, rows, check_ids=False, names=("conv", "side"))
+        self.stats["loads"] += rows.numel()
+        self.stats["load_bytes"] += rows.numel() * self.slot_bytes
         if rows.numel() == 0:
             return
         if self.codec == "int8":
@@ -347,16 +360,16 @@ class Int8CheckpointPool:
             raise InvalidArgumentError(name, "distinct destination slots", host.tolist())
         return slots if slots is not None else dev.host_to_device(torch.from_numpy(host), self.device), host
 
-    def _resolve_active(self, side, active_ids: IdsLike, unique: bool
+    def _resolve_active(self, side: ActiveLike, active_ids: IdsLike, unique: bool
                         ) -> tuple[torch.Tensor, Sequence[torch.Tensor], torch.Tensor]:
         """-> (temporal view, conv views, physical rows), all checked against the spec and device."""
         spec, n_conv = self.spec, len(self.spec.conv_shapes)
         host_ids = not isinstance(active_ids, torch.Tensor)
         ids = None if host_ids else self._device_ids("active_ids", active_ids)
         host = None
-        if hasattr(side, "translate") and hasattr(side, "temporal_view_all"):
-            if getattr(side, "spec", None) != spec:
-                raise InvalidArgumentError("side", f"a T0 side whose spec is {spec}", getattr(side, "spec", None))
+        if isinstance(side, StateSide):
+            if side.spec != spec:
+                raise InvalidArgumentError("side", f"a T0 side whose spec is {spec}", side.spec)
             temporal = side.temporal_view_all()
             convs: Sequence[torch.Tensor] = [side.conv_view_all(i) for i in range(n_conv)]
             what = "live virtual ids of the T0 side"  # translate maps a free id to -1
@@ -367,7 +380,7 @@ class Int8CheckpointPool:
                 raise InvalidArgumentError("active_ids", "active state ids (slot 0 is the sink, never active)",
                                            vids.tolist())
             try:
-                host = side.allocator.translate_host(vids)
+                host = side.translate_host(vids)
             except InvalidArgumentError:
                 raise InvalidArgumentError("active_ids", "virtual ids of the T0 side", vids.tolist()) from None
             host_ids = True
@@ -380,7 +393,8 @@ class Int8CheckpointPool:
             else:
                 rows = ids
         else:
-            raise InvalidTypeError("side", "a T0 SubPool, ActiveViews or a temporal tensor", type(side).__name__)
+            raise InvalidTypeError("side", "a T0 state side (StateSide), ActiveViews or a temporal tensor",
+                                   type(side).__name__)
         self._check_view("side.temporal", temporal, spec.temporal_shape, spec.temporal_dtype)
         if len(convs) != n_conv:
             raise InvalidArgumentError("side", f"{n_conv} conv views (spec.conv_shapes)", len(convs))

@@ -15,8 +15,10 @@ kernel reads and writes slots in place, and after a compaction a slot's data is 
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, Optional, TypeVar, Union, cast
 
+import numpy as np
 import torch
 
 from tiered_cache import device as dev
@@ -31,12 +33,17 @@ BACKENDS = ("auto", "triton", "torch")
 MAX_SLOTS = 1 << 40  # slot counts past this are typos; the memory check refuses far smaller ones
 
 Spec = Union[KVSpec, StateSpec]
+S = TypeVar("S", bound=Spec)
 
 
-class SubPool:
-    """One side of a ``UnifiedPool``: its spec, allocator and typed views. Rows are physical ids."""
+class SubPool(Generic[S]):
+    """One side of a ``UnifiedPool``: its spec, allocator and typed views. Rows are physical ids.
 
-    def __init__(self, pool: UnifiedPool, name: str, spec: Spec, grows: str, page_size: int,
+    A ``SubPool[KVSpec]`` is a ``tiers.protocols.KVSide``, a ``SubPool[StateSpec]`` a ``StateSide``:
+    the members those protocols name are what the tree, T1 and the T2 moves use.
+    """
+
+    def __init__(self, pool: UnifiedPool, name: str, spec: S, grows: str, page_size: int,
                  lazy: bool, backend: str) -> None:
         self.pool = pool
         self.name = name
@@ -76,6 +83,25 @@ class SubPool:
     def compact(self) -> int:
         return self.allocator.compact()
 
+    def translate_host(self, ids: np.ndarray) -> np.ndarray:
+        return self.allocator.translate_host(ids)
+
+    def physical_rows(self, vids: Sequence[int], arg: str = "vids") -> list[int]:
+        return self.allocator.physical_rows(vids, arg)
+
+    def live_virtual_ids(self) -> list[int]:
+        return self.allocator.live_virtual_ids()
+
+    def mark_busy(self, ids: Iterable[int]) -> None:
+        self.allocator.mark_busy(ids)
+
+    def unmark_busy(self, ids: Iterable[int]) -> None:
+        self.allocator.unmark_busy(ids)
+
+    def add_fence(self, fence: Callable[[], None]) -> None:
+        if fence not in self.allocator.fences:
+            self.allocator.fences.append(fence)
+
     def _move(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         move_rows(self.pool.raw, self.base, self.entry_bytes, self.capacity, src_rows, dst_rows, self.backend)
 
@@ -113,7 +139,7 @@ class SubPool:
 
     def _kv_view_all(self, which: int) -> torch.Tensor:
         self._need(True)
-        s: KVSpec = self.spec
+        s = cast(KVSpec, self.spec)
         ps = self.page_size
         d = s.head_dim if which == 0 else s.v_head_dim
         it = s.store_dtype.itemsize
@@ -126,7 +152,7 @@ class SubPool:
     def temporal_view_all(self) -> torch.Tensor:
         """Temporal states of every layer: ``[L, capacity, H, a, b]`` (``spec.temporal_shape``)."""
         self._need(False)
-        s: StateSpec = self.spec
+        s = cast(StateSpec, self.spec)
         h, a, b = s.temporal_shape
         it = s.temporal_dtype.itemsize
         offs = s.field_offsets()
@@ -138,7 +164,7 @@ class SubPool:
     def conv_view_all(self, i: int = 0) -> torch.Tensor:
         """Conv window ``i`` of every layer: ``[L, capacity, *spec.conv_shapes[i]]``."""
         self._need(False)
-        s: StateSpec = self.spec
+        s = cast(StateSpec, self.spec)
         i = index_arg("i", i, len(s.conv_shapes))
         shape = s.conv_shapes[i]
         it = s.conv_dtype.itemsize
@@ -224,11 +250,11 @@ class UnifiedPool:
         self.page_size = page_size
         # Unwritten slots read as zeros, so a padded read of the sink is harmless.
         self.raw = torch.zeros(total_bytes, dtype=torch.uint8, device=self.device)
-        self.low = SubPool(self, names[0], low, "up", page_size, lazy_compaction, backend)
-        self.high = SubPool(self, names[1], high, "down", page_size, lazy_compaction, backend)
+        self.low: SubPool[KVSpec] = SubPool(self, names[0], low, "up", page_size, lazy_compaction, backend)
+        self.high: SubPool[Spec] = SubPool(self, names[1], high, "down", page_size, lazy_compaction, backend)
         self.low.allocator.bind_peer(self.high.allocator)
         self.high.allocator.bind_peer(self.low.allocator)
-        self._sides = {names[0]: self.low, names[1]: self.high}
+        self._sides: dict[str, SubPool[Any]] = {names[0]: self.low, names[1]: self.high}
 
     @staticmethod
     def bytes_for(low: Spec, high: Spec, low_slots: int, high_slots: int, page_size: int = 1) -> int:
@@ -243,7 +269,7 @@ class UnifiedPool:
         return align_up((low_slots + 1) * low.bytes_per_slot(page_size)
                         + (high_slots + 1) * high.bytes_per_slot(page_size))
 
-    def side(self, name: str) -> SubPool:
+    def side(self, name: str) -> SubPool[Any]:
         if not isinstance(name, str):
             raise InvalidTypeError("name", f"one of {sorted(self._sides)}", name)
         try:
@@ -252,7 +278,7 @@ class UnifiedPool:
             raise InvalidArgumentError("name", f"one of {sorted(self._sides)}", name) from None
 
     @property
-    def sides(self) -> tuple[SubPool, SubPool]:
+    def sides(self) -> tuple[SubPool[KVSpec], SubPool[Any]]:
         return (self.low, self.high)
 
     def clear(self) -> None:

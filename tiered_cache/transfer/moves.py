@@ -5,7 +5,8 @@
     T0 KV pages --demote_kv (D2H)--> T2              T2 --load_kv (H2D, layer by layer)--> T0
 
 T0 slots are named by *virtual* ids and translated once at submit; compaction of a T0 side waits
-for the engine's tickets first (the engine registers a fence), so physical rows stay valid.
+for the engine's tickets first (the engine registers a fence), so physical rows stay valid. A T0
+side is anything that offers ``tiers.protocols.KVSide`` / ``StateSide`` (``UnifiedPool``'s sides do).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Optional
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, SlotStateError
+from tiered_cache.specs import KVSpec
 from tiered_cache.tiers.host_mirror import HostRegion
+from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide
 from tiered_cache.tiers.slots import id_list
-from tiered_cache.tiers.unified_pool import SubPool
 from tiered_cache.transfer.engine import Ticket, TransferEngine
 from tiered_cache.validate import bool_arg, instance_arg
 
@@ -42,17 +44,12 @@ def _check_parts(engine, region, side=_UNSET, t1=_UNSET, kv: Optional[bool] = No
     if t1 is not _UNSET:
         instance_arg("t1", t1, Int8CheckpointPool, "an Int8CheckpointPool")
     if side is not _UNSET:
-        instance_arg("side", side, SubPool, "a UnifiedPool side (SubPool)")
-        if kv is not None and side.is_kv != kv:
+        instance_arg("side", side, ActiveSide, "a T0 side (tiers.protocols.KVSide or StateSide)")
+        if kv is not None and isinstance(side.spec, KVSpec) != kv:
             raise InvalidArgumentError("side", "a KV side" if kv else "a state side", side.name)
 
 
-def _fenced(engine: TransferEngine, side: SubPool) -> None:
-    if engine.fence not in side.allocator.fences:
-        side.allocator.fences.append(engine.fence)
-
-
-def _page_vids(side: SubPool, ids: Sequence[int], arg: str) -> list[int]:
+def _page_vids(side: KVSide, ids: Sequence[int], arg: str) -> list[int]:
     """KV token ids (whole pages) or, with ``page_size`` 1, slot ids -> virtual page ids."""
     if isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.dtype in _INT_DTYPES:
         t = ids.to("cpu", torch.int64)
@@ -88,7 +85,7 @@ def promote_states(engine: TransferEngine, region: HostRegion, host_slots, t1, t
 
 
 def restore_states(engine: TransferEngine, region: HostRegion, host_slots, t1, scratch_slots,
-                   side: SubPool, active_ids) -> Optional[Ticket]:
+                   side: StateSide, active_ids) -> Optional[Ticket]:
     """T2 -> T0: land the envelopes in T1-format ``scratch_slots`` and dequantize them into the T0
     state slots ``active_ids`` (virtual), all on the H2D stream. The host copies stay."""
     _check_parts(engine, region, side=side, t1=t1, kv=False)
@@ -98,34 +95,34 @@ def restore_states(engine: TransferEngine, region: HostRegion, host_slots, t1, s
         raise InvalidArgumentError("active_ids", f"{len(slots)} ids, one per scratch slot", len(active))
     if len(set(active)) != len(active):  # two loads into one slot: which one it ends up holding is a race
         raise SlotStateError("active_ids", "distinct ids", active[:16])
-    side.allocator.physical_rows(active, "active_ids")  # typed error for unknown ids before anything moves
-    _fenced(engine, side)
+    side.physical_rows(active, "active_ids")  # typed error for unknown ids before anything moves
+    side.add_fence(engine.fence)
     return engine.load(region, host_slots, t1.envelopes, slots, kind="restore_state",
                        after=lambda: t1.load_to_active(slots, side, active),
-                       busy=[(t1.allocator, slots), (side.allocator, active)])
+                       busy=[(t1.allocator, slots), (side, active)])
 
 
-def demote_kv(engine: TransferEngine, side: SubPool, token_ids, region: HostRegion, host_slots) -> Optional[Ticket]:
+def demote_kv(engine: TransferEngine, side: KVSide, token_ids, region: HostRegion, host_slots) -> Optional[Ticket]:
     """T0 KV pages (virtual token ids, whole pages) -> T2 host pages, one host slot per page."""
     _check_parts(engine, region, side=side, kv=True)
     vids = _page_vids(side, token_ids, "token_ids")
-    rows = side.allocator.physical_rows(vids, "token_ids")
-    _fenced(engine, side)
+    rows = side.physical_rows(vids, "token_ids")
+    side.add_fence(engine.fence)
     return engine.demote(side.rows_bytes(), rows, region, host_slots, kind="demote_kv",
-                         busy=[(side.allocator, vids)])
+                         busy=[(side, vids)])
 
 
-def kv_layer_ranges(side: SubPool) -> list[tuple[int, int]]:
+def kv_layer_ranges(side: KVSide) -> list[tuple[int, int]]:
     """``(offset, nbytes)`` of each layer's K and V inside one page envelope (they are adjacent)."""
-    instance_arg("side", side, SubPool, "a UnifiedPool side (SubPool)")
-    if not side.is_kv:
+    instance_arg("side", side, ActiveSide, "a T0 side (tiers.protocols.KVSide)")
+    if not isinstance(side.spec, KVSpec):
         raise InvalidArgumentError("side", "a KV side", side.name)
     offs = side.spec.field_offsets(side.page_size)
     starts = [k for k, _ in offs] + [side.entry_bytes]
     return [(starts[i], starts[i + 1] - starts[i]) for i in range(len(offs))]
 
 
-def load_kv(engine: TransferEngine, region: HostRegion, host_slots, side: SubPool, token_ids,
+def load_kv(engine: TransferEngine, region: HostRegion, host_slots, side: KVSide, token_ids,
             layerwise: bool = True) -> Optional[Ticket]:
     """T2 host pages -> T0 KV pages (virtual token ids); with ``layerwise`` one event per layer."""
     _check_parts(engine, region, side=side, kv=True)
@@ -133,8 +130,8 @@ def load_kv(engine: TransferEngine, region: HostRegion, host_slots, side: SubPoo
     vids = _page_vids(side, token_ids, "token_ids")
     if len(set(vids)) != len(vids):  # destinations: two loads into one page would race
         raise SlotStateError("token_ids", "distinct pages", vids[:16])
-    rows = side.allocator.physical_rows(vids, "token_ids")
-    _fenced(engine, side)
+    rows = side.physical_rows(vids, "token_ids")
+    side.add_fence(engine.fence)
     return engine.load(region, host_slots, side.rows_bytes(), rows, kind="load_kv",
                        layer_ranges=kv_layer_ranges(side) if layerwise else None,
-                       busy=[(side.allocator, vids)])
+                       busy=[(side, vids)])
