@@ -80,6 +80,27 @@ def test_kernel_split_over_parts_equals_reference(monkeypatch, iters):
     assert torch.equal(out, row_checksums_reference(rows, ids))
 
 
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_kernel_with_fewer_programs_than_items_equals_reference(monkeypatch, programs):
+    """A capped grid (as on the GPU, ``DEFAULT_PROGRAMS``): each program loops over its share of the
+    (row, part) items; 5 rows in 3 parts each are 15 items for 1, 3 or 64 programs."""
+    from tiered_cache.kernels import checksum
+
+    monkeypatch.setattr(checksum, "_iters", lambda row_words, block, cuda: 1)
+    rows = _rows(5, 2048 * 4 * 2 + 64, 23)
+    ids = torch.tensor([4, 1, 1, 0, 3])
+    out = torch.randint(-2**62, 2**62, (5,), dtype=torch.int64)
+    row_checksums(rows, ids, backend="triton", out=out, programs=programs)
+    assert torch.equal(out, row_checksums_reference(rows, ids))
+
+
+@pytest.mark.parametrize("programs", [0, -1, 1.5, "4", True])
+def test_programs_must_be_a_positive_int(programs):
+    rows = _rows(2, 64, 3)
+    with pytest.raises(InvalidArgumentError, match="programs"):
+        row_checksums(rows, torch.tensor([0, 1]), backend="triton", programs=programs)
+
+
 @pytest.mark.gpu
 def test_kernel_on_the_gpu_equals_reference_for_long_split_rows(poison):
     """Rows of 1 MiB + 16 B (17 parts of up to 8 blocks) and a state-envelope-like 21 MB row, read

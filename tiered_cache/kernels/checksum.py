@@ -51,6 +51,7 @@ from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels._checksum_tables import MAX_WORDS, TILE, P, checksum_tables
 from tiered_cache.kernels.reference import row_checksums_reference
+from tiered_cache.validate import int_arg
 
 
 @triton.jit
@@ -67,35 +68,38 @@ def _parity(x):
 
 @triton.jit
 def _checksum_kernel(words_ptr, rows_ptr, a_ptr, b_ptr, s_ptr, parts_ptr, row_stride_words, row_words, n_parts,
-                     part_stride, BLOCK: tl.constexpr, ITERS: tl.constexpr, TILE: tl.constexpr,
+                     part_stride, n_items, BLOCK: tl.constexpr, ITERS: tl.constexpr, TILE: tl.constexpr,
                      PRIME: tl.constexpr):
-    """One (row, part): ``ITERS`` blocks of ``BLOCK`` words. A block lies inside one tile (``BLOCK``
-    divides ``TILE``), so its hash needs one tile weight. Writes the part's word XOR, index XOR and hash
-    at ``parts[0|1|2][row, part]``."""
-    r = tl.program_id(0)
-    part = tl.program_id(1)
-    row = tl.load(rows_ptr + r).to(tl.int64)
-    base = words_ptr + row * row_stride_words
-    acc_x = tl.zeros([BLOCK], dtype=tl.int32)
-    acc_i = tl.zeros([BLOCK], dtype=tl.int32)
-    h = tl.zeros([], dtype=tl.int64)
+    """Items ``pid, pid + programs, ...`` of the ``n_items = rows * n_parts`` (row, part) items, each
+    ``ITERS`` blocks of ``BLOCK`` words. A block lies inside one tile (``BLOCK`` divides ``TILE``), so
+    its hash needs one tile weight. Writes each part's word XOR, index XOR and hash at
+    ``parts[0|1|2][row, part]``. (A grid of fewer programs than items leaves SMs to the copies' own
+    gather and scatter kernels, which would otherwise queue behind a chip-filling checksum.)"""
     lane = tl.arange(0, BLOCK)
-    for it in range(ITERS):
-        start = (part * ITERS + it) * BLOCK
-        offs = start + lane
-        w = tl.load(base + offs, mask=offs < row_words, other=0)  # masked words are 0: they add nothing
-        j = start % TILE + lane
-        a = tl.load(a_ptr + j).to(tl.int64)
-        b = tl.load(b_ptr + j).to(tl.int64)
-        v = (w & 0xFFFF).to(tl.int64) * a + ((w >> 16) & 0xFFFF).to(tl.int64) * b  # < 2**48
-        sg = tl.load(s_ptr + start // TILE, mask=start < row_words, other=0).to(tl.int64)
-        h = (h + (tl.sum(v, axis=0) % PRIME) * sg) % PRIME  # block sum < 2**59, product < 2**62
-        acc_x = acc_x ^ w
-        acc_i = acc_i ^ tl.where(_parity(w) != 0, offs, 0)
-    out = parts_ptr + r * n_parts + part
-    tl.store(out, tl.xor_sum(acc_x, axis=0).to(tl.int64))
-    tl.store(out + part_stride, tl.xor_sum(acc_i, axis=0).to(tl.int64))
-    tl.store(out + 2 * part_stride, h)
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        r = item // n_parts
+        part = item % n_parts
+        row = tl.load(rows_ptr + r).to(tl.int64)
+        base = words_ptr + row * row_stride_words
+        acc_x = tl.zeros([BLOCK], dtype=tl.int32)
+        acc_i = tl.zeros([BLOCK], dtype=tl.int32)
+        h = tl.zeros([], dtype=tl.int64)
+        for it in range(ITERS):
+            start = (part * ITERS + it) * BLOCK
+            offs = start + lane
+            w = tl.load(base + offs, mask=offs < row_words, other=0)  # masked words are 0: they add nothing
+            j = start % TILE + lane
+            a = tl.load(a_ptr + j).to(tl.int64)
+            b = tl.load(b_ptr + j).to(tl.int64)
+            v = (w & 0xFFFF).to(tl.int64) * a + ((w >> 16) & 0xFFFF).to(tl.int64) * b  # < 2**48
+            sg = tl.load(s_ptr + start // TILE, mask=start < row_words, other=0).to(tl.int64)
+            h = (h + (tl.sum(v, axis=0) % PRIME) * sg) % PRIME  # block sum < 2**59, product < 2**62
+            acc_x = acc_x ^ w
+            acc_i = acc_i ^ tl.where(_parity(w) != 0, offs, 0)
+        out = parts_ptr + r * n_parts + part
+        tl.store(out, tl.xor_sum(acc_x, axis=0).to(tl.int64))
+        tl.store(out + part_stride, tl.xor_sum(acc_i, axis=0).to(tl.int64))
+        tl.store(out + 2 * part_stride, h)
 
 
 @triton.jit
@@ -122,6 +126,12 @@ def _combine_kernel(parts_ptr, out_ptr, n_parts, part_stride, PRIME: tl.constexp
     tl.store(out_ptr + r, s | (hsh << 32))
 
 
+# Programs of the checksum kernel on a GPU, at most (each loops over its share of (row, part) items).
+# On the H200 a chip-filling grid delayed the staging gathers and scatters of concurrent copies, whose
+# kernels queued behind it: ``bench_transfer.py`` measures the choice (``checksum_programs_sweep``).
+DEFAULT_PROGRAMS = 64
+
+
 def _iters(row_words: int, block: int, cuda: bool) -> int:
     """Blocks a program: on the GPU long rows are split over programs (~64 KiB each) so a few big
     envelopes still fill the chip; in the interpreter, one program per row. (Tests on CPU replace it to
@@ -130,7 +140,7 @@ def _iters(row_words: int, block: int, cuda: bool) -> int:
 
 
 def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto",
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  out: Optional[torch.Tensor] = None, programs: Optional[int] = None) -> torch.Tensor:
     """Checksums (int64) of ``rows_view[rows]``, on the view's device or written into ``out``.
 
     ``rows_view``: ``[R, E]`` uint8 with ``E % 16 == 0``, ``E <= 2**28`` and a unit inner stride (a
@@ -139,6 +149,8 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     ``out``: a 1-D int64 tensor of ``len(rows)``, on the view's device or (GPU) in page-locked host
     memory, which the last kernel writes through mapped memory: the sums reach the host without a
     copy-engine transfer (one would queue behind every large copy already in that engine). Returned.
+    ``programs``: the most programs the kernel runs at once (default: ``DEFAULT_PROGRAMS`` on a GPU,
+    one per item in the interpreter); the result does not depend on it.
     """
     if not isinstance(rows_view, torch.Tensor):
         raise InvalidTypeError("rows_view", "a 2-D uint8 tensor [rows, bytes]", type(rows_view).__name__)
@@ -168,6 +180,8 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
         if (out.dtype != torch.int64 or out.shape != (rows.numel(),) or not out.is_contiguous()
                 or (out.device != rows_view.device and not out_mapped)):
             raise InvalidArgumentError("out", want, (out.dtype, tuple(out.shape), out.device))
+    if programs is not None:
+        programs = int_arg("programs", programs, lo=1)
     if rows.numel() == 0:
         return out if out is not None else torch.zeros(0, dtype=torch.int64, device=rows_view.device)
     if not use_triton(rows_view.device, backend):
@@ -185,8 +199,11 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     parts = torch.empty(3, rows.numel(), n_parts, dtype=torch.int64, device=rows_view.device)
     # A plain dtype view (no set_ on the storage: the CUDA sanitizer counts that as a write).
     words = rows_view.view(torch.int32)
-    _checksum_kernel[(rows.numel(), n_parts)](words, rows, a, b, s, parts, words.stride(0), row_words, n_parts,
-                                               part_stride, BLOCK=block, ITERS=iters, TILE=TILE, PRIME=P)
+    n_items = rows.numel() * n_parts
+    if programs is None:
+        programs = DEFAULT_PROGRAMS if rows_view.is_cuda else n_items
+    _checksum_kernel[(min(programs, n_items),)](words, rows, a, b, s, parts, words.stride(0), row_words, n_parts,
+                                                part_stride, n_items, BLOCK=block, ITERS=iters, TILE=TILE, PRIME=P)
     if out is None:
         out = torch.empty(rows.numel(), dtype=torch.int64, device=rows_view.device)
     _combine_kernel[(rows.numel(),)](parts, out, n_parts, part_stride, PRIME=P,
