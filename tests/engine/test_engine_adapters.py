@@ -84,8 +84,8 @@ def _continue(model, cache, ids, start, end):
 class Hybrid:
     """One request of a Qwen3-Next-style model over a real UnifiedPool (full KV + states)."""
 
-    def __init__(self, model, codec: str = "", page_size: int = PAGE):
-        self.model = model
+    def __init__(self, model, poison, codec: str = "", page_size: int = PAGE):
+        self.model, self.poison = model, poison
         self.specs = spec_for(model, page_size)
         self.ad = HybridCacheAdapter(model, self.specs)
         self.pool = self.specs.make_pool(full_slots=N // page_size + 2, high_slots=4, device="cpu")
@@ -103,7 +103,8 @@ class Hybrid:
             return slot
         ckpt = self.t1.alloc(1)
         self.t1.store_from_active(self.state, slot, ckpt)
-        self.state.temporal_view_all()[:, self.state.translate(slot)] = float("nan")  # must not be read again
+        temporal = self.state.temporal_view_all()
+        temporal[:, self.state.translate(slot)] = self.poison.value(temporal.dtype)  # must not be read again
         self.state.free(slot)
         fresh = self.state.alloc(1)
         self.t1.load_to_active(ckpt, self.state, fresh)
@@ -149,26 +150,26 @@ def test_spec_for_reads_the_cache_layers(qwen, swa):
 # --------------------------------------------------------------------------- split and resume
 @pytest.mark.parametrize("long_memory", [False, True], ids=["plain", "long-memory"])
 @pytest.mark.parametrize("codec", ["", "lossless"], ids=["T0", "T0-T1-T0"])
-def test_qwen3_next_split_resume_equals_whole(qwen, qwen_long, long_memory, codec):
+def test_qwen3_next_split_resume_equals_whole(poison, qwen, qwen_long, long_memory, codec):
     model = qwen_long if long_memory else qwen
     ids = _ids()
     whole = _whole(model, ids)[SPLIT:]
-    got = Hybrid(model, codec).split_run(ids)
+    got = Hybrid(model, poison, codec).split_run(ids)
     assert got.shape == whole.shape
     assert torch.equal(got, _in_memory(model, ids))  # the pool (and T1) moved every byte unchanged
     assert torch.allclose(got, whole, rtol=0, atol=ATOL[long_memory]), (got - whole).abs().max()
     # The check can fail: resuming from a zeroed state moves the logits far past the tolerance.
-    broken = Hybrid(model, codec).split_run(ids, corrupt=True)
+    broken = Hybrid(model, poison, codec).split_run(ids, corrupt=True)
     assert (broken - whole).abs().max() > 1000 * ATOL[long_memory]
 
 
-def test_qwen3_next_int8_long_memory_drift_is_bounded(qwen_long):
+def test_qwen3_next_int8_long_memory_drift_is_bounded(poison, qwen_long):
     ids = _ids()
     whole = _whole(qwen_long, ids)[SPLIT:]
-    got = Hybrid(qwen_long, "int8").split_run(ids)
+    got = Hybrid(qwen_long, poison, "int8").split_run(ids)
     drift = (got - whole).abs().max().item()
     top1 = (got.argmax(-1) == whole.argmax(-1)).float().mean().item()
-    zeroed = (Hybrid(qwen_long, "int8").split_run(ids, corrupt=True) - whole).abs().max().item()
+    zeroed = (Hybrid(qwen_long, poison, "int8").split_run(ids, corrupt=True) - whole).abs().max().item()
     print(f"int8 drift {drift:.4f} (bound {INT8_DRIFT_BOUND}), top-1 {top1:.3f}, zeroed state {zeroed:.3f}")
     # Top-1 is kept except at near-ties: where the whole run's own top-2 margin is under twice the
     # drift, a flip is rounding, not a lost state (here 1 of 35, margin 0.0019).
@@ -180,11 +181,11 @@ def test_qwen3_next_int8_long_memory_drift_is_bounded(qwen_long):
     assert zeroed > INT8_DRIFT_BOUND  # the bound is tight enough to catch a lost state
 
 
-def test_page_size_one_and_state_overwrite_in_place(qwen):
+def test_page_size_one_and_state_overwrite_in_place(poison, qwen):
     """page_size 1, and import_state into a cache whose linear layers already hold a (wrong) state."""
     ids = _ids(1)
     whole = _whole(qwen, ids)[SPLIT:]
-    h = Hybrid(qwen, page_size=1)
+    h = Hybrid(qwen, poison, page_size=1)
     cache = new_cache(qwen)
     forward_chunk(qwen, cache, ids[:SPLIT], 0)
     slot = h.save(cache, 0, SPLIT)
@@ -259,8 +260,8 @@ def test_bf16_resume_is_bit_identical_to_in_memory(family):
 
 
 # ------------------------------------------------------------------------------------- misuse
-def test_misuse_is_refused_before_anything_changes(qwen):
-    h = Hybrid(qwen)
+def test_misuse_is_refused_before_anything_changes(poison, qwen):
+    h = Hybrid(qwen, poison)
     ids = _ids()
     cache = new_cache(qwen)
     with pytest.raises(InvalidArgumentError, match="linear layer 0"):

@@ -86,7 +86,7 @@ def _gqa_reference(q, k, v, mask, scale):
 
 
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_gqa_sdpa_equals_repeated_heads_under_a_mask(q_len):
+def test_gqa_sdpa_equals_repeated_heads_under_a_mask(poison, q_len):
     """Packed query heads read each key/value head once; the result is attention with the heads repeated,
     under a per-request mask (positions past each request's length masked, garbage there). The output
     starts NaN-poisoned."""
@@ -98,7 +98,7 @@ def test_gqa_sdpa_equals_repeated_heads_under_a_mask(q_len):
     mask = torch.arange(t).view(1, 1, 1, t) <= last
     k[1, :, 17:] = 1e4  # garbage at masked positions never reaches the output
     v[1, :, 17:] = 1e4
-    out = torch.full((b, q_len, h, d), float("nan"))
+    out = poison((b, q_len, h, d))
     module = torch.nn.Module().eval()
     out[:], w = gqa_sdpa(module, q, k, v, mask, scaling=d ** -0.5)
     ref = _gqa_reference(q, k, v, mask, d ** -0.5)
