@@ -38,7 +38,7 @@ def _poison(gen: torch.Generator, t: torch.Tensor, row: int, value: float) -> No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", BAD)
 @pytest.mark.parametrize("value_axis", [1, 2])
-def test_store_kernel_flags_equal_reference(dtype, value, value_axis):
+def test_store_kernel_flags_equal_reference(poison, dtype, value, value_axis):
     """The Triton store's flag output equals its torch twin's; finite states stay bit-exact."""
     gen = torch.Generator().manual_seed(hash((str(dtype), value, value_axis)) % 2**31)
     src = torch.randn(2, 5, 2, 4, 8, generator=gen).to(dtype)
@@ -49,8 +49,7 @@ def test_store_kernel_flags_equal_reference(dtype, value, value_axis):
     out = []
     for backend in ("triton", "torch"):
         dv, dk = (4, 8) if value_axis == 1 else (8, 4)
-        q = torch.full((2, 8, 2, dv, dk), 99, dtype=torch.int8)
-        s = torch.full((2, 8, 2, 1, dk), float("nan"), dtype=dtype)
+        q, s = poison((2, 8, 2, dv, dk), torch.int8), poison((2, 8, 2, 1, dk), dtype)
         fin = torch.ones(8, dtype=torch.uint8)
         quant.quantize_store(src, rows, q, s, slots, value_axis, backend=backend, finite=fin)
         out.append((q, s, fin))
@@ -65,7 +64,7 @@ def test_store_kernel_flags_equal_reference(dtype, value, value_axis):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", BAD)
-def test_copy_kernel_flags_equal_reference(dtype, value):
+def test_copy_kernel_flags_equal_reference(poison, dtype, value):
     """The conv-window (and lossless) copy flags a row that received a NaN/inf, like its twin."""
     gen = torch.Generator().manual_seed(hash((str(dtype), value)) % 2**31)
     src = torch.randn(2, 5, 4, 3, generator=gen).to(dtype)
@@ -75,7 +74,7 @@ def test_copy_kernel_flags_equal_reference(dtype, value):
     dst_rows = torch.randperm(7, generator=gen)[:5] + 1
     flags = []
     for backend in ("triton", "torch"):
-        dst = torch.full((2, 8, 4, 3), float("nan"), dtype=dtype)
+        dst = poison((2, 8, 4, 3), dtype)
         fin = torch.ones(8, dtype=torch.uint8)
         quant.copy_rows(src, rows, dst, dst_rows, backend=backend, finite=fin)
         bits = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
@@ -99,7 +98,7 @@ def test_flags_only_clear_never_set():
 @pytest.mark.parametrize("codec", ["int8", "lossless"])
 @pytest.mark.parametrize("where", ["temporal", "conv"])
 @pytest.mark.parametrize("value", BAD)
-def test_pool_reports_the_one_bad_state_of_a_store(codec, where, value):
+def test_pool_reports_the_one_bad_state_of_a_store(poison, codec, where, value):
     """One call stores three states; the pool reports exactly the poisoned one, the others load back
     exactly as the reference math gives."""
     gen = torch.Generator().manual_seed(hash((codec, where, value)) % 2**31)
@@ -112,14 +111,13 @@ def test_pool_reports_the_one_bad_state_of_a_store(codec, where, value):
     pool.store_from_active(ActiveViews(temporal, (conv,)), [1, 2, 3], slots)
     assert pool.poll_nonfinite() == [int(slots[bad - 1])]
     assert pool.poll_nonfinite() == []  # reported once
-    out_t = torch.full_like(temporal, float("nan"))
-    out_c = torch.full_like(conv, float("nan"))
+    out_t, out_c = poison.like(temporal), poison.like(conv)
     good = [r for r in (1, 2, 3) if r != bad]
     pool.load_to_active(slots[[r - 1 for r in good]], ActiveViews(out_t, (out_c,)), good)
     if codec == "int8":
         q, s = torch.zeros(2, 4, 2, 4, 4, dtype=torch.int8), torch.zeros(2, 4, 2, 1, 4)
         quantize_store_reference(temporal, torch.tensor(good), q, s, torch.tensor(good), STATE_SPEC.value_axis)
-        ref = torch.full_like(temporal, float("nan"))
+        ref = poison.like(temporal)
         from tiered_cache.kernels._ref_quant import dequantize_load_reference
 
         dequantize_load_reference(q, s, torch.tensor(good), ref, torch.tensor(good), STATE_SPEC.value_axis)

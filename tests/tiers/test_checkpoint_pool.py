@@ -115,7 +115,7 @@ def test_alloc_free_pins_ids():
 # ------------------------------------------------------------------------------ moves
 @pytest.mark.parametrize("value_axis", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_store_load_through_views(value_axis, dtype):
+def test_store_load_through_views(poison, value_axis, dtype):
     spec = make_spec(dtype, value_axis)
     pool = Int8CheckpointPool(spec, 4, "cpu", backend="triton")
     views = make_views(spec, 6)
@@ -130,7 +130,7 @@ def test_store_load_through_views(value_axis, dtype):
     assert torch.equal(env[cf.offset: cf.offset + cf.nbytes].view(spec.conv_dtype).view(cf.shape),
                        views.convs[0][:, 0])
     # Load into fresh rows, poisoned first; the same checkpoint may go to two requests.
-    views.temporal[:, [1, 3, 4]] = float("nan")
+    views.temporal[:, [1, 3, 4]] = poison.value(views.temporal.dtype)
     pool.load_to_active(slots[[0, 1, 1]], views, torch.tensor([3, 1, 4]))
     assert torch.equal(views.temporal[:, [3, 1, 4]], expected_load(views, [5, 0, 0], spec))
     assert torch.equal(views.convs[0][:, [3, 1, 4]], views.convs[0][:, [5, 0, 0]])
@@ -261,7 +261,7 @@ def gdn_extend(S, steps, gen):
     return S
 
 
-def run_chain(device, backend, rounds=10, steps=3, shape=(2, 64, 64), layers=2):
+def run_chain(poison, device, backend, rounds=10, steps=3, shape=(2, 64, 64), layers=2):
     spec = make_spec(torch.float32, 1, shape, layers)
     pool = Int8CheckpointPool(spec, 2, device, backend=backend)
     views = make_views(spec, 2, device)
@@ -275,7 +275,7 @@ def run_chain(device, backend, rounds=10, steps=3, shape=(2, 64, 64), layers=2):
     for i in range(rounds):
         here = views.temporal[:, 0].cpu()
         pool.store_from_active(views, [0], slot)
-        views.temporal[:, 1] = float("nan")
+        views.temporal[:, 1] = poison.value(views.temporal.dtype)
         pool.load_to_active(slot, views, [1])  # restore into a fresh slot, then continue from it
         restored = views.temporal[:, 1].cpu()
         rounding.append((restored - here).norm().item())
@@ -301,8 +301,8 @@ def check_chain(err, rounding, rel_round, rel_err, norm):
     assert max(rel_err) < 2 * max(rel_round), (rel_err, rel_round)
 
 
-def test_chain_of_checkpoints_error_is_one_rounding_each():
-    check_chain(*run_chain("cpu", "triton"))
+def test_chain_of_checkpoints_error_is_one_rounding_each(poison):
+    check_chain(*run_chain(poison, "cpu", "triton"))
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -332,5 +332,5 @@ def test_gpu_qwen3_next_sized_pool_through_t0(dtype, value_axis):
 
 
 @pytest.mark.gpu
-def test_gpu_chain():
-    check_chain(*run_chain("cuda", "auto", shape=(32, 128, 128), layers=4))
+def test_gpu_chain(poison):
+    check_chain(*run_chain(poison, "cuda", "auto", shape=(32, 128, 128), layers=4))
