@@ -1,11 +1,13 @@
 """tiered-cache: a tiered cache for the KV and recurrent states of hybrid LLMs.
 
 T0 ``UnifiedPool`` (one GPU byte buffer, two sub-pools growing towards each other), T1 int8
-checkpoint pool, T2 pinned host mirror, and the HiMamba radix cache that drives them.
+checkpoint pool, T2 pinned host mirror, T3 storage, and the radix caches that drive them. The door is
+``TieredCache.build(CacheConfig(...), kv=KVSpec(...), state=StateSpec(...))``: it builds and owns them all.
 """
 
 from __future__ import annotations
 
+from tiered_cache.config import CacheConfig
 from tiered_cache.errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -14,6 +16,10 @@ from tiered_cache.errors import (
     OutOfRangeError,
     SlotBusyError,
     SlotStateError,
+    StorageError,
+    StorageFormatError,
+    StorageTimeoutError,
+    StorageUnavailableError,
     TieredCacheError,
 )
 from tiered_cache.radix import (
@@ -29,6 +35,7 @@ from tiered_cache.radix import (
     prefill_checkpoint_positions,
 )
 from tiered_cache.specs import KVSpec, StateSpec
+from tiered_cache.stack import TieredCache
 from tiered_cache.tiers.allocator import MultiEndedAllocator
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec
@@ -38,6 +45,7 @@ from tiered_cache.transfer.engine import Ticket, TransferEngine
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheConfig",
     "CacheReq",
     "EvictParams",
     "EvictResult",
@@ -63,7 +71,12 @@ __all__ = [
     "SlotBusyError",
     "SlotStateError",
     "StateSpec",
+    "StorageError",
+    "StorageFormatError",
+    "StorageTimeoutError",
+    "StorageUnavailableError",
     "SubPool",
+    "TieredCache",
     "TieredCacheError",
     "UnifiedPool",
 ]

@@ -2,44 +2,48 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
-from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, HostTierConfig, InsertParams, RadixKey
+from tiered_cache.config import CacheConfig
+from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, InsertParams, RadixKey
 from tiered_cache.specs import KVSpec, StateSpec
-from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
-from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec
-from tiered_cache.tiers.unified_pool import UnifiedPool
-from tiered_cache.transfer.engine import TransferEngine
+from tiered_cache.stack import TieredCache
 
 KV_SPEC = KVSpec(num_layers=2, kv_heads=1, head_dim=4, dtype=torch.float32)
 STATE_SPEC = StateSpec(num_layers=2, temporal_shape=(2, 4, 4), temporal_dtype=torch.float32,
                        conv_shapes=((4, 3),), conv_dtype=torch.float32)
 
 
+def _tree(cfg: CacheConfig, device: str, **kw):
+    """The radix tree of a ``TieredCache`` over the test specs (``kw``: ``TieredCache.build``'s)."""
+    return TieredCache.build(cfg, kv=KV_SPEC, device=device, **kw).tree
+
+
+def _backend(device: str) -> str:
+    return "torch" if device == "cpu" else "auto"
+
+
 def make_cache(page_size: int = 1, kv_pages: int = 64, states: int = 8, t1_slots: int = 16,
-               codec: str = "lossless", **kw) -> HiMambaRadixCache:
-    pool = UnifiedPool(KV_SPEC, STATE_SPEC, low_slots=kv_pages, high_slots=states, page_size=page_size,
-                       device="cpu", check_memory=False, backend="torch")
-    ckpt = Int8CheckpointPool(STATE_SPEC, t1_slots, device="cpu", codec=codec, check_memory=False, backend="torch")
-    return HiMambaRadixCache(pool, ckpt, **kw)
+               codec: str = "lossless", checkpoint_unit: Optional[int] = None, **kw) -> HiMambaRadixCache:
+    """T0 + T1 on CPU; ``kw`` goes to ``TieredCache.build`` (``placement``)."""
+    cfg = CacheConfig(page_size=page_size, kv_pages=kv_pages, t0_states=states, t1_states=t1_slots, codec=codec,
+                      checkpoint_unit=checkpoint_unit, check_memory=False, backend="torch")
+    return _tree(cfg, "cpu", state=STATE_SPEC, **kw)
 
 
 def make_hi_cache(page_size: int = 1, kv_pages: int = 64, states: int = 8, t1_slots: int = 16,
                   codec: str = "lossless", host_pages: int = 64, host_states: int = 16,
                   write_policy: str = "write_through", device: str = "cpu", **kw) -> HiMambaRadixCache:
-    """A cache with all three tiers; ``kw`` goes to ``HostTierConfig`` when it names one of its fields."""
-    conf = {k: kw.pop(k) for k in ("write_through_threshold", "load_back_threshold") if k in kw}
-    backend = "torch" if device == "cpu" else "auto"
-    pool = UnifiedPool(KV_SPEC, STATE_SPEC, low_slots=kv_pages, high_slots=states, page_size=page_size,
-                       device=device, check_memory=False, backend=backend)
-    ckpt = Int8CheckpointPool(STATE_SPEC, t1_slots, device=device, codec=codec, check_memory=False, backend=backend)
-    host = HostMirror([RegionSpec("state", ckpt.slot_bytes, host_states),
-                       RegionSpec("full", pool.low.entry_bytes, host_pages)], check_memory=False)
-    return HiMambaRadixCache(pool, ckpt, host=host, transfer=TransferEngine(device),
-                             host_config=HostTierConfig(write_policy=write_policy, **conf), **kw)
+    """A cache with all three tiers; ``kw``: the other ``CacheConfig`` fields (``write_through_threshold``,
+    ``load_back_threshold``, ...)."""
+    cfg = CacheConfig(page_size=page_size, kv_pages=kv_pages, t0_states=states, t1_states=t1_slots, codec=codec,
+                      host_kv_pages=host_pages, host_states=host_states, write_policy=write_policy,
+                      check_memory=False, backend=_backend(device), **kw)
+    return _tree(cfg, device, state=STATE_SPEC)
 
 
 SWA_SPEC = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32, window=4)
@@ -49,14 +53,11 @@ SWA_OFFSET = 5000.0  # SWA K of a token := its prefix hash + SWA_OFFSET + layer 
 def make_swa_cache(page_size: int = 1, window: int = 4, full_pages: int = 32, swa_pages: int = 32,
                    host_pages: int = 32, host_swa_pages: int = 32, write_policy: str = "write_through",
                    device: str = "cpu", host: bool = True, **kw) -> HiSWARadixCache:
-    conf = {k: kw.pop(k) for k in ("write_through_threshold", "load_back_threshold") if k in kw}
-    pool = UnifiedPool(KV_SPEC, SWA_SPEC, low_slots=full_pages, high_slots=swa_pages, page_size=page_size,
-                       device=device, check_memory=False, backend="torch" if device == "cpu" else "auto")
-    regions = [RegionSpec("full", pool.low.entry_bytes, host_pages),
-               RegionSpec("swa", pool.high.entry_bytes, host_swa_pages)]
-    mirror = HostMirror(regions, check_memory=False) if host else None
-    return HiSWARadixCache(pool, window=window, host=mirror, transfer=TransferEngine(device) if host else None,
-                           host_config=HostTierConfig(write_policy=write_policy, **conf), **kw)
+    """Full + SWA KV (``window`` tokens) over T0 and, with ``host``, T2; ``kw``: other ``CacheConfig`` fields."""
+    cfg = CacheConfig(page_size=page_size, kv_pages=full_pages, swa_pages=swa_pages,
+                      host_kv_pages=host_pages if host else 0, host_swa_pages=host_swa_pages if host else None,
+                      write_policy=write_policy, check_memory=False, backend=_backend(device), **kw)
+    return _tree(cfg, device, swa=dataclasses.replace(SWA_SPEC, window=window))
 
 
 def write_swa(cache: HiSWARadixCache, ids: torch.Tensor, toks: Sequence[int], salt: Optional[str] = None) -> None:
