@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tiered_cache import device as dev
+from tiered_cache.config import CODECS, PREFETCH_POLICIES, WRITE_POLICIES
 from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError
 from tiered_cache.validate import float_arg, int_arg
 
@@ -78,16 +79,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-pages", type=int, default=176, help="T0: KV pages")
     g.add_argument("--t0-states", type=int, default=8, help="T0: state slots (>= --max-running)")
     g.add_argument("--t1-states", type=int, default=24, help="T1: checkpoint slots")
-    g.add_argument("--codec", default="int8", choices=["int8", "lossless"], help="T1 codec")
+    g.add_argument("--codec", default="int8", choices=CODECS, help="T1 codec")
     g.add_argument("--host-kv-pages", type=int, default=512, help="T2: KV pages (0 with --host-states 0: no T2)")
     g.add_argument("--host-states", type=int, default=64, help="T2: states")
     g.add_argument("--write-policy", default="write_through",
-                   choices=["write_through", "write_through_selective", "write_back"],
+                   choices=WRITE_POLICIES,
                    help="when device KV is copied to T2")
     g.add_argument("--storage", default=None, metavar="URL",
                    help="T3 below T2: file:///dir, redis://host:port or redis-cluster://h:p,h:p (needs T2; tried "
                         "with one write and read before the run)")
-    g.add_argument("--prefetch-policy", default="best_effort", choices=["best_effort", "wait_complete", "timeout"],
+    g.add_argument("--prefetch-policy", default="best_effort", choices=PREFETCH_POLICIES,
                    help="T3 -> T2 prefetch on a T2 miss")
     g = p.add_argument_group("runs")
     g.add_argument("--repeats", type=int, default=2,

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from tiered_cache.config import PREFETCH_POLICIES, WRITE_POLICIES
 from tiered_cache.errors import InvalidTypeError
 from tiered_cache.validate import choice_arg, float_arg, int_arg, int_list
 
@@ -193,9 +194,6 @@ class InitLoadBackParams:
             self.mem_quota = int_arg("mem_quota", self.mem_quota, lo=0)
 
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
 @dataclasses.dataclass(frozen=True)
 class HostTierConfig:
     """How the tree uses T2.
@@ -229,7 +227,7 @@ class HostTierConfig:
             if not isinstance(getattr(self, arg), str):
                 raise InvalidTypeError(arg, "a region name (str)", getattr(self, arg))
         _bool("storage_write_through", self.storage_write_through)
-        choice_arg("prefetch_policy", self.prefetch_policy, ("best_effort", "wait_complete", "timeout"))
+        choice_arg("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         float_arg("prefetch_timeout_s", self.prefetch_timeout_s, lo=0.0, lo_open=True)
 
 

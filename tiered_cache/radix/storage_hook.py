@@ -34,6 +34,7 @@ import dataclasses
 import time
 from typing import Any, Optional
 
+from tiered_cache.config import PREFETCH_POLICIES
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix.checks import common_len
 from tiered_cache.radix.node import TreeNode
@@ -41,7 +42,6 @@ from tiered_cache.storage.format import Kind
 from tiered_cache.transfer.moves import demote_states
 from tiered_cache.validate import choice_arg, float_arg
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WAIT_COMPLETE_BOUND_S = 60.0  # "wait for completion" still never waits forever
 
 

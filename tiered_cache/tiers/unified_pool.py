@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tiered_cache import device as dev
+from tiered_cache.config import BACKENDS
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.move import move_rows
@@ -29,7 +30,6 @@ from tiered_cache.specs import KVSpec, StateSpec, align_up
 from tiered_cache.tiers.allocator import MultiEndedAllocator
 from tiered_cache.validate import bool_arg, choice_arg, index_arg, int_arg
 
-BACKENDS = ("auto", "triton", "torch")
 MAX_SLOTS = 1 << 40  # slot counts past this are typos; the memory check refuses far smaller ones
 
 Spec = Union[KVSpec, StateSpec]
