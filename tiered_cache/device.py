@@ -146,6 +146,22 @@ def host_to_device(host: torch.Tensor, device: DeviceLike) -> torch.Tensor:
     return host.pin_memory().to(dev, non_blocking=True)
 
 
+def host_register(t: torch.Tensor) -> int:
+    """Page-lock an existing host tensor in place (``cudaHostRegister``), so copies to and from it are
+    DMA and kernels can read it through mapped memory; returns the CUDA error code (0: done)."""
+    return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+
+
+def host_unregister(t: torch.Tensor) -> None:
+    """Undo ``host_register`` (the tensor's memory stays; it is pageable again)."""
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def multiprocessor_count(device: DeviceLike) -> int:
+    """Streaming multiprocessors of a GPU (programs are launched in multiples of it)."""
+    return int(torch.cuda.get_device_properties(resolve(device)).multi_processor_count)
+
+
 def free_memory(device: DeviceLike) -> int:
     """Bytes that can still be allocated on ``device`` (GPU: ``cudaMemGetInfo``; CPU: MemAvailable)."""
     dev = resolve(device)

@@ -64,6 +64,10 @@ class IntegrityError(TieredCacheError):
     """Bytes read back do not match the checksum taken when they were written."""
 
 
+class TransferTimeoutError(TieredCacheError, TimeoutError):
+    """A wait on a transfer ticket (or for room under the engine's in-flight byte bound) ran out of time."""
+
+
 class StorageError(TieredCacheError):
     """T3 storage (``tiered_cache.storage``) failed. The storage tier turns these into counted misses;
     they reach a caller only from the low-level backend and format calls."""

@@ -16,11 +16,12 @@ from tiered_cache import (
     StateSpec,
     UnifiedPool,
 )
+from tiered_cache.errors import TransferTimeoutError
 from tiered_cache.kernels.checksum import row_checksums
 from tiered_cache.kernels.reference import row_checksums_reference
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec
-from tiered_cache.transfer.engine import TransferEngine, TransferTimeoutError
+from tiered_cache.transfer.engine import TransferEngine
 from tiered_cache.transfer.moves import (
     demote_kv,
     demote_states,

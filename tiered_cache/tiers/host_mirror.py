@@ -122,7 +122,7 @@ class HostRegion:
 
     def close(self) -> None:
         for t in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            dev.host_unregister(t)
         self._registered.clear()
 
     def check_invariants(self) -> None:
@@ -223,9 +223,9 @@ def _host_alloc(nbytes: int, pin: str, registered: list[torch.Tensor]) -> torch.
         raise MemoryBudgetError("HostMirror chunk", nbytes, dev.host_available_memory(),
                                 "num_slots (or chunk_bytes)") from None
     if pin == "register":
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-        if int(err) != 0:
-            raise MemoryBudgetError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}); HostMirror",
+        err = dev.host_register(t)
+        if err != 0:
+            raise MemoryBudgetError(f"cudaHostRegister of {nbytes} bytes failed (error {err}); HostMirror",
                                     nbytes, 0, "chunk_bytes (or use pin='pin_memory')")
         registered.append(t)
     return t

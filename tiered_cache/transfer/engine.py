@@ -16,12 +16,9 @@ of the landed bytes is compared on the GPU. A mismatch marks that item not ``ok`
 the caller drops the entry; it is never served. Layer events of a load fire before the whole-ticket
 check, so an engine that overlaps compute with a load must check ``ticket.ok`` before using output.
 
-How scattered slots move (``method``): ``copy`` issues one ``cudaMemcpyAsync`` per row; ``staging``
-gathers device rows into a device staging buffer with one gather kernel and copies each run of
-consecutive host slots from it (or the reverse); ``kernel`` launches a few programs that read or write
-the mapped pinned host memory directly (``kernels/hostcopy.py``). ``bench_transfer.py`` measures all
-three against a contiguous pinned copy; ``DEFAULT_METHOD``'s comment gives the choice. On CPU everything runs
-synchronously and a ticket is done when ``submit`` returns.
+How scattered slots move (``method``: one DMA copy per row, a staging buffer, or a few-program kernel
+on mapped host memory) is ``scatter.py``'s job; the ticket and its events are in ``ticket.py``. On CPU
+everything runs synchronously and a ticket is done when ``submit`` returns.
 """
 
 from __future__ import annotations
@@ -29,59 +26,21 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, TieredCacheError
+from tiered_cache.config import BACKENDS
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, TransferTimeoutError
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.checksum import row_checksums
-from tiered_cache.kernels.hostcopy import copy_items
 from tiered_cache.tiers.host_mirror import HostRegion
 from tiered_cache.tiers.slots import id_list
+from tiered_cache.transfer.scatter import DEFAULT_METHOD, METHODS, ScatterCopier
+from tiered_cache.transfer.ticket import Ticket
 from tiered_cache.validate import bool_arg, choice_arg, float_arg, int_arg, str_arg
-
-# ``auto`` picks by row size, from bench_transfer.py on the H200 (benchmarks/results/transfer-h200.md):
-# rows of AUTO_COPY_MIN_BYTES or more (state envelopes, ~21 MB for Qwen3-Next-80B) go as one DMA copy
-# each: they reach ~0.95 of a contiguous pinned copy and use no SMs. Smaller rows (KV pages, ~384 KiB)
-# pay a fixed cost per copy call (~14 GB/s per-page copies, ~19 through a staging buffer when host
-# slots are scattered), so they go through the few-program mapped-memory kernel.
-DEFAULT_METHOD = {"d2h": "auto", "h2d": "auto"}
-METHODS = ("auto", "copy", "staging", "kernel")
-BACKENDS = ("auto", "triton", "torch")
-AUTO_COPY_MIN_BYTES = 2 << 20
-
-
-class TransferTimeoutError(TieredCacheError, TimeoutError):
-    """A wait on a ticket (or for room under the in-flight byte bound) ran out of time."""
-
-
-@dataclass
-class Ticket:
-    """One submitted move. ``ok[i]`` is whether item ``i`` arrived intact (known once ``done``)."""
-
-    id: int
-    direction: str  # "d2h" | "h2d"
-    kind: str
-    nbytes: int
-    host_slots: list[int]
-    event: Any = None  # the copy stream's last event (after the copies and any ``after`` work)
-    check_event: Any = None  # the checksum stream's (None when checksums are off)
-    layer_events: list[Any] = field(default_factory=list)
-    done: bool = False
-    ok: list[bool] = field(default_factory=list)
-    # internal: what finishing does, and the busy marks to release
-    _finish: Optional[Callable[[Ticket], None]] = None
-    _release: list[Callable[[], None]] = field(default_factory=list)
-
-    def wait_layer(self, layer: int, stream: Any = None) -> None:
-        """Make ``stream`` (default: the current one) wait until layer ``layer`` has landed."""
-        ev = self.layer_events[layer] if self.layer_events else self.event
-        if ev is not None and hasattr(ev, "wait"):
-            ev.wait(stream) if stream is not None else ev.wait()
 
 
 class TransferEngine:
@@ -120,21 +79,14 @@ class TransferEngine:
         room_timeout_s = float_arg("room_timeout_s", room_timeout_s, lo=0, lo_open=True, allow_inf=True)
         self.max_inflight_bytes = max_inflight_bytes
         self.room_timeout_s = room_timeout_s  # how long a blocking submit waits for room
-        self.kernel_programs = 16  # programs of the mapped-memory copy kernel (few: leave SMs to compute)
-        self.kernel_block_words = 2048  # int32 words a program moves per step (power of two)
-        self.kernel_warps = 4  # warps per program
-        # programs of the staging gather / scatter (device to device: many, to run near HBM speed)
-        self.staging_programs = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count \
-            if self.device.type == "cuda" else 4
         self.backend = backend
+        self.copier = ScatterCopier(self.device, self.method, staging_bytes, backend)
         self.streams = {name: dev.new_stream(self.device, stream_priority)
                         for name in ("d2h", "h2d", "cs_d2h", "cs_h2d")}
         self._queues: dict[str, collections.deque[Ticket]] = {"d2h": collections.deque(), "h2d": collections.deque()}
         self._finished: list[Ticket] = []
         self._next_id = 1
         self.inflight_bytes = 0
-        self._staging: dict[str, torch.Tensor] = {}
-        self._staging_bytes = staging_bytes
         self.stats = collections.Counter()
         # Benchmarks switch this off to measure what checksums cost; with it off nothing is verified.
         self.checksums = True
@@ -168,7 +120,7 @@ class TransferEngine:
                 t.check_event = cs.record_event(dev.new_event(self.device))
         keep: list = []
         with dev.use_stream(stream):
-            self._copy_rows("d2h", rows_view, rows_t, rows_l, region, slots, keep=keep)
+            self.copier.copy_rows("d2h", rows_view, rows_t, rows_l, region, slots, keep=keep)
             t.event = stream.record_event(dev.new_event(self.device))
 
         def finish(tk: Ticket) -> None:
@@ -212,7 +164,7 @@ class TransferEngine:
         with dev.use_stream(stream):
             if layer_ranges:
                 for off, n in layer_ranges:
-                    self._copy_rows("h2d", rows_view, rows_t, rows_l, region, slots, (off, n), keep=keep)
+                    self.copier.copy_rows("h2d", rows_view, rows_t, rows_l, region, slots, (off, n), keep=keep)
                     t.layer_events.append(stream.record_event(dev.new_event(self.device)))
                 if sums is not None:  # after the last layer: one pass over whole rows
                     cs.wait_stream(stream)
@@ -224,7 +176,7 @@ class TransferEngine:
                 step = max(1, -(-n_rows // 4))
                 for g0 in range(0, n_rows, step):
                     g1 = min(n_rows, g0 + step)
-                    self._copy_rows("h2d", rows_view, rows_t[g0:g1], rows_l[g0:g1], region, slots[g0:g1],
+                    self.copier.copy_rows("h2d", rows_view, rows_t[g0:g1], rows_l[g0:g1], region, slots[g0:g1],
                                     keep=keep)
                     if sums is not None:
                         cs.wait_stream(stream)
@@ -376,117 +328,6 @@ class TransferEngine:
             if off % 4 or n % 4:
                 raise InvalidArgumentError("layer_ranges", "offsets and sizes that are multiples of 4", r)
 
-    def _pick(self, direction: str, row_bytes: int, runs: list, sub: bool) -> str:
-        method = self.method[direction]
-        if method == "auto":
-            if self.device.type != "cuda" or row_bytes >= AUTO_COPY_MIN_BYTES:
-                return "copy"
-            # Small rows: consecutive host slots go as one DMA copy per run through the staging
-            # buffer when runs are long; scattered ones through the few-program kernel.
-            run_bytes = row_bytes * sum(k for _, _, k in runs) / max(1, len(runs))
-            method = "staging" if run_bytes >= AUTO_COPY_MIN_BYTES and not sub else "kernel"
-        if method == "staging" and sub:
-            method = "kernel"  # a layer's sub-range of each row has no contiguous staging form
-        if method == "kernel" and not use_triton(self.device, self.backend):
-            return "copy"  # CPU without the interpreter: the kernel cannot run here
-        return method
-
-    def _copy_rows(self, direction, rows_view, rows_t, rows_l, region, slots, sub=None, keep=None):
-        """``keep`` collects host tensors a kernel reads after this returns (held until the ticket ends)."""
-        off, n = sub if sub is not None else (0, region.slot_bytes)
-        runs = region.runs(slots)
-        method = self._pick(direction, region.slot_bytes, runs, sub is not None)
-        if method == "kernel":
-            self._copy_rows_kernel(direction, rows_view, rows_l, region, slots, off, n, keep)
-            return
-        if method == "staging":
-            self._copy_rows_staging(direction, rows_view, rows_t, region, slots, keep)
-            return
-        for pos, s0, k in runs:
-            for j in range(k):  # device rows are scattered: one copy per row
-                r = rows_l[pos + j]
-                host = region.run_view(s0 + j, 1)[off:off + n]
-                devrow = rows_view[r, off:off + n]
-                if direction == "d2h":
-                    host.copy_(devrow, non_blocking=True)
-                else:
-                    devrow.copy_(host, non_blocking=True)
-
-    def _copy_rows_staging(self, direction, rows_view, rows_t, region, slots, keep):
-        """Gather device rows into a staging buffer (one kernel), then one DMA copy per run of
-        consecutive host slots (or the reverse), in groups that fit the buffer."""
-        e = region.slot_bytes
-        staging = self._get_staging(direction, e)
-        per = staging.numel() // e
-        for g0 in range(0, len(slots), per):
-            g1 = min(len(slots), g0 + per)
-            stage = staging[: (g1 - g0) * e].view(g1 - g0, e)
-            if direction == "d2h":
-                self._stage_rows(rows_view, rows_t[g0:g1], stage, True, keep)
-            for pos, s0, k in region.runs(slots[g0:g1]):
-                host, dev_part = region.run_view(s0, k), stage[pos:pos + k].reshape(-1)
-                if direction == "d2h":
-                    host.copy_(dev_part, non_blocking=True)
-                else:
-                    dev_part.copy_(host, non_blocking=True)
-            if direction == "h2d":
-                self._stage_rows(rows_view, rows_t[g0:g1], stage, False, keep)
-
-    def _stage_rows(self, rows_view, ids, stage, to_stage: bool, keep) -> None:
-        """``stage[i] = rows_view[ids[i]]`` (``to_stage``) or the reverse, on the current (side) stream.
-        With Triton: one ``copy_items`` launch over many programs (device to device) that reads the row
-        offsets from page-locked host memory, since a host-to-device copy of the ids would queue in the
-        H2D copy engine behind the large loads in flight. Without: torch's index ops."""
-        e = stage.shape[1]
-        if use_triton(self.device, self.backend) and e % 4 == 0:
-            rows_w, stage_w = rows_view.view(torch.int32), stage.view(torch.int32)
-            r_off = ids.cpu() * rows_w.stride(0)
-            s_off = torch.arange(len(ids), dtype=torch.int64) * stage_w.stride(0)
-            if self.device.type == "cuda":
-                r_off, s_off = r_off.pin_memory(), s_off.pin_memory()
-                keep += [r_off, s_off]  # read by the kernel until it ends
-            src, dst = ((rows_w, r_off), (stage_w, s_off)) if to_stage else ((stage_w, s_off), (rows_w, r_off))
-            copy_items(src[0], src[1], dst[0], dst[1], e // 4, self.staging_programs, 4096, 8)
-            return
-        idx = ids.to(self.device, non_blocking=True)
-        if to_stage:
-            torch.index_select(rows_view, 0, idx, out=stage)
-        else:
-            rows_view.index_copy_(0, idx, stage)
-
-    def _copy_rows_kernel(self, direction, rows_view, rows_l, region, slots, off, n, keep):
-        """One few-program launch per host chunk touched (``kernels/hostcopy.py``). The item offsets stay
-        in page-locked host memory, read by the kernel through mapped memory: a host-to-device copy of
-        them would wait in the H2D copy engine behind the large loads in flight (a demote beside loads)."""
-        # Plain dtype views: offsets count int32 words from the view's first byte.
-        dev_words = rows_view.view(torch.int32)
-        stride_w = dev_words.stride(0)
-        rows_a = np.asarray(rows_l, dtype=np.int64)
-        chunk, k = np.divmod(np.asarray(slots, dtype=np.int64), region.per_chunk)
-        for c in np.unique(chunk).tolist():
-            sel = chunk == c
-            d_off = rows_a[sel] * stride_w + off // 4
-            h_off = (k[sel] * region.slot_bytes + off) // 4
-            host_words = region.chunks[c].view(torch.int32)
-            d_t, h_t = torch.from_numpy(d_off), torch.from_numpy(h_off)
-            if self.device.type == "cuda":
-                d_t, h_t = d_t.pin_memory(), h_t.pin_memory()
-                keep += [d_t, h_t]  # read by the kernel until it ends: not freed (nor reused) before
-            if direction == "d2h":
-                copy_items(dev_words, d_t, host_words, h_t, n // 4, self.kernel_programs, self.kernel_block_words,
-                           self.kernel_warps)
-            else:
-                copy_items(host_words, h_t, dev_words, d_t, n // 4, self.kernel_programs, self.kernel_block_words,
-                           self.kernel_warps)
-
-    def _get_staging(self, direction: str, row_bytes: int) -> torch.Tensor:
-        """The direction's staging buffer (one per direction: D2H and H2D run at the same time)."""
-        buf = self._staging.get(direction)
-        if buf is None:
-            buf = torch.empty(max(self._staging_bytes, row_bytes), dtype=torch.uint8, device=self.device)
-            self._staging[direction] = buf
-        return buf
-
     def _ticket(self, direction, kind, nbytes, slots) -> Ticket:
         t = Ticket(id=self._next_id, direction=direction, kind=kind, nbytes=nbytes, host_slots=list(slots))
         self._next_id += 1
@@ -504,9 +345,7 @@ class TransferEngine:
         # On CPU the bytes have moved already, but the ticket (and its busy marks) end only at the next
         # poll or wait, as on the GPU: callers see one behaviour.
         self._queues[t.direction].append(t)
-        # Hold every tensor the side stream uses until the ticket completes, so the caching allocator
-        # cannot hand their memory to the compute stream while the copy still reads or writes it.
-        t._keep = keep  # type: ignore[attr-defined]
+        t._keep = keep  # held until the ticket completes (ticket.py says why)
 
     def poll_into_finished(self) -> None:
         for q in self._queues.values():
@@ -525,7 +364,7 @@ class TransferEngine:
         for release in t._release:
             release()
         t._release.clear()
-        t._keep = None  # type: ignore[attr-defined]
+        t._keep = None
         t.done = True
         self.inflight_bytes -= t.nbytes
         self._finished.append(t)
