@@ -3,8 +3,8 @@
     python benchmarks/bench_capacity.py                  # CPU, ~2-3 minutes
     python benchmarks/bench_capacity.py --requests 1000000 --gpu-gib 16 --host-gib 256   # one point, long
 
-``HiMambaRadixCache`` runs over a real ``UnifiedPool`` (T0), ``Int8CheckpointPool`` (T1) and
-``HostMirror`` + ``TransferEngine`` (T2) whose slot COUNTS come from byte budgets of a
+A ``TieredCache`` (the radix tree over a real ``UnifiedPool`` (T0), ``Int8CheckpointPool`` (T1) and
+``HostMirror`` + ``TransferEngine`` (T2)) is built with slot COUNTS that come from byte budgets of a
 Qwen3-Next-80B-like model (KV: 12 full layers x 2 heads x 256, bf16; state: 36 linear layers x
 [32, 128, 128] fp32 + a bf16 conv window; int8 in T1/T2), split as ``workload_common.split_budget``
 splits the GPU budget for the engine benchmark. The slots themselves are tiny byte-sized stand-ins
@@ -17,7 +17,8 @@ random and sends its next turn (history + previous answer + a new question); a c
 has done its rounds is replaced by a new one. Every conversation starts with one of ``--systems``
 shared system prompts (Zipf popularity). Each request does what the reference engine does with the
 cache, minus the compute: ``match_prefix`` (cow_mamba), ``init_load_back`` of a host hit (tickets
-finish on ``check_hicache_events``), lock, reserve KV (evicting), ``cache_unfinished_req`` at the
+finish on ``check_hicache_events``), lock, a T0 state slot and the KV reserved (``TieredCache.alloc_states``
+/ ``alloc_kv``: evicting for room), ``cache_unfinished_req`` at the
 branch point, every prefill chunk end and the prompt end, ``cache_finished_req`` at the last page
 written. Requests run one at a time (no concurrency: running requests' KV is in the reservation).
 """
@@ -36,20 +37,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import workload_common as wc  # noqa: E402
 from benchmarks.common import RESULTS, device_tag, write_results  # noqa: E402
-from tiered_cache.radix import (  # noqa: E402
-    CacheReq,
-    EvictParams,
-    HiMambaRadixCache,
-    HostTierConfig,
-    InitLoadBackParams,
-    MatchPrefixParams,
-    RadixKey,
-)
+from tiered_cache.config import CacheConfig  # noqa: E402
+from tiered_cache.radix import CacheReq, InitLoadBackParams, MatchPrefixParams, RadixKey  # noqa: E402
 from tiered_cache.specs import KVSpec, StateSpec  # noqa: E402
-from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool  # noqa: E402
-from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec  # noqa: E402
-from tiered_cache.tiers.unified_pool import UnifiedPool  # noqa: E402
-from tiered_cache.transfer.engine import TransferEngine  # noqa: E402
+from tiered_cache.stack import TieredCache  # noqa: E402
 
 GiB = 1 << 30
 # Qwen3-Next-80B-A3B: 48 layers, every 4th full attention.
@@ -114,35 +105,17 @@ class Sim:
     """One configuration's tiers, sized in slots, and the engine's cache calls for one request."""
 
     def __init__(self, tiers: dict[str, Any], state: StateSpec, write_policy: str) -> None:
-        self.pool = UnifiedPool(TINY_KV, state, low_slots=tiers["kv_pages"], high_slots=tiers["t0_states"],
-                                page_size=1, device="cpu", check_memory=False, backend="torch")
-        self.kv, self.states = self.pool.side("full"), self.pool.side("mamba")
-        self.ckpt = Int8CheckpointPool(state, tiers["t1_states"], device="cpu", codec=tiers["codec"],
-                                       check_memory=False, backend="torch")
-        host = {}
-        if tiers.get("host_kv_pages"):
-            hc = HostTierConfig(write_policy=write_policy)
-            self.host = HostMirror([RegionSpec(hc.kv_region, self.kv.entry_bytes, tiers["host_kv_pages"]),
-                                    RegionSpec(hc.state_region, self.ckpt.slot_bytes, tiers["host_states"])],
-                                   check_memory=False)
-            self.transfer = TransferEngine("cpu")
-            host = dict(host=self.host, transfer=self.transfer, host_config=hc)
-        self.cache = HiMambaRadixCache(self.pool, self.ckpt, validate=False, **host)
+        cfg = CacheConfig(page_size=1, write_policy=write_policy, validate=False, check_memory=False, backend="torch",
+                          **tiers)  # tiers: split_budget's tier sizes and codec
+        self.stack = TieredCache.build(cfg, kv=TINY_KV, state=state, device="cpu")
+        self.cache, self.kv = self.stack.tree, self.stack.kv
         self.c = {"prompt": 0, "reused": 0, "reused_host": 0, "t1": 0, "t2": 0, "miss": 0, "requests": 0,
                   "load_fail": 0}
-
-    def _alloc_kv(self, n: int) -> Optional[torch.Tensor]:
-        ids = self.kv.alloc(n)
-        while ids is None:
-            if self.cache.evict(EvictParams(num_tokens=max(1, n - self.kv.available_size()))).num_tokens_evicted == 0:
-                return None
-            ids = self.kv.alloc(n)
-        return ids
 
     def request(self, prompt: list[int], answer: list[int], chunk: int) -> None:
         cache, c = self.cache, self.c
         n = len(prompt)
-        req = CacheReq(token_ids=[], kv_indices=cache._empty)
+        req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64))
         req.load_back = None
         m = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:n - 1]), cow_mamba=True, req=req))
         prefix, node, host_tok, tier = m.device_indices, m.last_device_node, 0, "t1"
@@ -162,12 +135,10 @@ class Sim:
         p = len(prefix)
         req.last_node, req.cache_protected_len, req.prefix_indices = node, p, prefix
         if req.mamba_pool_idx is None:
-            req.mamba_pool_idx = self.states.alloc(1)
-            while req.mamba_pool_idx is None:
-                if cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted == 0:
-                    raise RuntimeError("no T0 state slot even after evicting: the reservation is too small")
-                req.mamba_pool_idx = self.states.alloc(1)
-        new = self._alloc_kv(n + len(answer) - p)
+            req.mamba_pool_idx = self.stack.alloc_states(1)
+            if req.mamba_pool_idx is None:
+                raise RuntimeError("no T0 state slot even after evicting: the reservation is too small")
+        new = self.stack.alloc_kv(n + len(answer) - p)
         if new is None:
             raise RuntimeError("a request's KV does not fit T0 even after evicting: raise the GPU budget")
         req.kv_indices = torch.cat([prefix, new])
