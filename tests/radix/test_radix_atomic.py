@@ -23,6 +23,7 @@ from tests.support.radix_util import (
     insert_fresh,
     make_cache,
     make_hi_cache,
+    match,
     write_kv,
     write_state,
 )
@@ -37,10 +38,6 @@ from tiered_cache.radix import (
     RadixKey,
 )
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
-
-
-def match(cache, toks, **kw):
-    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks)), **kw))
 
 
 def raises_unchanged(cache, call, err=InvalidArgumentError, arg=None, held_states=None):

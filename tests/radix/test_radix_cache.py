@@ -9,8 +9,10 @@ from tests.support.radix_util import (
     alloc_kv,
     check_kv,
     check_state,
+    full_snapshot,
     insert_fresh,
     make_cache,
+    match,
     read_state,
     write_kv,
     write_state,
@@ -21,28 +23,7 @@ from tiered_cache.radix import (
     EvictParams,
     InsertParams,
     MatchPrefixParams,
-    RadixKey,
 )
-
-
-def match(cache, toks, salt=None, **kw):
-    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks), salt), **kw))
-
-
-def snapshot(cache):
-    out = []
-    stack = [(cache.root, ())]
-    while stack:
-        x, pre = stack.pop()
-        for ck in sorted(x.children, key=repr):
-            c = x.children[ck]
-            out.append((pre, tuple(c.key), tuple(c.value.tolist()),
-                        None if c.mamba_value is None else int(c.mamba_value), c.full_lock_ref, c.mamba_lock_ref))
-            stack.append((c, pre + tuple(c.key)))
-    sizes = (cache.full_evictable_size(), cache.full_protected_size(), cache.mamba_evictable_size(),
-             cache.mamba_protected_size(), cache.kv.available_size(), cache.states.available_size(),
-             cache.ckpt.available_size())
-    return sorted(out, key=repr), sizes
 
 
 @pytest.mark.parametrize("codec", ["int8", "lossless"])
@@ -279,7 +260,7 @@ def test_bad_inputs_raise_and_change_nothing():
     ids = cache.kv.alloc(3)
     cached_ids = match(cache, [1, 2, 3]).device_indices
     free_ids = torch.tensor([60, 61, 62])
-    before = snapshot(cache)
+    before = full_snapshot(cache)
     bad = [
         lambda: cache.insert(InsertParams(key=[1, 2, 3, 4], value=ids, mamba_value=slot)),  # lengths differ
         lambda: cache.insert(InsertParams(key=[1, 2, 3], value=ids.to(torch.int32), mamba_value=slot)),
@@ -299,7 +280,7 @@ def test_bad_inputs_raise_and_change_nothing():
     for i, call in enumerate(bad):
         with pytest.raises(InvalidArgumentError):
             call()
-        assert snapshot(cache) == before, f"bad call {i} changed the cache"
+        assert full_snapshot(cache) == before, f"bad call {i} changed the cache"
     res = cache.insert(InsertParams(key=[], value=torch.empty(0, dtype=torch.int64)))
     assert res.prefix_len == 0 and res.cached_len == 0
     stale = cache.root.children[1]

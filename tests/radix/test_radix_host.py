@@ -6,33 +6,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.radix_util import alloc_kv, check_kv, check_state, insert_fresh, make_hi_cache, write_kv, write_state
+from tests.support.radix_util import (
+    alloc_kv,
+    check_kv,
+    check_state,
+    insert_fresh,
+    make_hi_cache,
+    match,
+    node_at,
+    write_kv,
+    write_state,
+)
 from tiered_cache.radix import (
     CacheReq,
     EvictParams,
     InitLoadBackParams,
     InsertParams,
-    MatchPrefixParams,
-    RadixKey,
 )
-
-
-def match(cache, toks, salt=None, **kw):
-    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks), salt), **kw))
 
 
 def req_for(toks):
     return CacheReq(token_ids=list(toks), kv_indices=torch.empty(0, dtype=torch.int64))
-
-
-def node_at(cache, toks):
-    x, i = cache.root, 0
-    while i < len(toks):
-        ps = cache.page_size
-        x = x.children[toks[i] if ps == 1 else tuple(toks[i:i + ps])]
-        i += len(x.key)
-    assert i == len(toks)
-    return x
 
 
 def rows_of(cache, ids):

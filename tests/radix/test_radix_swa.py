@@ -5,21 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.radix_util import check_kv, check_swa, insert_swa, make_swa_cache
+from tests.support.radix_util import check_kv, check_swa, insert_swa, make_swa_cache, match, node_at
 from tiered_cache.errors import InvalidArgumentError
-from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams, RadixKey
-
-
-def match(cache, toks, salt=None):
-    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks), salt)))
-
-
-def node_at(cache, toks):
-    x, i, ps = cache.root, 0, cache.page_size
-    while i < len(toks):
-        x = x.children[toks[i] if ps == 1 else tuple(toks[i:i + ps])]
-        i += len(x.key)
-    return x
+from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, InsertParams
 
 
 def three(host=True, **kw):

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from tiered_cache.config import CacheConfig
-from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, InsertParams, RadixKey
+from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, InsertParams, MatchPrefixParams, RadixKey
 from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.stack import TieredCache
 
@@ -199,6 +199,21 @@ def insert_fresh(cache: HiMambaRadixCache, toks: list[int], salt: Optional[str] 
         cache.states.free(slot)
         slot = None
     return res, slot
+
+
+def match(cache, toks: Sequence[int], salt: Optional[str] = None, **kw):
+    """``match_prefix`` of ``toks`` under ``salt``; ``kw``: the other ``MatchPrefixParams`` fields."""
+    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks), salt), **kw))
+
+
+def node_at(cache, toks: Sequence[int]):
+    """The node whose key ends exactly at ``toks`` (a test's own path: the walk must not stop inside a node)."""
+    x, i, ps = cache.root, 0, cache.page_size
+    while i < len(toks):
+        x = x.children[toks[i] if ps == 1 else tuple(toks[i:i + ps])]
+        i += len(x.key)
+    assert i == len(toks)
+    return x
 
 
 def full_snapshot(cache) -> tuple:
