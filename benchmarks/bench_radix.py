@@ -30,16 +30,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import write_results  # noqa: E402
-from tiered_cache.radix import (  # noqa: E402
-    EvictParams,
-    HiMambaRadixCache,
-    InsertParams,
-    MatchPrefixParams,
-    RadixKey,
-)
+from tiered_cache.config import CacheConfig  # noqa: E402
+from tiered_cache.radix import EvictParams, HiMambaRadixCache, InsertParams, MatchPrefixParams, RadixKey  # noqa: E402
 from tiered_cache.specs import KVSpec, StateSpec  # noqa: E402
-from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool  # noqa: E402
-from tiered_cache.tiers.unified_pool import UnifiedPool  # noqa: E402
+from tiered_cache.stack import TieredCache  # noqa: E402
 
 PS = 16
 KV = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
@@ -62,11 +56,9 @@ class Trace:
 
 def build(target_tokens: int, seed: int = 0):
     pages = int(target_tokens * 1.6) // PS + 64
-    pool = UnifiedPool(KV, ST, low_slots=pages, high_slots=64, page_size=PS, device="cpu",
-                       check_memory=False, lazy_compaction=True)
-    ckpt = Int8CheckpointPool(ST, pages // 4 + 64, device="cpu", codec="int8", check_memory=False, backend="torch")
-    cache = HiMambaRadixCache(pool, ckpt)
-    return cache, Trace(seed)
+    cfg = CacheConfig(page_size=PS, kv_pages=pages, t0_states=64, t1_states=pages // 4 + 64, codec="int8",
+                      lazy_compaction=True, check_memory=False, backend="torch")
+    return TieredCache.build(cfg, kv=KV, state=ST, device="cpu").tree, Trace(seed)
 
 
 def cache_turn(cache: HiMambaRadixCache, toks: list[int], timer: list | None = None) -> bool:

@@ -41,7 +41,8 @@ class CacheConfig:
         page_size (None: page_size).
     kv_pages: T0 full-KV pages. t0_states: T0 state slots (one per running request). swa_pages: T0
         SWA KV pages (None: kv_pages). T0 is one buffer sized for these at once; either side may take
-        the other's free bytes.
+        the other's free bytes. lazy_compaction: T0 leaves holes on free and compacts when the other
+        side needs the bytes (False: every free compacts its band at once).
     t1_states: T1 checkpoint slots. codec: T1's form, one of ``CODECS``.
     host_kv_pages: T2 full-KV pages (0: no T2). host_states: T2 state slots (state models: >= 1
         exactly when host_kv_pages is). host_swa_pages: T2 SWA pages (None: host_kv_pages).
@@ -60,6 +61,7 @@ class CacheConfig:
     kv_pages: int = 256
     t0_states: int = 8
     swa_pages: Optional[int] = None
+    lazy_compaction: bool = False
     t1_states: int = 32
     codec: str = "int8"
     checkpoint_unit: Optional[int] = None
@@ -97,7 +99,7 @@ class CacheConfig:
         choice_arg("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         choice_arg("backend", self.backend, BACKENDS)
         float_arg("prefetch_timeout_s", self.prefetch_timeout_s, lo=0.0, lo_open=True)
-        for name in ("storage_write_through", "check_memory", "validate"):
+        for name in ("lazy_compaction", "storage_write_through", "check_memory", "validate"):
             bool_arg(name, getattr(self, name))
         if self.storage_url is not None:
             if not isinstance(self.storage_url, str):
@@ -111,8 +113,3 @@ class CacheConfig:
     def host_tier(self) -> bool:
         """Whether there is a T2 (host mirror and transfer engine)."""
         return self.host_kv_pages > 0
-
-    @property
-    def unit(self) -> int:
-        """Tokens between cached states: ``checkpoint_unit``, or ``page_size`` when that is None."""
-        return self.page_size if self.checkpoint_unit is None else self.checkpoint_unit

@@ -122,7 +122,7 @@ class TieredCache:
         mem, backend = cfg.check_memory, cfg.backend
         high, high_slots = (state, cfg.t0_states) if state is not None else (swa, cfg.swa_pages or cfg.kv_pages)
         pool = UnifiedPool(kv, high, low_slots=cfg.kv_pages, high_slots=high_slots, page_size=cfg.page_size,
-                           device=device, backend=backend, check_memory=mem)
+                           device=device, lazy_compaction=cfg.lazy_compaction, backend=backend, check_memory=mem)
         t1 = None if state is None else Int8CheckpointPool(state, cfg.t1_states, device=device, codec=cfg.codec,
                                                            check_memory=mem, backend=backend)
         hconf = HostTierConfig(write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,

@@ -171,7 +171,8 @@ def test_alloc_bad_counts(call, bad, err):
 T, V = InvalidTypeError, InvalidArgumentError  # a wrong type; a wrong value of the right type
 BAD_FIELDS = [
     ("page_size", 0, V), ("page_size", 2.0, T), ("kv_pages", 0, V), ("kv_pages", "8", T), ("t0_states", 0, V),
-    ("t0_states", True, T), ("swa_pages", 0, V), ("swa_pages", 1.5, T), ("t1_states", 0, V), ("t1_states", None, T),
+    ("t0_states", True, T), ("swa_pages", 0, V), ("swa_pages", 1.5, T), ("lazy_compaction", 1, T),
+    ("t1_states", 0, V), ("t1_states", None, T),
     ("codec", "fp8", V), ("codec", None, T), ("checkpoint_unit", 3, V), ("checkpoint_unit", 0, V),
     ("checkpoint_unit", 4.0, T), ("host_kv_pages", -1, V), ("host_kv_pages", 1.0, T), ("host_states", -1, V),
     ("host_swa_pages", -1, V), ("host_swa_pages", "1", T), ("write_policy", "lazy", V), ("write_policy", 1, T),
