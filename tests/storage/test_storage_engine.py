@@ -100,7 +100,7 @@ def test_two_processes_share_one_redis(model, baseline, redis_server):  # noqa: 
     assert outs == baseline
     assert t3["kv_pages_written"] > 0
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", CHILD, url, os.path.join(ROOT, "tests")], capture_output=True,
+    p = subprocess.run([sys.executable, "-c", CHILD, url, os.path.join(ROOT, "tests", "storage")], capture_output=True,
                        text=True, timeout=300, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
