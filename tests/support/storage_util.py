@@ -156,22 +156,16 @@ class WrapBackend(StorageBackend):
 def make_t3_cache(tier, *, kv_pages: int = 64, states: int = 8, t1_slots: int = 16, host_pages: int = 64,
                   host_states: int = 16):
     """A CPU ``HiMambaRadixCache`` with T0-T3 (lossless T1, write-through to T2 and T3, ``wait_complete``
-    prefetch so one match already sees what T3 holds). Page size: the tier's fingerprint's."""
+    prefetch so one match already sees what T3 holds). Page size: the tier's fingerprint's. The caller
+    closes ``tier``."""
     from tests.support.radix_util import KV_SPEC, STATE_SPEC
-    from tiered_cache.radix import HiMambaRadixCache, HostTierConfig
-    from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
-    from tiered_cache.tiers.unified_pool import UnifiedPool
-    from tiered_cache.transfer.engine import TransferEngine
+    from tiered_cache.config import CacheConfig
+    from tiered_cache.stack import TieredCache
 
-    ps = tier.fingerprint.page_size
-    pool = UnifiedPool(KV_SPEC, STATE_SPEC, low_slots=kv_pages, high_slots=states, page_size=ps, device="cpu",
-                       check_memory=False, backend="torch")
-    ckpt = Int8CheckpointPool(STATE_SPEC, t1_slots, device="cpu", codec="lossless", check_memory=False,
-                              backend="torch")
-    host = HostMirror([RegionSpec("state", ckpt.slot_bytes, host_states),
-                       RegionSpec("full", pool.low.entry_bytes, host_pages)], check_memory=False)
-    return HiMambaRadixCache(pool, ckpt, host=host, transfer=TransferEngine("cpu"),
-                             host_config=HostTierConfig(prefetch_policy="wait_complete"), storage=tier)
+    cfg = CacheConfig(page_size=tier.fingerprint.page_size, kv_pages=kv_pages, t0_states=states, t1_states=t1_slots,
+                      codec="lossless", host_kv_pages=host_pages, host_states=host_states,
+                      prefetch_policy="wait_complete", check_memory=False, backend="torch")
+    return TieredCache.build(cfg, kv=KV_SPEC, state=STATE_SPEC, device="cpu", storage=tier).tree
 
 
 def settle(cache, timeout_s: float = 20.0) -> None:
