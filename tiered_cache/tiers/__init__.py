@@ -1,6 +1,8 @@
 """The memory tiers, each a pool of fixed-size slots named by ids.
 
+    protocols.py        KVSide, StateSide: what the tree, T1 and the T2 moves need of a T0 side
     allocator.py        MultiEndedAllocator: virtual slot ids over rows that grow from both ends
+    page_table.py       PageTable: an allocator's virtual id -> physical row map, host and device copies
     slots.py            id lists and the slot-state checks every tier shares
     unified_pool.py     T0 UnifiedPool: one GPU byte buffer, a KV side and a state side (SubPool)
     checkpoint_pool.py  T1 Int8CheckpointPool: cached states quantized once, on the GPU

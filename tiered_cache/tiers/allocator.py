@@ -39,6 +39,7 @@ from tiered_cache.errors import (
     SlotBusyError,
     SlotStateError,
 )
+from tiered_cache.tiers.page_table import PageTable
 from tiered_cache.tiers.slots import BusyMarks
 from tiered_cache.validate import bool_arg, choice_arg, int_arg, int_list, is_int, str_arg
 
@@ -116,13 +117,8 @@ class MultiEndedAllocator(BusyMarks):
         # Called before compaction moves data: a transfer engine makes compute wait for its copies.
         self.fences: list[Callable[[], None]] = []
         self.num_moves = 0  # slots moved by compaction, for stats and tests
-        # The device table is what kernels gather from; on CPU it shares memory with the host copy.
-        self._v2p = np.full(self.capacity, -1, dtype=np.int64)
-        if self.device.type == "cpu":
-            self._table = torch.from_numpy(self._v2p)
-        else:
-            self._table = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        self.pages = PageTable(self.capacity, page_size, self.device)
+        self._v2p = self.pages.v2p  # the table's host copy, which alloc, free and compaction rewrite
         self.clear()
 
     # ----------------------------------------------------------------------------------- setup
@@ -136,7 +132,7 @@ class MultiEndedAllocator(BusyMarks):
 
     def clear(self) -> None:
         """Forget every allocation (no data moves): the band is the sink alone."""
-        self._v2p[:] = -1
+        self.pages.reset()
         self._p2v = np.full(self.capacity, -1, dtype=np.int64)
         sink_row = self._row(0)
         self._v2p[0] = sink_row
@@ -146,7 +142,6 @@ class MultiEndedAllocator(BusyMarks):
         self._free_vids: list[int] = list(range(self.capacity - 1, 0, -1))  # pop() gives 1, 2, ...
         self._holes: list[int] = []  # min-heap of hole ranks (may hold stale entries)
         self._hole_set: set[int] = set()
-        self._dirty: set[int] = set(range(self.capacity)) if self.device.type != "cpu" else set()
         if getattr(self, "_busy", None):
             raise SlotBusyError(f"side {self.name!r}: cannot clear with transfers in flight")
 
@@ -236,8 +231,8 @@ class MultiEndedAllocator(BusyMarks):
         self._v2p[vids] = rows
         self._p2v[rows] = vids
         self._live += k
-        self._mark_dirty(vids)
-        return self._expand(vids)
+        self.pages.mark_dirty(vids)
+        return self.pages.expand(vids)
 
     def free(self, ids: torch.Tensor) -> None:
         """Return ids from ``alloc``. Free, unknown or repeated ids raise before anything changes."""
@@ -252,7 +247,7 @@ class MultiEndedAllocator(BusyMarks):
         self._p2v[rows] = -1
         self._live -= len(vids)
         self._free_vids.extend(reversed(vids))
-        self._mark_dirty(vids)
+        self.pages.mark_dirty(vids)
         for row in rows:
             r = self._row(row)
             self._hole_set.add(r)
@@ -286,7 +281,7 @@ class MultiEndedAllocator(BusyMarks):
             self._p2v[sources] = -1
             self._p2v[dst_rows] = moved_vids
             self._v2p[moved_vids] = dst_rows
-            self._mark_dirty(moved_vids.tolist())
+            self.pages.mark_dirty(moved_vids.tolist())
             self.num_moves += len(sources)
         self._n = new_n
         self._clear_holes()
@@ -309,61 +304,19 @@ class MultiEndedAllocator(BusyMarks):
 
     # -------------------------------------------------------------------------------- translate
 
-    def translate(self, ids: torch.Tensor) -> torch.Tensor:
-        """Virtual token ids -> physical token ids (``page_size`` 1: slot rows), one gather.
+    # -------------------------------------------------------------------------------- translate
 
-        The table's address never changes, so a captured CUDA graph that gathers from it stays valid.
-        Ids are an integer tensor (or an int); on CPU their range is checked too (on a GPU that would
-        be a device sync per call: there the gather itself faults on an id outside the table).
-        """
-        ids = self._id_tensor("ids", ids, self.capacity * self.page_size)
-        self.sync_table()
-        if self.page_size == 1:
-            return self._table[ids]
-        return self._table[ids // self.page_size] * self.page_size + ids % self.page_size
+    def translate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Virtual token ids -> physical token ids on ``device`` (``PageTable.translate``)."""
+        return self.pages.translate(ids)
 
     def translate_host(self, ids: np.ndarray) -> np.ndarray:
         """``translate`` on the host table (no device work): free ids map to negative rows."""
-        if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
-            ids = ids.astype(np.int64, copy=False)  # a uint64 past int64 wraps negative: refused below
-        elif is_int(ids):
-            ids = np.asarray(int(ids), dtype=np.int64)
-        else:  # a float array would truncate, a str would be read as digits: ints only
-            lst = int_list("ids", ids)
-            if lst and (min(lst) < 0 or max(lst) >= self.capacity * self.page_size):
-                raise OutOfRangeError("ids", f"virtual ids in [0, {self.capacity * self.page_size})", lst[:16])
-            ids = np.asarray(lst, dtype=np.int64)
-        pages = ids // self.page_size
-        bad = ids[(ids < 0) | (pages >= self._v2p.shape[0])]
-        if bad.size:
-            raise OutOfRangeError("ids", f"virtual ids in [0, {self._v2p.shape[0] * self.page_size})",
-                                       bad[:16].tolist())
-        if self.page_size == 1:
-            return self._v2p[ids]
-        return self._v2p[pages] * self.page_size + ids % self.page_size
+        return self.pages.translate_host(ids)
 
     def translate_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
-        """Virtual page (slot) ids -> physical rows."""
-        page_ids = self._id_tensor("page_ids", page_ids, self.capacity)
-        self.sync_table()
-        return self._table[page_ids]
-
-    @property
-    def table(self) -> torch.Tensor:
-        """The virtual->physical row table on ``device`` (-1 for free ids); stable address."""
-        self.sync_table()
-        return self._table
-
-    def sync_table(self) -> None:
-        """Push host-side table changes to the device copy (a no-op on CPU, where they share memory)."""
-        if not self._dirty:
-            return
-        idx = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
-        # through pinned memory, without blocking: a pageable copy would hold this thread until the
-        # H2D copy engine reached it, behind every large load in flight
-        self._table[dev.host_to_device(torch.from_numpy(idx), self.device)] = \
-            dev.host_to_device(torch.from_numpy(self._v2p[idx]), self.device)
-        self._dirty.clear()
+        """Virtual page (slot) ids -> physical rows on ``device``."""
+        return self.pages.translate_pages(page_ids)
 
     # ------------------------------------------------------------------------------ invariants
 
@@ -388,37 +341,9 @@ class MultiEndedAllocator(BusyMarks):
         if self.peer is not None:
             assert self.band_bytes() + self.peer.band_bytes() <= self.total_bytes, "bands overlap"
         if self.device.type != "cpu":
-            self.sync_table()
-            assert np.array_equal(self._table.cpu().numpy(), v2p), "device table out of sync"
+            assert np.array_equal(self.pages.table.cpu().numpy(), v2p), "device table out of sync"
 
     # --------------------------------------------------------------------------------- helpers
-
-    def _expand(self, vids: list[int]) -> torch.Tensor:
-        t = torch.tensor(vids, dtype=torch.int64, device=self.device)
-        if self.page_size == 1:
-            return t
-        return (t[:, None] * self.page_size + self._page_offsets).reshape(-1)
-
-    def _id_tensor(self, arg: str, ids, size: int):
-        """Ids for a gather: an integer tensor on this side's device (or an int), in ``[0, size)`` on CPU."""
-        if isinstance(ids, torch.Tensor):
-            if ids.dtype not in _INT_DTYPES:
-                raise InvalidTypeError(arg, "an integer tensor of ids", ids.dtype)
-            if ids.device.type != "cpu" and ids.device != self.device:  # host ids may index a device table
-                raise InvalidArgumentError(arg, f"a tensor on {self.device} or the CPU", ids.device)
-            if ids.device.type == "cpu" and ids.numel() and bool(((ids < 0) | (ids >= size)).any()):
-                raise OutOfRangeError(arg, f"ids in [0, {size})", ids.reshape(-1)[:16].tolist())
-            return ids
-        if is_int(ids):
-            v = int(ids)
-            if not 0 <= v < size:
-                raise OutOfRangeError(arg, f"an id in [0, {size})", ids)
-            return torch.tensor(v, dtype=torch.int64, device=self.device)
-        lst = int_list(arg, ids)
-        bad = [v for v in lst if not 0 <= v < size]
-        if bad:
-            raise OutOfRangeError(arg, f"ids in [0, {size})", bad[:16])
-        return torch.tensor(lst, dtype=torch.int64, device=self.device)
 
     def _pages_of(self, ids: torch.Tensor) -> list[int]:
         """Validate ids handed back to ``free`` and return their virtual slot ids.
@@ -460,7 +385,3 @@ class MultiEndedAllocator(BusyMarks):
     def _clear_holes(self) -> None:
         self._holes.clear()
         self._hole_set.clear()
-
-    def _mark_dirty(self, vids) -> None:
-        if self.device.type != "cpu":
-            self._dirty.update(vids)
