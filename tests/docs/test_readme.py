@@ -30,6 +30,8 @@ def test_every_python_block_runs_in_order_on_cpu():
     ns: dict = {}
     for i, code in enumerate(blocks):
         exec(compile(code, f"README.md python block {i}", "exec"), ns)
+    # The stack's block found the whole prompt it cached (64 tokens) and left its tiers consistent.
+    assert ns["hit"].device_indices.numel() == 64 and ns["cache"].stats()["t1"]["stores"] == 1
     # The T1 round trip restored the state it stored, to one int8 rounding.
     m = ns["mamba"]
     a = m.temporal_view_all()[:, m.translate(ns["slot"])]
