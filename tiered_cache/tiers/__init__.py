@@ -6,6 +6,7 @@
     slots.py            id lists and the slot-state checks every tier shares
     unified_pool.py     T0 UnifiedPool: one GPU byte buffer, a KV side and a state side (SubPool)
     checkpoint_pool.py  T1 Int8CheckpointPool: cached states quantized once, on the GPU
+    finite_flags.py     FiniteFlags: T1's per-slot "last store was finite" flags, read without a sync
     host_mirror.py      T2 HostMirror: pinned host regions of int8 states and KV pages
 """
 

@@ -17,12 +17,9 @@ Typed strided views ``qdata [L, S, H, d_v, d_k]``, ``scale [L, S, H, 1, d_k]``, 
 and ``conv[i] [L, S, *conv_shape]`` alias the buffer (layer stride: one layer's field; slot stride:
 ``slot_bytes``); ``fields`` gives each field's byte offset, size, dtype and shape inside an envelope.
 
-Non-finite states: every store also clears a per-slot flag (``finite [capacity]`` uint8, on the device)
-when a value it reads, temporal or conv, is NaN or +-inf; the store kernels already hold every value,
-so the check is nearly free, and nothing waits for it. The flags are then copied to a pinned host
-mirror without blocking, behind an event; ``poll_nonfinite`` reads the copies that have landed (or
-waits for the ones of the slots asked about) and reports the non-finite slots, which the owner must
-not serve: one NaN spreads through its whole int8 scale group.
+Non-finite states: every store also clears a per-slot flag when a value it reads is NaN or +-inf,
+nearly free and without a sync (``finite_flags.py``); ``poll_nonfinite`` reports the non-finite slots,
+which the owner must not serve.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import collections
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -41,6 +38,7 @@ from tiered_cache.config import BACKENDS, CODECS
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError, SlotStateError
 from tiered_cache.kernels import quant, use_triton
 from tiered_cache.specs import StateSpec, align_up
+from tiered_cache.tiers.finite_flags import FiniteFlags
 from tiered_cache.tiers.protocols import StateSide
 from tiered_cache.tiers.slots import SlotAllocator
 from tiered_cache.validate import _INT_TORCH, choice_arg, int_arg, int_list
@@ -133,17 +131,10 @@ class Int8CheckpointPool:
         self.scale: Optional[torch.Tensor] = views.get("scale")
         self.data: Optional[torch.Tensor] = views.get("data")
         self.conv: list[torch.Tensor] = [views[f"conv{i}"] for i in range(len(spec.conv_shapes))]
-        # Allocation state lives on the host: alloc/free never touch the device.
         # Host-side slot bookkeeping (alloc/free never touch the device), with the busy guard that keeps
         # slots under an in-flight T2 transfer from being freed.
         self.allocator = SlotAllocator(num_slots, name="checkpoint")
-        # Finiteness flags (module docstring): 1 = every value of the slot's last store was finite.
-        self.finite = torch.ones(self.capacity, dtype=torch.uint8, device=self.device)
-        self._finite_host = dev.pinned_empty(self.capacity)
-        self._finite_np = self._finite_host.numpy()
-        # Stores whose flags are on their way to the host: (event after the copy, their slots). A slot is
-        # in one entry at most (a newer store of it supersedes), and leaves it when it is freed.
-        self._flag_pending: list[tuple[Any, set[int]]] = []
+        self.flags = FiniteFlags(self.capacity, self.device)
 
     # ---------------------------------------------------------------------------- sizes, bytes
     @staticmethod
@@ -198,7 +189,7 @@ class Int8CheckpointPool:
         transfer still reads or writes raises ``SlotBusyError``; nothing changes."""
         host = self._host_ids("ids", ids)
         self.allocator.free(host)
-        self._forget_flags(host.tolist())
+        self.flags.forget(host.tolist())
 
     def available_size(self) -> int:
         return self.allocator.available_size()
@@ -209,7 +200,7 @@ class Int8CheckpointPool:
     def clear(self) -> None:
         """Free every slot (the bytes stay as they are)."""
         self.allocator.clear()
-        self._flag_pending.clear()
+        self.flags.clear()
 
     # ----------------------------------------------------------------------------- finiteness
     def poll_nonfinite(self, wait_for: Optional[Iterable[int]] = None) -> list[int]:
@@ -220,43 +211,11 @@ class Int8CheckpointPool:
 
     def poll_flags(self, wait_for: Optional[Iterable[int]] = None) -> dict[int, bool]:
         """``poll_nonfinite`` with every slot resolved: slot -> whether its last store was all finite."""
-        want = set() if wait_for is None else set(int_list("wait_for", wait_for))
-        if want and not any(want & slots for _, slots in self._flag_pending):
-            want = set()
-        out: dict[int, bool] = {}
-        keep = []
-        for i, (event, slots) in enumerate(self._flag_pending):
-            if not event.query():
-                if not want:  # later stores were copied after this one: not landed either
-                    keep.extend(self._flag_pending[i:])
-                    break
-                event.synchronize()  # waits for this store's flags only
-            want -= slots
-            out.update((s, bool(self._finite_np[s])) for s in sorted(slots))
-        self._flag_pending = [e for e in keep if e[1]]
-        return out
+        return self.flags.poll(wait_for)
 
     def flags_pending(self, slot: int) -> bool:
         """Whether the finiteness of ``slot``'s last store is not known on the host yet."""
-        s = int_arg("slot", slot)
-        return any(s in slots for _, slots in self._flag_pending)
-
-    def _forget_flags(self, slots: Iterable[int]) -> None:
-        drop = set(slots)
-        if drop and self._flag_pending:
-            for _, pend in self._flag_pending:
-                pend -= drop
-            self._flag_pending = [e for e in self._flag_pending if e[1]]
-
-    def _flags_sent(self, host: list[int]) -> None:
-        """After a store: copy the flags to the host without blocking; the event says when they landed."""
-        self._forget_flags(host)
-        # The whole flag array (capacity bytes) in one copy: the slots of older pending stores get their
-        # own values again, which no store changed since (a newer store of a slot supersedes its entry).
-        self._finite_host.copy_(self.finite, non_blocking=True)
-        event = dev.new_event(self.device)
-        event.record(dev.current_stream(self.device))
-        self._flag_pending.append((event, set(host)))
+        return self.flags.pending(int_arg("slot", slot))
 
     # ----------------------------------------------------------------------- T0 <-> T1 moves
     def store_from_active(self, side: ActiveLike, active_ids: IdsLike, ckpt_slots: IdsLike) -> None:
@@ -281,8 +240,7 @@ class Int8CheckpointPool:
         self.stats["store_bytes"] += rows.numel() * self.slot_bytes
         if rows.numel() == 0:
             return
-        fin = self.finite
-        fin.index_fill_(0, slots, 1)  # the kernels only clear flags
+        fin = self.flags.arm(slots)
         if self.codec == "int8":
             quant.quantize_store(temporal, rows, self.qdata, self.scale, slots, va, backend=self.backend,
                                  check_ids=False, finite=fin)
@@ -290,7 +248,7 @@ class Int8CheckpointPool:
             quant.copy_rows(temporal, rows, self.data, slots, backend=self.backend, check_ids=False, finite=fin)
         for c_src, c_dst in zip(convs, self.conv):
             quant.copy_rows(c_src, rows, c_dst, slots, backend=self.backend, check_ids=False, finite=fin)
-        self._flags_sent(host_slots.tolist())
+        self.flags.sent(host_slots.tolist())
 
     def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
         """Hit: dequantize (or copy) checkpoints ``ckpt_slots`` into the T0 states ``active_ids``.
