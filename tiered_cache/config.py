@@ -85,9 +85,9 @@ class CacheConfig:
             int_arg(name, getattr(self, name), lo=1)
         for name in ("host_kv_pages", "host_states", "write_through_threshold", "load_back_threshold"):
             int_arg(name, getattr(self, name), lo=0)
-        for name, lo in (("swa_pages", 1), ("host_swa_pages", 0)):
+        for name in ("swa_pages", "host_swa_pages"):
             if getattr(self, name) is not None:
-                int_arg(name, getattr(self, name), lo=lo)
+                int_arg(name, getattr(self, name), lo=1)
         if self.checkpoint_unit is not None:
             unit, ps = self.checkpoint_unit, self.page_size
             int_arg("checkpoint_unit", unit, lo=1)

@@ -22,7 +22,7 @@ what moved and what was evicted, and nobody needs to subclass a tier to learn it
 from __future__ import annotations
 
 import collections
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -59,13 +59,14 @@ class CountingLRUPolicy(LRUPolicy):
 
 # CacheConfig.eviction_policy -> the policy class the stack gives the tree (each counts its victims).
 _POLICIES = {"lru": CountingLRUPolicy}
+Tree = Union[HiMambaRadixCache, HiSWARadixCache]
 
 
 class TieredCache:
     """The tiers of one model's cache and the radix tree over them. Build with ``TieredCache.build``;
     ``close()`` (or a ``with`` block) stops T3's workers and closes its backend."""
 
-    def __init__(self, cfg: CacheConfig, pool: UnifiedPool, tree: HiMambaRadixCache, policy: CountingLRUPolicy, *,
+    def __init__(self, cfg: CacheConfig, pool: UnifiedPool, tree: Tree, policy: CountingLRUPolicy, *,
                  t1: Optional[Int8CheckpointPool], host: Optional[HostMirror], transfer: Optional[TransferEngine],
                  storage: Optional[StorageTier], owns_storage: bool) -> None:
         self._cfg, self._pool, self._tree, self._policy = cfg, pool, tree, policy
@@ -89,38 +90,11 @@ class TieredCache:
         placement: the tree's mid-prefill checkpoint rule (state models; default from checkpoint_unit).
         Bad input raises a typed error naming the argument (or the ``cfg`` field) before anything is built.
         """
-        instance_arg("cfg", cfg, CacheConfig, "a CacheConfig")
-        instance_arg("kv", kv, KVSpec, "a KVSpec")
-        instance_arg("state", state, StateSpec, "a StateSpec", none_ok=True)
-        instance_arg("swa", swa, KVSpec, "a KVSpec", none_ok=True)
-        instance_arg("storage", storage, StorageTier, "a StorageTier", none_ok=True)
-        instance_arg("placement", placement, CheckpointPlacement, "a CheckpointPlacement", none_ok=True)
-        if (state is None) == (swa is None):
-            raise InvalidArgumentError("state, swa", "exactly one of a StateSpec and an SWA KVSpec", (state, swa))
-        if kv.window:
-            raise InvalidArgumentError("kv", "a full-attention KVSpec (window=0)", kv.window)
-        if swa is not None:
-            int_arg("swa.window", swa.window, lo=1)
-            for arg, v in (("storage_url", cfg.storage_url), ("storage", storage), ("placement", placement)):
-                if v is not None:
-                    raise InvalidArgumentError(arg, "None for a model without recurrent states", v)
-        elif cfg.host_tier and not cfg.host_states:
-            raise InvalidArgumentError("host_states", "an int >= 1 with host_kv_pages (T2 holds states too)",
-                                       cfg.host_states)
-        elif cfg.host_states and not cfg.host_tier:
-            raise InvalidArgumentError("host_kv_pages", "an int >= 1 with host_states (both 0: no T2)",
-                                       cfg.host_kv_pages)
-        if storage is not None and (cfg.storage_url is not None or not cfg.host_tier):
-            what = "None with cfg.storage_url" if cfg.storage_url is not None else "None without a host tier"
-            raise InvalidArgumentError("storage", what, storage)
-        if cfg.storage_url is not None:
-            if model_id is None:
-                raise InvalidArgumentError("model_id", "a str naming the model (T3's fingerprint)", model_id)
-            str_arg("model_id", model_id)
-
+        _check_build(cfg, kv, state, swa, model_id, storage, placement)
         device = dev.resolve(device)
         mem, backend = cfg.check_memory, cfg.backend
-        high, high_slots = (state, cfg.t0_states) if state is not None else (swa, cfg.swa_pages or cfg.kv_pages)
+        swa_pages = cfg.kv_pages if cfg.swa_pages is None else cfg.swa_pages
+        high, high_slots = (state, cfg.t0_states) if state is not None else (swa, swa_pages)
         pool = UnifiedPool(kv, high, low_slots=cfg.kv_pages, high_slots=high_slots, page_size=cfg.page_size,
                            device=device, lazy_compaction=cfg.lazy_compaction, backend=backend, check_memory=mem)
         t1 = None if state is None else Int8CheckpointPool(state, cfg.t1_states, device=device, codec=cfg.codec,
@@ -145,6 +119,7 @@ class TieredCache:
             fp = StorageFingerprint.from_specs(model_id, kv_spec=kv, state_spec=state, codec=cfg.codec,
                                                page_size=cfg.page_size)
             storage = StorageTier(open_backend(cfg.storage_url), fp)
+        tree: Tree
         try:
             if t1 is not None:
                 tree = HiMambaRadixCache(pool, t1, checkpoint_unit=cfg.checkpoint_unit, placement=placement,
@@ -166,7 +141,7 @@ class TieredCache:
         return self._cfg
 
     @property
-    def tree(self) -> HiMambaRadixCache:
+    def tree(self) -> Tree:
         """The radix tree (a ``HiSWARadixCache`` for an SWA model): match, insert, locks, load back."""
         return self._tree
 
@@ -317,3 +292,35 @@ class TieredCache:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_build(cfg: Any, kv: Any, state: Any, swa: Any, model_id: Any, storage: Any, placement: Any) -> None:
+    """``TieredCache.build``'s arguments, and the config fields whose rule depends on the model's kind."""
+    instance_arg("cfg", cfg, CacheConfig, "a CacheConfig")
+    instance_arg("kv", kv, KVSpec, "a KVSpec")
+    instance_arg("state", state, StateSpec, "a StateSpec", none_ok=True)
+    instance_arg("swa", swa, KVSpec, "a KVSpec", none_ok=True)
+    instance_arg("storage", storage, StorageTier, "a StorageTier", none_ok=True)
+    instance_arg("placement", placement, CheckpointPlacement, "a CheckpointPlacement", none_ok=True)
+    if (state is None) == (swa is None):
+        raise InvalidArgumentError("state, swa", "exactly one of a StateSpec and an SWA KVSpec", (state, swa))
+    if kv.window:
+        raise InvalidArgumentError("kv", "a full-attention KVSpec (window=0)", kv.window)
+    if swa is not None:
+        int_arg("swa.window", swa.window, lo=1)
+        for arg, v in (("storage_url", cfg.storage_url), ("storage", storage), ("placement", placement)):
+            if v is not None:
+                raise InvalidArgumentError(arg, "None for a model without recurrent states", v)
+    elif cfg.host_tier and not cfg.host_states:
+        raise InvalidArgumentError("host_states", "an int >= 1 with host_kv_pages (T2 holds states too)",
+                                   cfg.host_states)
+    elif cfg.host_states and not cfg.host_tier:
+        raise InvalidArgumentError("host_kv_pages", "an int >= 1 with host_states (both 0: no T2)",
+                                   cfg.host_kv_pages)
+    if storage is not None and (cfg.storage_url is not None or not cfg.host_tier):
+        what = "None with cfg.storage_url" if cfg.storage_url is not None else "None without a host tier"
+        raise InvalidArgumentError("storage", what, storage)
+    if model_id is not None:
+        str_arg("model_id", model_id)
+    elif cfg.storage_url is not None:
+        raise InvalidArgumentError("model_id", "a str naming the model (T3's fingerprint)", model_id)

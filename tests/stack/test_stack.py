@@ -13,7 +13,7 @@ from tests.support.radix_util import KV_SPEC, STATE_SPEC, SWA_SPEC, insert_fresh
 from tests.support.storage_util import settle
 from tiered_cache import CacheConfig, TieredCache
 from tiered_cache.config import BACKENDS, CODECS, EVICTION_POLICIES, PREFETCH_POLICIES, WRITE_POLICIES
-from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError
 from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, MatchPrefixParams, RadixKey
 
 BASE = dict(page_size=2, kv_pages=16, t0_states=4, t1_states=8, codec="lossless", check_memory=False, backend="torch")
@@ -175,7 +175,7 @@ BAD_FIELDS = [
     ("t1_states", 0, V), ("t1_states", None, T),
     ("codec", "fp8", V), ("codec", None, T), ("checkpoint_unit", 3, V), ("checkpoint_unit", 0, V),
     ("checkpoint_unit", 4.0, T), ("host_kv_pages", -1, V), ("host_kv_pages", 1.0, T), ("host_states", -1, V),
-    ("host_swa_pages", -1, V), ("host_swa_pages", "1", T), ("write_policy", "lazy", V), ("write_policy", 1, T),
+    ("host_swa_pages", 0, V), ("host_swa_pages", "1", T), ("write_policy", "lazy", V), ("write_policy", 1, T),
     ("write_through_threshold", -1, V), ("load_back_threshold", -1, V), ("load_back_threshold", 0.5, T),
     ("storage_url", 7, T), ("storage_url", "", V), ("storage_url", "file:///tmp/x", V),  # the last: without T2
     ("storage_write_through", 1, T), ("prefetch_policy", "eager", V), ("prefetch_timeout_s", 0.0, V),
@@ -213,7 +213,8 @@ def test_option_names_live_in_config():
     (dict(cfg=None), "cfg"), (dict(kv=STATE_SPEC), "kv"), (dict(kv=SWA_SPEC), "kv"), (dict(state=KV_SPEC), "state"),
     (dict(swa=STATE_SPEC), "swa"), (dict(swa=SWA_SPEC), "state, swa"), (dict(state=None), "state, swa"),
     (dict(state=None, swa=KV_SPEC), "swa.window"), (dict(storage=object()), "storage"),
-    (dict(placement=4), "placement"), (dict(device="tpu"), None),
+    (dict(placement=4), "placement"), (dict(model_id=b"m"), "model_id"), (dict(model_id=""), "model_id"),
+    (dict(device="tpu"), "device"), (dict(device=3.5), "device"),
     (dict(cfg=CacheConfig(**BASE, host_kv_pages=4)), "host_states"),
     (dict(cfg=CacheConfig(**BASE, host_states=4)), "host_kv_pages"),
     (dict(cfg=CacheConfig(**BASE, **HOST, storage_url="file:///nonexistent/x"), model_id=None), "model_id"),
@@ -225,10 +226,15 @@ def test_bad_build_arguments(kw, arg):
     args = dict(cfg=CacheConfig(**BASE), kv=KV_SPEC, state=STATE_SPEC, device="cpu", model_id="m")
     args.update(kw)
     cfg = args.pop("cfg")
-    with pytest.raises((InvalidArgumentError, RuntimeError)) as ei:
+    with pytest.raises(InvalidArgumentError) as ei:
         TieredCache.build(cfg, **args)
-    if arg is not None:
-        assert isinstance(ei.value, InvalidArgumentError) and ei.value.arg == arg
+    assert ei.value.arg == arg
+
+
+def test_a_stack_too_big_for_memory_names_what_to_lower():
+    with pytest.raises(MemoryBudgetError) as ei:
+        build(kv_pages=10**11, check_memory=True)
+    assert ei.value.setting
 
 
 def test_close_without_storage_is_idempotent_and_tree_still_works():
