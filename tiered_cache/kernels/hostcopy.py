@@ -4,8 +4,8 @@ Twin: ``reference.host_copy_rows_reference``. Pinned host memory is mapped into 
 space (UVA), so a kernel can load from or store to it directly: each program walks a share of the
 items (``item = pid, pid + P, ...``) and moves one row sub-range ``[sub_off, sub_off + n)`` per item
 in ``BLOCK``-word steps. One launch moves any number of scattered small rows (KV pages of a few
-hundred KiB), where one ``cudaMemcpyAsync`` per row pays a fixed cost each (PLATFORM.md: 64 KiB per
-call reaches 5 GB/s). Few programs keep PCIe busy while leaving the SMs to compute (a full-grid
+hundred KiB), where one ``cudaMemcpyAsync`` per row pays a fixed cost each (docs/platform.md: 64 KiB
+per call reaches 5 GB/s). Few programs keep PCIe busy while leaving the SMs to compute (a full-grid
 copy kernel slowed a concurrent GEMM by 144 %).
 
 Bytes moved per call: ``len(items) * n`` over PCIe (read on one side, written on the other).

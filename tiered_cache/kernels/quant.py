@@ -16,7 +16,7 @@ layers of all N states: grid ``(L*N*H, k-blocks)``; each program holds a whole `
 so the amax over the value axis is one in-register reduction and every byte is read once.
 ``value_axis == 2`` is a transposed view (swapped strides), so one kernel serves GDN and Mamba2 orders.
 
-Portability notes (Triton interpreter on CPU, see PLATFORM.md): rounding half-to-even is the fp32
+Portability notes (Triton interpreter on CPU, see docs/platform.md): rounding half-to-even is the fp32
 trick ``(y + 1.5*2**23) - 1.5*2**23`` (exact for ``|y| < 2**22``; ``|y| <= 127.x`` here) because
 ``libdevice.rint`` is None there; fp32 -> bf16 rounding is done on the bits because the interpreter
 truncates; values are clamped before the float -> int8 cast, which wraps otherwise. Triton's ``/`` on

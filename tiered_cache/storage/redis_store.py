@@ -9,7 +9,7 @@ so in a cluster all chunks of a value live on one node and one pipeline reaches 
 
 Why chunks: a reply of tens of MB blocks the single-threaded server for everyone else while it is
 written out and makes the client buffer it whole; 4 MiB pieces interleave with other clients' work
-and are each read with one large ``socket_read_size`` (PLATFORM.md: the pure-Python parser reaches
+and are each read with one large ``socket_read_size`` (docs/platform.md: the pure-Python parser reaches
 ~1k GETs/s of 1 MiB only with a read size of MBs).
 
 Order gives atomicity without MULTI: a write pipelines chunks ``1..n-1`` first and chunk 0 last on one

@@ -13,7 +13,7 @@ Each slot carries the checksum taken on the GPU when its bytes left; ``valid`` s
 and checksum are complete (set by the transfer engine when the demote ticket finishes).
 
 Pinning: ``register`` allocates ordinary memory and pins it with ``cudaHostRegister``; ``pin_memory``
-uses torch's pinned allocator. PLATFORM.md measured 8 GiB registered in 2.9 s (0.36 s/GiB) against
+uses torch's pinned allocator. docs/platform.md: 8 GiB registered in 2.9 s (0.36 s/GiB) against
 0.45 s for one 1 GiB ``pin_memory``; ``bench_transfer.py`` measures both again and records the choice.
 """
 
