@@ -1,46 +1,41 @@
 """The radix stateful test with the host tier: HiMambaRadixCache over T0, T1 and T2 (real pools, CPU,
 lossless T1, tiny host regions so host eviction runs often).
 
-On top of ``RadixMachine``'s rules (insert, match, requests, evict, reset, bad input): demote (device
-and T1 eviction cascading to the host), host eviction, load back, finish-transfer and
-corrupt-host-entry. The model is what the tree holds, read back after every step and checked against
-what each operation may change: device ids never change under a prefix except to ids an insert gave
-or a load returned; nothing is invented; locked prefixes stay on the device. Matches are predicted
-exactly from the model (device part, host part, best node). After every step: ``check_invariants``,
-and every device page, T1 state, host page and host state holds the pattern of its tokens, except
-host slots a rule corrupted. A corrupted entry must be caught when loaded (the load is not ``ok`` and
-the entry leaves the tree); an ``ok`` load is checked byte for byte. Drained at the end: every pool of
-every tier back to its initial free set.
+The shared rules (``tests/support/stateful.CacheMachine``: insert, requests), its own match, evict,
+reset and bad input, and on top: grow, demote (device and T1 eviction cascading to the host), host
+eviction, load back, finish-transfer and corrupt-host-entry. The model is what the tree holds, read
+back after every step and checked against what each operation may change: device ids never change
+under a prefix except to ids an insert gave or a load returned; nothing is invented; locked prefixes
+stay on the device. Matches are predicted exactly from the model (device part, host part, best node).
+After every step: ``check_invariants``, and every device page, T1 state, host page and host state
+holds the pattern of its tokens, except host slots a rule corrupted. A corrupted entry must be caught
+when loaded (the load is not ``ok`` and the entry leaves the tree); an ``ok`` load is checked byte for
+byte. Drained at the end: every pool of every tier back to its initial free set.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from test_radix_stateful import SALTS, TOKENS, RadixMachine
 
-from tests.support.radix_util import check_kv, make_hi_cache, prefix_hashes, state_pattern, write_kv, write_state
-from tiered_cache.errors import InvalidArgumentError
-from tiered_cache.kernels.reference import row_checksums_reference
+from tests.support.radix_util import check_kv, make_hi_cache, prefix_hashes, state_pattern
+from tests.support.stateful import (
+    SALTS,
+    TOKENS,
+    CacheMachine,
+    bad_entries,
+    check_host_k,
+    corrupt,
+    k0,
+    machine_settings,
+    walk,
+)
 from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams, RadixKey
 
 
-def corrupt(region, slot: int) -> bool:
-    """The slot's bytes no longer match the checksum taken when they were written (a rule flipped a bit)."""
-    return int(row_checksums_reference(region.slot(slot)[None], torch.tensor([0]))[0]) != int(region.checksums[slot])
-
-
-def bad_entries(c, tickets) -> list:
-    """(region, slot) of the host entries a load reads that do not match their checksums."""
-    out = []
-    for name, region in (("kv", c.kv_region), ("state", c.state_region)):
-        if name in tickets:
-            out += [(region, s) for s in tickets[name].host_slots if corrupt(region, s)]
-    return out
+def host_regions(c) -> dict:
+    return {"kv": c.kv_region, "state": c.state_region}
 
 
 def hi_contents(cache):
@@ -48,12 +43,8 @@ def hi_contents(cache):
     {(salt, prefix): node at that prefix's end}). Dead nodes hold nothing and are left out."""
     ps = cache.page_size
     kv, states, nodes = {}, {}, {}
-    stack = [(c, (ck[0] if isinstance(ck, tuple) and isinstance(ck[0], str) else None), ())
-             for ck, c in cache.root.children.items()]
-    while stack:
-        x, salt, pre = stack.pop()
+    for x, salt, pre in walk(cache):
         full = pre + tuple(x.key)
-        stack.extend((c, salt, full) for c in x.children.values())
         if x.value is None and x.host_kv is None:
             continue
         ids = None if x.value is None else x.value.tolist()
@@ -66,7 +57,7 @@ def hi_contents(cache):
     return kv, states, nodes
 
 
-class HiRadixMachine(RadixMachine):
+class HiRadixMachine(CacheMachine):
     @initialize(ps=st.sampled_from([1, 2]), policy=st.sampled_from(["write_through", "write_through", "write_back",
                                                                      "write_through_selective"]))
     def init(self, ps, policy):
@@ -88,7 +79,7 @@ class HiRadixMachine(RadixMachine):
             if op.handle is None or op.handle.ok:
                 return
             ld = next((x for x in self.loads if x["req"].load_back is op.handle), None)
-            bad = ld["bad"] if ld is not None else bad_entries(c, op.tickets)  # (applied in init_load_back)
+            bad = ld["bad"] if ld is not None else bad_entries(op.tickets, host_regions(c))  # (in init_load_back)
             _, _, nodes = hi_contents(c)
             owned = {(id(c.kv_region), h) for x in nodes.values() for h in (x.host_kv or [])}
             owned |= {(id(c.state_region), x.state_host) for x in nodes.values() if x.state_host is not None}
@@ -159,11 +150,9 @@ class HiRadixMachine(RadixMachine):
         if t1_had_room and toks and len(toks) % self.ps == 0:
             assert (salt, tuple(toks)) in self.states, "an insert with T1 room did not cache its state"
 
-    def t1_room(self, toks, salt):
-        ps = self.ps
-        if len(toks) % ps or not toks or (salt, tuple(toks)) in self.states:
-            return True
-        return self.cache.ckpt.available_size() > 0
+    def finish(self, req, toks, salt):
+        self.cache.cache_finished_req(req)
+        self.adopt((toks, salt, req.kv_indices.tolist()))
 
     # ------------------------------------------------------------------ rules (overrides)
     @rule(toks=TOKENS, salt=SALTS, cow=st.booleans())
@@ -221,28 +210,9 @@ class HiRadixMachine(RadixMachine):
         super().start_request(toks, salt)
         self.adopt()  # write_through_selective may have started a backup (evicting host entries)
 
-    @rule(i=st.integers(0, 2), extra=TOKENS)
-    @precondition(lambda self: self.reqs)
-    def finish_request(self, i, extra):
-        c = self.cache
-        r = self.reqs.pop(i % len(self.reqs))
-        req, toks, salt, hit = r["req"], r["toks"] + extra, r["salt"], r["hit"]
-        own = -(-(len(toks) - hit) // self.ps) * self.ps
-        ids = c.kv.alloc(own) if own else torch.empty(0, dtype=torch.int64)
-        if ids is None:
-            self.reqs.append(r)
-            return self.abort_request(len(self.reqs) - 1)
-        req.token_ids, req.kv_indices = toks, torch.cat([req.kv_indices, ids])
-        write_kv(c, req.kv_indices, toks, salt)
-        write_state(c, req.mamba_pool_idx, toks, salt)
-        c.cache_finished_req(req)
-        self.adopt((toks, salt, req.kv_indices.tolist()))
-        assert req.last_node is None and req.mamba_pool_idx is None
-
     @rule(which=st.integers(0, 4))
     def bad_input(self, which):
         c = self.cache
-        before = (hi_contents(c)[:2], c.total_size(), c.kv.available_size(), c.ckpt.available_size())
         calls = [
             lambda: c.insert(InsertParams(key=[1, 2], value=torch.tensor([1]))),
             lambda: c.init_load_back(InitLoadBackParams(c.root, -1)),
@@ -251,12 +221,8 @@ class HiRadixMachine(RadixMachine):
             lambda: c.insert(InsertParams(key=[3] * self.ps,  # a free page: not the caller's
                                           value=torch.arange(self.ps) + (c.kv.capacity - 1) * self.ps)),
         ]
-        try:
-            calls[which]()
-            raise AssertionError("bad input accepted")
-        except InvalidArgumentError:
-            pass
-        assert (hi_contents(c)[:2], c.total_size(), c.kv.available_size(), c.ckpt.available_size()) == before
+        self.refused_unchanged(calls[which], lambda: (hi_contents(c)[:2], c.total_size(), c.kv.available_size(),
+                                                      c.ckpt.available_size()))
 
     @rule(data=st.data(), extra=TOKENS)
     def grow(self, data, extra):
@@ -309,7 +275,8 @@ class HiRadixMachine(RadixMachine):
             c.inc_lock_ref(node)
         h = req.load_back
         self.loads.append({"req": req, "toks": list(toks[:depth]), "salt": salt, "node": node if lock else None,
-                           "all": torch.cat([m.device_indices, ids]).tolist(), "bad": bad_entries(c, h.tickets)})
+                           "all": torch.cat([m.device_indices, ids]).tolist(),
+                           "bad": bad_entries(h.tickets, host_regions(c))})
         self.adopt()
 
     @rule()
@@ -364,9 +331,7 @@ class HiRadixMachine(RadixMachine):
         c = self.cache
         if c is None:
             return
-        slots = [r["req"].mamba_pool_idx for r in self.reqs] + [ld["req"].mamba_pool_idx for ld in self.loads]
-        c.check_invariants(request_kv=torch.empty(0, dtype=torch.int64),
-                           request_states=torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64))
+        self.check_cache([r["req"].mamba_pool_idx for r in self.reqs] + [ld["req"].mamba_pool_idx for ld in self.loads])
         kv, states, nodes = hi_contents(c)
         assert kv == self.kv and states == self.states, "tree and model disagree"
         ps = self.ps
@@ -379,15 +344,10 @@ class HiRadixMachine(RadixMachine):
             if host is not None and not corrupt(c.kv_region, host):
                 host_bytes.append((host, h))
         if dev_ids:
-            phys = c.kv.translate(torch.tensor(dev_ids))
-            got = c.kv.k_view_all()[0, phys // ps, phys % ps, 0, 0]
-            assert torch.equal(got, torch.tensor(want)), "cached KV content changed"
+            assert torch.equal(k0(c.kv, dev_ids, ps), torch.tensor(want)), "cached KV content changed"
         k_off = c.kv.spec.field_offsets(ps)
         for host, h in host_bytes:  # K of every layer of a host page: the prefix pattern + layer
-            page = c.kv_region.slot(host)
-            for layer, (k, _) in enumerate(k_off):
-                k_vals = page[k:k + ps * 16].view(torch.float32).view(ps, 4)
-                assert torch.equal(k_vals, (torch.tensor(h) + layer)[:, None].expand(ps, 4)), "host KV changed"
+            check_host_k(c.kv_region, host, k_off, ps, torch.tensor(h))
         data = c.ckpt.field("data")
         for (s, full), x in nodes.items():
             if x.mamba_value is None and x.state_host is None:
@@ -417,11 +377,8 @@ class HiRadixMachine(RadixMachine):
         assert c.total_size() == (0, 0) and not c.root.children, c.root.children
         assert (set(c.kv.allocator._free_vids), set(c.states.allocator._free_vids), c.ckpt.available_size(),
                 c.kv_region.available_size(), c.state_region.available_size()) == self.free0, "a slot leaked"
-        c.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+        self.check_cache([])
 
 
-HiRadixMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("RADIX_EXAMPLES", 200)), stateful_step_count=100, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    phases=(Phase.explicit, Phase.generate) if os.environ.get("RADIX_NOSHRINK") else tuple(Phase))
+HiRadixMachine.TestCase.settings = machine_settings()
 TestHiRadixStateful = HiRadixMachine.TestCase

@@ -10,19 +10,15 @@ corrupted; a corrupted entry is never served. Drained at the end to every pool's
 
 from __future__ import annotations
 
-import os
-
 import torch
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_radix_host_stateful import corrupt
 
 from tests.support.radix_util import SWA_OFFSET, check_kv, check_swa, insert_swa, make_swa_cache, prefix_hashes
+from tests.support.stateful import SALTS, bad_entries, check_host_k, corrupt, k0, machine_settings, walk
 from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, MatchPrefixParams, RadixKey
 
-TOKENS = st.lists(st.integers(1, 3), min_size=0, max_size=8)
-SALTS = st.sampled_from([None, None, "t"])
+TOKENS = st.lists(st.integers(1, 3), min_size=0, max_size=8)  # one more than the Mamba machines: windows of 3
 W = 3
 
 
@@ -30,12 +26,8 @@ def swa_contents(cache):
     """-> ({(salt, page prefix): (full ids, host slot, SWA ids, SWA host slot, tombstone)}, {(salt, prefix): node})."""
     ps = cache.page_size
     kv, nodes = {}, {}
-    stack = [(c, (ck[0] if isinstance(ck, tuple) and isinstance(ck[0], str) else None), ())
-             for ck, c in cache.root.children.items()]
-    while stack:
-        x, salt, pre = stack.pop()
+    for x, salt, pre in walk(cache):
         full = pre + tuple(x.key)
-        stack.extend((c, salt, full) for c in x.children.values())
         if x.value is None and x.host_kv is None:
             continue
         ids = None if x.value is None else x.value.tolist()
@@ -177,10 +169,7 @@ class SWAMachine(RuleBasedStateMachine):
         if not len(ids):
             return
         h = req.load_back
-        bad = [(c.kv_region, s) for s in h.tickets["kv"].host_slots if corrupt(c.kv_region, s)] \
-            if "kv" in h.tickets else []
-        if "swa" in h.tickets:
-            bad += [(c.swa_region, s) for s in h.tickets["swa"].host_slots if corrupt(c.swa_region, s)]
+        bad = bad_entries(h.tickets, {"kv": c.kv_region, "swa": c.swa_region})
         depth = len(m.device_indices) + len(ids)
         c.inc_lock_ref(node)  # as an engine does: it holds the prefix until it is done with it
         self.loads.append({"req": req, "node": node, "toks": list(toks[:depth]), "salt": salt, "bad": bad,
@@ -244,18 +233,12 @@ class SWAMachine(RuleBasedStateMachine):
         for (s, p), (ids, host, sw, swh, _) in kv.items():
             h = torch.tensor([float(v) for v in prefix_hashes(p, s)[-ps:]])
             if ids is not None:
-                phys = c.kv.translate(torch.tensor(ids))
-                assert torch.equal(c.kv.k_view_all()[0, phys // ps, phys % ps, 0, 0], h), "cached KV changed"
+                assert torch.equal(k0(c.kv, ids, ps), h), "cached KV changed"
             if sw is not None:
-                phys = c.swa.translate(torch.tensor(sw))
-                assert torch.equal(c.swa.k_view_all()[0, phys // ps, phys % ps, 0, 0], h + SWA_OFFSET), "SWA changed"
+                assert torch.equal(k0(c.swa, sw, ps), h + SWA_OFFSET), "SWA changed"
             for region, slot, offs, add in ((c.kv_region, host, k_full, 0.0), (c.swa_region, swh, k_swa, SWA_OFFSET)):
-                if slot is None or corrupt(region, slot):
-                    continue
-                page = region.slot(slot)
-                for layer, (k, _) in enumerate(offs):
-                    got = page[k:k + ps * 16].view(torch.float32).view(ps, 4)
-                    assert torch.equal(got, (h + add + layer)[:, None].expand(ps, 4)), "host page changed"
+                if slot is not None and not corrupt(region, slot):
+                    check_host_k(region, slot, offs, ps, h + add)
 
     def teardown(self):
         c = self.cache
@@ -275,8 +258,5 @@ class SWAMachine(RuleBasedStateMachine):
         c.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
 
 
-SWAMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("RADIX_EXAMPLES", 200)), stateful_step_count=100, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    phases=(Phase.explicit, Phase.generate) if os.environ.get("RADIX_NOSHRINK") else tuple(Phase))
+SWAMachine.TestCase.settings = machine_settings()
 TestSWAStateful = SWAMachine.TestCase
