@@ -21,6 +21,7 @@ from tiered_cache.errors import (
     StorageTimeoutError,
     StorageUnavailableError,
     TieredCacheError,
+    TransferTimeoutError,
 )
 from tiered_cache.radix import (
     CacheReq,
@@ -78,5 +79,6 @@ __all__ = [
     "SubPool",
     "TieredCache",
     "TieredCacheError",
+    "TransferTimeoutError",
     "UnifiedPool",
 ]
