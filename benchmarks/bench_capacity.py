@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import workload_common as wc  # noqa: E402
 from benchmarks.common import RESULTS, device_tag, write_results  # noqa: E402
-from tiered_cache.config import CacheConfig  # noqa: E402
+from tiered_cache.config import WRITE_POLICIES, CacheConfig  # noqa: E402
 from tiered_cache.radix import CacheReq, InitLoadBackParams, MatchPrefixParams, RadixKey  # noqa: E402
 from tiered_cache.specs import KVSpec, StateSpec  # noqa: E402
 from tiered_cache.stack import TieredCache  # noqa: E402
@@ -234,7 +234,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--chunk-pages", type=int, default=128, help="prefill chunk in pages (8192 tokens)")
     p.add_argument("--max-running", type=int, default=4)
     p.add_argument("--kv-fraction", type=float, default=0.6)
-    p.add_argument("--write-policy", default="write_through")
+    p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--no-progress", dest="progress", action="store_false")
