@@ -29,9 +29,10 @@ from tests.support.stateful import (
     corrupt,
     k0,
     machine_settings,
+    start_load_back,
     walk,
 )
-from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams, RadixKey
+from tiered_cache.radix import EvictParams, InitLoadBackParams, InsertParams
 
 
 def host_regions(c) -> dict:
@@ -157,24 +158,11 @@ class HiRadixMachine(CacheMachine):
     # ------------------------------------------------------------------ rules (overrides)
     @rule(toks=TOKENS, salt=SALTS, cow=st.booleans())
     def match(self, toks, salt, cow):
-        c = self.cache
         L, dev, ids, best, host_state = self.expect_full(toks, salt)
-        req = CacheReq(token_ids=toks, kv_indices=torch.empty(0, dtype=torch.int64))
-        room = c.states.available_size() > 0
-        m = c.match_prefix(MatchPrefixParams(key=RadixKey(toks, salt), cow_mamba=cow, req=req))
-        if cow and dev and not room:
-            self.adopt()
-            if req.mamba_pool_idx is None:
-                assert len(m.device_indices) == 0
-                return
-        assert m.kv_hit_length == L and m.device_indices.tolist() == ids
+        m = self.match_checked(toks, salt, cow, L, dev, ids)
+        if m is None:
+            return
         assert (m.host_hit_length, m.mamba_host_hit_length) == (best - dev, int(host_state)), (m, best, dev)
-        if dev:
-            check_kv(c, m.device_indices, toks[:dev], salt)
-        if cow and dev:
-            got = c.states.temporal_view_all()[:, c.states.translate(req.mamba_pool_idx)[0]]
-            assert torch.equal(got, state_pattern(toks[:dev], salt)[0])
-            c.states.free(req.mamba_pool_idx)
         self.adopt()  # write_through_selective may have started a backup
 
     @rule(n=st.integers(0, 6), m=st.integers(0, 3))
@@ -253,17 +241,10 @@ class HiRadixMachine(CacheMachine):
     @precondition(lambda self: len(self.loads) < 2)
     def load_back(self, data, toks, salt, lock):
         c = self.cache
-        on_host = sorted((k for k, x in hi_contents(c)[2].items() if x.value is None), key=repr)
-        if on_host and data.draw(st.booleans()):  # aim at what lives on the host (random keys rarely do)
-            salt, full = data.draw(st.sampled_from(on_host))
-            toks = list(full) + toks[:1]
-        m = c.match_prefix(MatchPrefixParams(key=RadixKey(toks, salt)))
-        self.adopt()
-        if not m.host_hit_length:
+        lb = start_load_back(self, data, toks, salt, hi_contents(c)[2], extra=1)
+        if lb is None:
             return
-
-        req = CacheReq(token_ids=toks, kv_indices=torch.empty(0, dtype=torch.int64))
-        ids, node = c.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+        m, toks, salt, req, ids, node = lb
         if not len(ids):
             assert node is m.last_device_node and getattr(req, "load_back", None) is None
             if req.mamba_pool_idx is not None:

@@ -15,9 +15,9 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from tests.support.radix_util import check_kv, make_cache, prefix_hashes, state_pattern
+from tests.support.radix_util import make_cache, prefix_hashes, state_pattern
 from tests.support.stateful import SALTS, TOKENS, CacheMachine, k0, machine_settings, walk
-from tiered_cache.radix import CacheReq, EvictParams, InsertParams, MatchPrefixParams, RadixKey
+from tiered_cache.radix import EvictParams, InsertParams
 
 
 def tree_contents(cache):
@@ -115,24 +115,10 @@ class RadixMachine(CacheMachine):
     # ------------------------------------------------------------------ rules
     @rule(toks=TOKENS, salt=SALTS, cow=st.booleans())
     def match(self, toks, salt, cow):
-        c = self.cache
         L, hit, ids = self.expect_match(toks, salt)
-        req = CacheReq(token_ids=toks, kv_indices=torch.empty(0, dtype=torch.int64))
-        room = c.states.available_size() > 0
-        m = c.match_prefix(MatchPrefixParams(key=RadixKey(toks, salt), cow_mamba=cow, req=req))
-        if cow and hit and not room:
-            self.adopt()
-            if req.mamba_pool_idx is None:
-                assert len(m.device_indices) == 0
-                return
-        assert m.kv_hit_length == L and m.device_indices.tolist() == ids
-        assert (m.last_device_node is c.root) == (hit == 0)
-        if hit:
-            check_kv(c, m.device_indices, toks[:hit], salt)
-        if cow and hit:
-            got = c.states.temporal_view_all()[:, c.states.translate(req.mamba_pool_idx)[0]]
-            assert torch.equal(got, state_pattern(toks[:hit], salt)[0])
-            c.states.free(req.mamba_pool_idx)
+        m = self.match_checked(toks, salt, cow, L, hit, ids)
+        if m is not None:
+            assert (m.last_device_node is self.cache.root) == (hit == 0)
 
     @rule(n=st.integers(0, 6), m=st.integers(0, 3))
     def evict(self, n, m):

@@ -15,8 +15,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.support.radix_util import SWA_OFFSET, check_kv, check_swa, insert_swa, make_swa_cache, prefix_hashes
-from tests.support.stateful import SALTS, bad_entries, check_host_k, corrupt, k0, machine_settings, walk
-from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, MatchPrefixParams, RadixKey
+from tests.support.stateful import (
+    SALTS,
+    bad_entries,
+    check_host_k,
+    corrupt,
+    k0,
+    machine_settings,
+    start_load_back,
+    walk,
+)
+from tiered_cache.radix import EvictParams, MatchPrefixParams, RadixKey
 
 TOKENS = st.lists(st.integers(1, 3), min_size=0, max_size=8)  # one more than the Mamba machines: windows of 3
 W = 3
@@ -156,18 +165,10 @@ class SWAMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.loads) < 2)
     def load_back(self, data, toks, salt):
         c = self.cache
-        on_host = sorted((k for k, x in self.nodes.items() if x.value is None), key=repr)
-        if on_host and data.draw(st.booleans()):
-            salt, full = data.draw(st.sampled_from(on_host))
-            toks = list(full)
-        m = c.match_prefix(MatchPrefixParams(key=RadixKey(toks, salt)))
-        self.adopt()
-        if not m.host_hit_length:
+        lb = start_load_back(self, data, toks, salt, self.nodes, extra=0)
+        if lb is None or not len(lb.ids):
             return
-        req = CacheReq(token_ids=toks, kv_indices=torch.empty(0, dtype=torch.int64))
-        ids, node = c.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
-        if not len(ids):
-            return
+        m, toks, salt, req, ids, node = lb
         h = req.load_back
         bad = bad_entries(h.tickets, {"kv": c.kv_region, "swa": c.swa_region})
         depth = len(m.device_indices) + len(ids)

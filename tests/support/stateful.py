@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple, Optional
 
 import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from tests.support.radix_util import write_kv, write_state
+from tests.support.radix_util import check_kv, state_pattern, write_kv, write_state
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.kernels.reference import row_checksums_reference
-from tiered_cache.radix import CacheReq, InsertParams, MatchPrefixParams, RadixKey
+from tiered_cache.radix import CacheReq, InitLoadBackParams, InsertParams, MatchPrefixParams, RadixKey
 
 TOKENS = st.lists(st.integers(1, 3), min_size=0, max_size=7)
 SALTS = st.sampled_from([None, None, "t"])
@@ -58,6 +59,37 @@ def bad_entries(tickets: Mapping, regions: Mapping) -> list:
     checksums; ``regions``: the host regions by name."""
     return [(region, s) for name, region in regions.items() if name in tickets
             for s in tickets[name].host_slots if corrupt(region, s)]
+
+
+class LoadBack(NamedTuple):
+    """A load back a rule started: the match it came from, the request's tokens and salt, the request,
+    and what ``init_load_back`` returned (the ids being loaded, the node they end at)."""
+
+    match: Any
+    toks: list
+    salt: Optional[str]
+    req: CacheReq
+    ids: torch.Tensor
+    node: Any
+
+
+def start_load_back(machine, data, toks, salt, nodes: Mapping, extra: int) -> Optional[LoadBack]:
+    """Match ``toks`` and start loading back what the match found on the host; ``None`` when it found
+    nothing there. Half the time the tokens are a prefix that lives on the host (random keys rarely do:
+    ``nodes`` maps (salt, prefix) to its node), with ``extra`` of ``toks`` after it. The machine adopts
+    the tree after the match."""
+    c = machine.cache
+    on_host = sorted((k for k, x in nodes.items() if x.value is None), key=repr)
+    if on_host and data.draw(st.booleans()):
+        salt, full = data.draw(st.sampled_from(on_host))
+        toks = list(full) + toks[:extra]
+    m = c.match_prefix(MatchPrefixParams(key=RadixKey(toks, salt)))
+    machine.adopt()
+    if not m.host_hit_length:
+        return None
+    req = CacheReq(token_ids=toks, kv_indices=torch.empty(0, dtype=torch.int64))
+    ids, node = c.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+    return LoadBack(m, toks, salt, req, ids, node)
 
 
 def k0(side, ids, ps: int) -> torch.Tensor:
@@ -121,6 +153,29 @@ class CacheMachine(RuleBasedStateMachine):
         except InvalidArgumentError:
             pass
         assert observe() == before
+
+    def match_checked(self, toks, salt, cow, kv_len, hit, ids):
+        """``match_prefix`` (copying the state at the hit with ``cow``) against the model: ``kv_len`` KV
+        tokens matched, the device ``ids`` up to the usable state at ``hit``, whose KV and copied state
+        hold their tokens' patterns. -> the match, or ``None`` when a copy found no T0 room (the model
+        then took what the eviction for room left)."""
+        c = self.cache
+        req = CacheReq(token_ids=toks, kv_indices=torch.empty(0, dtype=torch.int64))
+        room = c.states.available_size() > 0
+        m = c.match_prefix(MatchPrefixParams(key=RadixKey(toks, salt), cow_mamba=cow, req=req))
+        if cow and hit and not room:
+            self.adopt()
+            if req.mamba_pool_idx is None:
+                assert len(m.device_indices) == 0
+                return None
+        assert m.kv_hit_length == kv_len and m.device_indices.tolist() == ids
+        if hit:
+            check_kv(c, m.device_indices, toks[:hit], salt)
+        if cow and hit:
+            got = c.states.temporal_view_all()[:, c.states.translate(req.mamba_pool_idx)[0]]
+            assert torch.equal(got, state_pattern(toks[:hit], salt)[0])
+            c.states.free(req.mamba_pool_idx)
+        return m
 
     # ------------------------------------------------------------------ rules
     @rule(toks=TOKENS, salt=SALTS)
