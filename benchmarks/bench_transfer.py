@@ -18,8 +18,7 @@ All in one run:
 - the checksum's cost: the same state moves with checksums switched off, in interleaved rounds
   (``checksum_overhead``: the median round's time with / without - 1), the same for KV pages
   (``checksum_overhead_kv``: sustained both ways; ``checksum_overhead_kv_single_call`` beside it), and
-  a diagnostic of which direction's checksums slow sustained both-ways moves (``diag_bidir_*``), and
-  the checksum kernel's grid swept (``checksum_programs_<P>_*``: the kernel alone, both overheads);
+  a diagnostic of which direction's checksums slow sustained both-ways moves (``diag_bidir_*``);
 - pinning 1 GiB with ``pin_memory`` against ``cudaHostRegister``.
 GB/s counts bytes crossing PCIe (one side of each copy).
 """
@@ -144,8 +143,6 @@ def main() -> None:
     p.add_argument("--pages", type=int, default=2048, help="KV pages per call")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds of the headline state moves")
-    p.add_argument("--checksum-programs-sweep", default="16,32,64,132,0",
-                   help="checksum kernel grids to compare (0: one program per item, the uncapped grid)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -353,25 +350,6 @@ def main() -> None:
         "checksum_overhead_kv": lambda: pipelined(run_kv, eng, "bidir"),
         "checksum_overhead_kv_single_call": lambda: run_kv(eng, "bidir"),
     }, a.rounds))
-
-    # The checksum kernel's grid: its programs at most (``checksum.DEFAULT_PROGRAMS``; 0: uncapped), the
-    # kernel alone on the state rows and both overheads, in interleaved rounds of their own.
-    from tiered_cache.kernels import checksum
-
-    default_programs = checksum.DEFAULT_PROGRAMS
-    st_rows = torch.tensor(src_st, device=dev)
-    try:
-        for programs in [int(x) for x in a.checksum_programs_sweep.split(",") if x.strip()]:
-            checksum.DEFAULT_PROGRAMS = programs or (1 << 30)
-            sec = timed(lambda: (checksum.row_checksums(t1.envelopes, st_rows), _sync()), a.reps)
-            metrics[f"checksum_programs_{programs}_kernel_TBps"] = st_bytes / sec / 1e12
-            for k, v in checksum_overheads(eng, {
-                "overhead": lambda: pipelined(run_states, eng, "bidir"),
-                "overhead_kv": lambda: pipelined(run_kv, eng, "bidir"),
-            }, a.rounds).items():
-                metrics[f"checksum_programs_{programs}_{k}"] = v
-    finally:
-        checksum.DEFAULT_PROGRAMS = default_programs
 
     # Diagnostic: which direction's checksums stall sustained both-ways moves. Demotes and promotes go
     # through two engines (each its own in-flight bound), checksums on or off per direction.

@@ -72,7 +72,7 @@ def test_kernel_split_over_parts_equals_reference(monkeypatch, iters):
     mod p: 6148 words in 4 or 2 parts of 1 or 2 blocks."""
     from tiered_cache.kernels import checksum
 
-    monkeypatch.setattr(checksum, "_iters", lambda row_words, block, cuda: iters)
+    monkeypatch.setattr(checksum, "_iters", lambda row_words, block, n_rows, cuda: iters)
     rows = _rows(3, 2048 * 4 * 3 + 16, 21)
     ids = torch.tensor([2, 0, 1, 2])
     out = torch.randint(-2**62, 2**62, (4,), dtype=torch.int64)
@@ -82,16 +82,50 @@ def test_kernel_split_over_parts_equals_reference(monkeypatch, iters):
 
 @pytest.mark.parametrize("programs", [1, 3, 64])
 def test_kernel_with_fewer_programs_than_items_equals_reference(monkeypatch, programs):
-    """A capped grid (as on the GPU, ``DEFAULT_PROGRAMS``): each program loops over its share of the
-    (row, part) items; 5 rows in 3 parts each are 15 items for 1, 3 or 64 programs."""
+    """A capped grid (``programs``): each program loops over its share of the (row, part) items; 5 rows
+    in 3 parts each are 15 items for 1, 3 or 64 programs."""
     from tiered_cache.kernels import checksum
 
-    monkeypatch.setattr(checksum, "_iters", lambda row_words, block, cuda: 1)
+    monkeypatch.setattr(checksum, "_iters", lambda row_words, block, n_rows, cuda: 1)
     rows = _rows(5, 2048 * 4 * 2 + 64, 23)
     ids = torch.tensor([4, 1, 1, 0, 3])
     out = torch.randint(-2**62, 2**62, (5,), dtype=torch.int64)
     row_checksums(rows, ids, backend="triton", out=out, programs=programs)
     assert torch.equal(out, row_checksums_reference(rows, ids))
+
+
+def test_gpu_split_keeps_many_rows_whole_and_splits_few_big_ones():
+    """The GPU's split: 2,048 KV pages of 384 KiB are one item each (fused, no combine kernel); 32
+    Qwen3-Next state envelopes of 21 MB split to about ``TARGET_ITEMS`` items of >= 8 blocks."""
+    from tiered_cache.kernels import checksum
+
+    kv_iters = checksum._iters(98304, 2048, 2048, True)
+    assert triton_cdiv(98304, 2048 * kv_iters) == 1
+    st_iters = checksum._iters(5308416, 2048, 32, True)
+    parts = triton_cdiv(5308416, 2048 * st_iters)
+    assert st_iters >= checksum.MIN_PART_BLOCKS and 32 * parts >= checksum.TARGET_ITEMS // 2
+    assert checksum._iters(5308416, 2048, 32, False) == 2592  # the interpreter: one item a row
+
+
+@pytest.mark.parametrize("n_rows", [1, 3, 9])
+def test_gpu_split_rule_run_in_the_interpreter_equals_reference(monkeypatch, n_rows):
+    """The GPU's own split rule (``_iters`` with cuda=True, ``TARGET_ITEMS`` scaled down to 8 so small
+    rows split), in the interpreter: split rows (combine kernel) for 1 and 3 rows, fused for 9."""
+    from tiered_cache.kernels import checksum
+
+    rule = checksum._iters
+    monkeypatch.setattr(checksum, "TARGET_ITEMS", 8)
+    monkeypatch.setattr(checksum, "MIN_PART_BLOCKS", 1)
+    monkeypatch.setattr(checksum, "_iters", lambda row_words, block, n, cuda: rule(row_words, block, n, True))
+    rows = _rows(n_rows, 2048 * 4 * 3 + 48, 40 + n_rows)
+    ids = torch.arange(n_rows - 1, -1, -1)
+    out = torch.randint(-2**62, 2**62, (n_rows,), dtype=torch.int64)
+    row_checksums(rows, ids, backend="triton", out=out)
+    assert torch.equal(out, row_checksums_reference(rows, ids))
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @pytest.mark.parametrize("programs", [0, -1, 1.5, "4", True])

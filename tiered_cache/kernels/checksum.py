@@ -67,14 +67,23 @@ def _parity(x):
 
 
 @triton.jit
-def _checksum_kernel(words_ptr, rows_ptr, a_ptr, b_ptr, s_ptr, parts_ptr, row_stride_words, row_words, n_parts,
-                     part_stride, n_items, BLOCK: tl.constexpr, ITERS: tl.constexpr, TILE: tl.constexpr,
-                     PRIME: tl.constexpr):
+def _pack(x, idx, hsh):
+    """``S | H << 32`` from the row's word XOR ``x`` (int32), index XOR ``idx`` and hash ``hsh`` (< p).
+    The masks as int32 bit patterns (0xAAAAAAAA, 0xCCCCCCCC, 0xF0F0F0F0, 0xFF00FF00, 0xFFFF0000)."""
+    s = (_parity(x) | _parity(x & -0x55555556) << 1 | _parity(x & -0x33333334) << 2
+         | _parity(x & -0x0F0F0F10) << 3 | _parity(x & -0x00FF0100) << 4 | _parity(x & -0x00010000) << 5)
+    return s.to(tl.int64) | (idx & 0x3FFFFFF) << 6 | (hsh << 32)
+
+
+@triton.jit
+def _checksum_kernel(words_ptr, rows_ptr, a_ptr, b_ptr, s_ptr, parts_ptr, out_ptr, row_stride_words, row_words,
+                     n_parts, part_stride, n_items, iters, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                     PRIME: tl.constexpr, FUSED: tl.constexpr):
     """Items ``pid, pid + programs, ...`` of the ``n_items = rows * n_parts`` (row, part) items, each
-    ``ITERS`` blocks of ``BLOCK`` words. A block lies inside one tile (``BLOCK`` divides ``TILE``), so
+    ``iters`` blocks of ``BLOCK`` words. A block lies inside one tile (``BLOCK`` divides ``TILE``), so
     its hash needs one tile weight. Writes each part's word XOR, index XOR and hash at
-    ``parts[0|1|2][row, part]``. (A grid of fewer programs than items leaves SMs to the copies' own
-    gather and scatter kernels, which would otherwise queue behind a chip-filling checksum.)"""
+    ``parts[0|1|2][row, part]``, or (``FUSED``: one part a row) the row's packed checksum at ``out[row]``:
+    then no combine kernel runs. (A grid of fewer programs than items leaves SMs to other work.)"""
     lane = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         r = item // n_parts
@@ -84,8 +93,8 @@ def _checksum_kernel(words_ptr, rows_ptr, a_ptr, b_ptr, s_ptr, parts_ptr, row_st
         acc_x = tl.zeros([BLOCK], dtype=tl.int32)
         acc_i = tl.zeros([BLOCK], dtype=tl.int32)
         h = tl.zeros([], dtype=tl.int64)
-        for it in range(ITERS):
-            start = (part * ITERS + it) * BLOCK
+        for it in range(iters):
+            start = (part * iters + it) * BLOCK
             offs = start + lane
             w = tl.load(base + offs, mask=offs < row_words, other=0)  # masked words are 0: they add nothing
             j = start % TILE + lane
@@ -96,10 +105,13 @@ def _checksum_kernel(words_ptr, rows_ptr, a_ptr, b_ptr, s_ptr, parts_ptr, row_st
             h = (h + (tl.sum(v, axis=0) % PRIME) * sg) % PRIME  # block sum < 2**59, product < 2**62
             acc_x = acc_x ^ w
             acc_i = acc_i ^ tl.where(_parity(w) != 0, offs, 0)
-        out = parts_ptr + r * n_parts + part
-        tl.store(out, tl.xor_sum(acc_x, axis=0).to(tl.int64))
-        tl.store(out + part_stride, tl.xor_sum(acc_i, axis=0).to(tl.int64))
-        tl.store(out + 2 * part_stride, h)
+        if FUSED:
+            tl.store(out_ptr + r, _pack(tl.xor_sum(acc_x, axis=0), tl.xor_sum(acc_i, axis=0).to(tl.int64), h))
+        else:
+            out = parts_ptr + r * n_parts + part
+            tl.store(out, tl.xor_sum(acc_x, axis=0).to(tl.int64))
+            tl.store(out + part_stride, tl.xor_sum(acc_i, axis=0).to(tl.int64))
+            tl.store(out + 2 * part_stride, h)
 
 
 @triton.jit
@@ -117,26 +129,25 @@ def _combine_kernel(parts_ptr, out_ptr, n_parts, part_stride, PRIME: tl.constexp
         acc_i = acc_i ^ tl.load(p + part_stride, mask=mask, other=0)
         acc_h += tl.load(p + 2 * part_stride, mask=mask, other=0)  # each < 2**31
     x = tl.xor_sum(acc_x, axis=0).to(tl.int32)
-    idx = tl.xor_sum(acc_i, axis=0)
-    hsh = tl.sum(acc_h, axis=0) % PRIME
-    # The masks as int32 bit patterns (0xAAAAAAAA, 0xCCCCCCCC, 0xF0F0F0F0, 0xFF00FF00, 0xFFFF0000).
-    s = (_parity(x) | _parity(x & -0x55555556) << 1 | _parity(x & -0x33333334) << 2
-         | _parity(x & -0x0F0F0F10) << 3 | _parity(x & -0x00FF0100) << 4 | _parity(x & -0x00010000) << 5)
-    s = s.to(tl.int64) | (idx & 0x3FFFFFF) << 6
-    tl.store(out_ptr + r, s | (hsh << 32))
+    tl.store(out_ptr + r, _pack(x, tl.xor_sum(acc_i, axis=0), tl.sum(acc_h, axis=0) % PRIME))
 
 
-# Programs of the checksum kernel on a GPU, at most (each loops over its share of (row, part) items).
-# On the H200 a chip-filling grid delayed the staging gathers and scatters of concurrent copies, whose
-# kernels queued behind it: ``bench_transfer.py`` measures the choice (``checksum_programs_sweep``).
-DEFAULT_PROGRAMS = 64
+# (row, part) items the GPU split aims for: about 8 a streaming multiprocessor on an H200 (132).
+TARGET_ITEMS = 1024
+# Blocks (BLOCK words each) a part holds at the least once a row is split.
+MIN_PART_BLOCKS = 8
 
 
-def _iters(row_words: int, block: int, cuda: bool) -> int:
-    """Blocks a program: on the GPU long rows are split over programs (~64 KiB each) so a few big
-    envelopes still fill the chip; in the interpreter, one program per row. (Tests on CPU replace it to
-    run the GPU's split, and so the combine of several parts.)"""
-    return max(1, min(8, triton.cdiv(row_words, block))) if cuda else triton.cdiv(row_words, block)
+def _iters(row_words: int, block: int, n_rows: int, cuda: bool) -> int:
+    """Blocks a (row, part) item. On the GPU a row is split only as far as needed for ``TARGET_ITEMS``
+    items in all (parts of at least ``MIN_PART_BLOCKS`` blocks): many rows (KV pages) are one item each,
+    checksummed by one kernel with no combine; a few big state envelopes are split so they still fill
+    the chip. In the interpreter: one item per row. (Tests on CPU replace it to run the GPU's splits.)"""
+    blocks = triton.cdiv(row_words, block)
+    if not cuda:
+        return blocks
+    parts = max(1, min(triton.cdiv(TARGET_ITEMS, n_rows), triton.cdiv(blocks, MIN_PART_BLOCKS)))
+    return triton.cdiv(blocks, parts)
 
 
 def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "auto",
@@ -149,8 +160,8 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     ``out``: a 1-D int64 tensor of ``len(rows)``, on the view's device or (GPU) in page-locked host
     memory, which the last kernel writes through mapped memory: the sums reach the host without a
     copy-engine transfer (one would queue behind every large copy already in that engine). Returned.
-    ``programs``: the most programs the kernel runs at once (default: ``DEFAULT_PROGRAMS`` on a GPU,
-    one per item in the interpreter); the result does not depend on it.
+    ``programs``: the most programs the kernel runs at once (default: one per (row, part) item; fewer
+    leave SMs to other work, each program looping over its share); the result does not depend on it.
     """
     if not isinstance(rows_view, torch.Tensor):
         raise InvalidTypeError("rows_view", "a 2-D uint8 tensor [rows, bytes]", type(rows_view).__name__)
@@ -193,19 +204,20 @@ def row_checksums(rows_view: torch.Tensor, rows: torch.Tensor, backend: str = "a
     row_words = rows_view.shape[1] // 4
     # A power of two <= TILE, so a block never straddles two tiles.
     block = min(TILE, triton.next_power_of_2(row_words))
-    iters = _iters(row_words, block, rows_view.is_cuda)
+    iters = _iters(row_words, block, rows.numel(), rows_view.is_cuda)
     n_parts = triton.cdiv(row_words, block * iters)
     part_stride = rows.numel() * n_parts
-    parts = torch.empty(3, rows.numel(), n_parts, dtype=torch.int64, device=rows_view.device)
+    fused = n_parts == 1
+    if out is None:
+        out = torch.empty(rows.numel(), dtype=torch.int64, device=rows_view.device)
+    parts = out if fused else torch.empty(3, rows.numel(), n_parts, dtype=torch.int64, device=rows_view.device)
     # A plain dtype view (no set_ on the storage: the CUDA sanitizer counts that as a write).
     words = rows_view.view(torch.int32)
     n_items = rows.numel() * n_parts
-    if programs is None:
-        programs = DEFAULT_PROGRAMS if rows_view.is_cuda else n_items
-    _checksum_kernel[(min(programs, n_items),)](words, rows, a, b, s, parts, words.stride(0), row_words, n_parts,
-                                                part_stride, n_items, BLOCK=block, ITERS=iters, TILE=TILE, PRIME=P)
-    if out is None:
-        out = torch.empty(rows.numel(), dtype=torch.int64, device=rows_view.device)
-    _combine_kernel[(rows.numel(),)](parts, out, n_parts, part_stride, PRIME=P,
-                                     BLOCK=min(1024, triton.next_power_of_2(n_parts)))
+    grid = (n_items if programs is None else min(programs, n_items),)
+    _checksum_kernel[grid](words, rows, a, b, s, parts, out, words.stride(0), row_words, n_parts, part_stride,
+                           n_items, iters, BLOCK=block, TILE=TILE, PRIME=P, FUSED=fused)
+    if not fused:
+        _combine_kernel[(rows.numel(),)](parts, out, n_parts, part_stride, PRIME=P,
+                                         BLOCK=min(1024, triton.next_power_of_2(n_parts)))
     return out

@@ -24,6 +24,7 @@ everything runs synchronously and a ticket is done when ``submit`` returns.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -38,7 +39,7 @@ from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.checksum import row_checksums
 from tiered_cache.tiers.host_mirror import HostRegion
 from tiered_cache.tiers.slots import id_list
-from tiered_cache.transfer.scatter import DEFAULT_METHOD, METHODS, ScatterCopier
+from tiered_cache.transfer.scatter import AUTO_COPY_MIN_BYTES, DEFAULT_METHOD, METHODS, ScatterCopier
 from tiered_cache.transfer.ticket import Ticket
 from tiered_cache.validate import bool_arg, choice_arg, float_arg, int_arg, str_arg
 
@@ -87,7 +88,7 @@ class TransferEngine:
         self._finished: list[Ticket] = []
         self._next_id = 1
         self.inflight_bytes = 0
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         # Benchmarks switch this off to measure what checksums cost; with it off nothing is verified.
         self.checksums = True
         self.corrupt_hook: Optional[Callable[[HostRegion, list[int]], None]] = None
@@ -171,9 +172,14 @@ class TransferEngine:
                     with dev.use_stream(cs):
                         row_checksums(rows_view, rows_t, self.backend, out=sums)
             else:
-                # Checksum group g on the checksum stream while group g+1 is still copying.
+                # Checksum group g on the checksum stream while group g+1 is still copying, for rows of
+                # AUTO_COPY_MIN_BYTES or more (one DMA copy each, the CPU idle meanwhile): only the last
+                # group's checksum then follows the last copy. Many small rows (KV pages) go as one
+                # group: each group costs kernel launches, and there the CPU bounds the rate (H200,
+                # 2026-12-01: the checksums' launches were their whole cost in sustained KV moves).
                 n_rows = len(rows_l)
-                step = max(1, -(-n_rows // 4))
+                groups = 4 if region.slot_bytes >= AUTO_COPY_MIN_BYTES else 1
+                step = max(1, -(-n_rows // groups))
                 for g0 in range(0, n_rows, step):
                     g1 = min(n_rows, g0 + step)
                     self.copier.copy_rows("h2d", rows_view, rows_t[g0:g1], rows_l[g0:g1], region, slots[g0:g1],
@@ -338,7 +344,7 @@ class TransferEngine:
         for alloc, ids in busy:
             ids = list(dict.fromkeys(ids))  # one mark per slot, however often the ticket names it
             alloc.mark_busy(ids)
-            t._release.append(lambda a=alloc, i=ids: a.unmark_busy(i))
+            t._release.append(functools.partial(alloc.unmark_busy, ids))
         self.inflight_bytes += t.nbytes
         self.stats[f"{t.direction}_bytes"] += t.nbytes
         self.stats[f"{t.kind}_tickets"] += 1
