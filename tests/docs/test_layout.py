@@ -40,6 +40,18 @@ def test_every_test_file_is_in_a_subject_folder():
     assert len(subjects) >= 8 and "support" not in subjects
 
 
+def test_no_test_module_imports_another():
+    """Shared pieces live in ``tests/support/`` (the host-tier state machine imported the plain one's
+    module, the SWA machine the host one's)."""
+    imports = []
+    for f in _python_files():
+        for n in ast.walk(ast.parse(open(os.path.join(TESTS, f)).read())):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                [n.module or ""] if isinstance(n, ast.ImportFrom) else []
+            imports += [f"{f}: {m}" for m in names if m.split(".")[-1].startswith("test_")]
+    assert imports == []
+
+
 def test_the_poison_helper_is_defined_only_in_conftest():
     """conftest.py defines ``Poison`` and the ``poison`` fixture; no other test file defines either or fills
     a tensor with NaN itself (conftest's own fill takes its value from ``Poison.value``)."""
