@@ -16,7 +16,8 @@ import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 
-DeviceLike = Union[str, torch.device, None]
+DeviceLike = Union[str, torch.device, None]  # None: the default device (``resolve``)
+Device = Union[str, torch.device]  # a device already chosen
 
 
 def cuda_available() -> bool:
@@ -49,7 +50,7 @@ def resolve(device: DeviceLike = None) -> torch.device:
     return dev
 
 
-def is_cuda(device: DeviceLike) -> bool:
+def is_cuda(device: Device) -> bool:
     return torch.device(device).type == "cuda"
 
 
@@ -88,7 +89,7 @@ class NullStream:
         return True
 
 
-def new_stream(device: DeviceLike, priority: int = 0):
+def new_stream(device: Device, priority: int = 0):
     """A new stream on ``device`` (a CUDA stream, or a ``NullStream`` on CPU)."""
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -96,14 +97,14 @@ def new_stream(device: DeviceLike, priority: int = 0):
     return NullStream()
 
 
-def current_stream(device: DeviceLike):
+def current_stream(device: Device):
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.current_stream(dev)
     return NullStream()
 
 
-def new_event(device: DeviceLike):
+def new_event(device: Device):
     if torch.device(device).type == "cuda":
         return torch.cuda.Event()
     return NullEvent()

@@ -49,7 +49,7 @@ class SlotBusyError(TieredCacheError):
 class MemoryBudgetError(TieredCacheError, MemoryError):
     """A pool would not fit in the memory there is. ``setting`` names what to lower."""
 
-    def __init__(self, what: str, need_bytes: int, free_bytes: int, setting: str):
+    def __init__(self, what: str, need_bytes: float, free_bytes: float, setting: str):
         self.what = what
         self.need_bytes = need_bytes
         self.free_bytes = free_bytes

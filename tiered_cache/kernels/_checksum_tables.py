@@ -67,7 +67,8 @@ def checksum_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, t
         if dev.type == "cpu":
             got = _host
         else:
-            got = tuple(t.to(dev) for t in _host)
+            a, b, s = _host
+            got = (a.to(dev), b.to(dev), s.to(dev))
             if dev.type == "cuda":
                 # Once per device: a copy from pageable memory may still be landing when the call
                 # returns, and the tables are read later from other streams.

@@ -42,6 +42,7 @@ class WrongSize:
 
 
 WRONG_SIZE = WrongSize()  # a layout no writer makes (a count that disagrees with the lengths)
+Read = Union[Value, WrongSize]  # what get_many hands back for a key that is there
 
 
 class StorageBackend(ABC):
@@ -51,7 +52,7 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def get_many(self, keys: Sequence[str], sizes: Optional[Sequence[Optional[int]]] = None,
-                 stop: Stop = None) -> list[Optional[Value]]:
+                 stop: Stop = None) -> list[Optional[Read]]:
         """The value of each key, or ``None`` where absent. A value is one buffer or a list of parts in
         order (a chunked backend hands its chunks up unjoined: joining 21 MB costs as much as parsing it).
 

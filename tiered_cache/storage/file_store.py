@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, StorageUnavailableError
-from tiered_cache.storage.backend import DEFAULT_MAX_VALUE_BYTES, Buffer, Stop, StorageBackend, Value, WrongSize
+from tiered_cache.storage.backend import DEFAULT_MAX_VALUE_BYTES, Buffer, Read, Stop, StorageBackend, WrongSize
 from tiered_cache.validate import int_arg
 
 _STALE_TMP_S = 3600.0
@@ -84,11 +84,11 @@ class FileStore(StorageBackend):
         return [self.path(k) for k in keys]  # all checked before any is touched
 
     def get_many(self, keys: Sequence[str], sizes: Optional[Sequence[Optional[int]]] = None,
-                 stop: Stop = None) -> list[Optional[Value]]:
+                 stop: Stop = None) -> list[Optional[Read]]:
         paths = self._paths(keys)
         if sizes is not None and len(sizes) != len(paths):
             raise InvalidArgumentError("sizes", f"{len(paths)} sizes (one per key)", len(sizes))
-        out: list[Optional[Value]] = []
+        out: list[Optional[Read]] = []
         for i, p in enumerate(paths):
             if stop is not None and stop():
                 out += [None] * (len(paths) - i)

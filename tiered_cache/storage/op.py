@@ -33,7 +33,7 @@ class StorageOp:
     hits: list[bool] = field(default_factory=list)
     values: list[Optional[bytes]] = field(default_factory=list)
     error: Optional[str] = None
-    _future: Optional[Future] = None
+    _future: Future = field(default_factory=Future)  # the worker's, from submit on
     _t2_checksums: list[int] = field(default_factory=list)
 
     @property

@@ -39,9 +39,9 @@ from tiered_cache.storage.backend import (
     DEFAULT_MAX_VALUE_BYTES,
     WRONG_SIZE,
     Buffer,
+    Read,
     Stop,
     StorageBackend,
-    Value,
     WrongSize,
 )
 from tiered_cache.validate import float_arg, int_arg
@@ -189,13 +189,14 @@ class RedisStore(StorageBackend):
         return out
 
     def get_many(self, keys: Sequence[str], sizes: Optional[Sequence[Optional[int]]] = None,
-                 stop: Stop = None) -> list[Optional[Value]]:
+                 stop: Stop = None) -> list[Optional[Read]]:
         n_keys = len(keys)
         if sizes is not None and len(sizes) != n_keys:
             raise InvalidArgumentError("sizes", f"{n_keys} sizes (one per key)", len(sizes))
-        want = [self.max_value_bytes if sizes is None or sizes[i] is None else sizes[i] for i in range(n_keys)]
-        exact = [sizes is not None and sizes[i] is not None for i in range(n_keys)]
-        out: list[Optional[Value]] = [None] * n_keys
+        given: Sequence[Optional[int]] = [None] * n_keys if sizes is None else sizes
+        want = [self.max_value_bytes if s is None else s for s in given]
+        exact = [s is not None for s in given]
+        out: list[Optional[Read]] = [None] * n_keys
         # Round 1: every chunk 0, each read with GETRANGE up to one byte past the largest chunk 0 the
         # expected size allows (a longer one is refused without being read whole).
         heads: list[Optional[bytes]] = [None] * n_keys
@@ -208,7 +209,7 @@ class RedisStore(StorageBackend):
             for i, v in zip(part, vals):
                 heads[i] = v or None  # GETRANGE of an absent key is b""
         rest: list[tuple[int, int, int]] = []  # (key index, chunk index, its expected length) still to fetch
-        counts: dict[int, int] = {}
+        counts: dict[int, tuple[int, bytes]] = {}  # key index -> (chunk count, chunk 0)
         for i, h in enumerate(heads):
             if h is None:
                 continue
@@ -223,7 +224,7 @@ class RedisStore(StorageBackend):
             if (total != want[i]) if exact[i] else (total > want[i]):
                 out[i] = WrongSize(total)  # not this entry's size: nothing more is fetched
                 continue
-            counts[i] = n
+            counts[i] = (n, h)
             rest += [(i, c, ln) for c, ln in enumerate(lens) if c]
         got: dict[tuple[int, int], bytes] = {}
         for part in self._groups(rest, [ln for _, _, ln in rest]):
@@ -235,10 +236,10 @@ class RedisStore(StorageBackend):
                 got[(i, c)] = v
                 if len(v) > ln:  # longer than its layout says
                     out[i] = WRONG_SIZE
-        for i, n in counts.items():
+        for i, (n, h) in counts.items():
             if isinstance(out[i], WrongSize):
                 continue
-            parts: list[Buffer] = [memoryview(heads[i])[_FRAME.size:]]
+            parts: list[Buffer] = [memoryview(h)[_FRAME.size:]]
             for c in range(1, n):
                 v = got.get((i, c))
                 if not v:  # a chunk evicted: hand up what is there, the format check counts it short

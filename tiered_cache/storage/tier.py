@@ -257,7 +257,7 @@ class StorageTier:
             return op
         n = len(op.keys)
         counts: collections.Counter[str] = collections.Counter()
-        hits, extra = [False] * n, [None] * n
+        hits, extra = [False] * n, [None] * n  # type: list[bool], list[Any]  # the worker's per-key results
         if op._future.cancelled():
             counts["timed_out" if op.timed_out else "cancelled"] += n
         else:
@@ -278,7 +278,7 @@ class StorageTier:
             if op.op in ("prefetch", "get"):
                 hits = [False] * n
         op.hits = hits
-        if op.op == "prefetch":
+        if op.op == "prefetch" and op.region is not None:
             for s, h, cs in zip(op.slots, hits, extra):
                 if h:
                     op.region.checksums[s] = cs
@@ -310,7 +310,7 @@ class StorageTier:
     def _prefetch_work(self, op: StorageOp, dests: Optional[list[np.ndarray]], slot_bytes: Optional[int]):
         n = len(op.keys)
         counts: collections.Counter[str] = collections.Counter()
-        hits, extra = [False] * n, [None if dests is None else 0] * n
+        hits, extra = [False] * n, [None if dests is None else 0] * n  # type: list[bool], list[Any]
         payload = slot_bytes if slot_bytes is not None else self.entry_bytes.get(op.kind)
         size = None if payload is None else HEADER_SIZE + payload
         per = max(1, self.batch_bytes // (slot_bytes or self.batch_bytes))
@@ -338,18 +338,18 @@ class StorageTier:
                     counts["bad_length"] += 1  # (a cut file is one of another size: not read to tell)
                     continue
                 try:
-                    h, payload = unpack(v, kind=op.kind, tag=self.tag, key=op.keys[i])
+                    h, parts = unpack(v, kind=op.kind, tag=self.tag, key=op.keys[i])
                 except StorageFormatError as e:
                     counts[f"bad_{e.reason}"] += 1
                     continue
                 if dests is None:
-                    extra[i] = b"".join(payload)
+                    extra[i] = b"".join(parts)
                 elif h.payload_len != slot_bytes:  # same fingerprint, other envelope size: not ours to serve
                     counts["bad_length"] += 1
                     continue
                 else:
                     pos = 0
-                    for p in payload:
+                    for p in parts:
                         dests[i][pos:pos + p.nbytes] = np.frombuffer(p, dtype=np.uint8)
                         pos += p.nbytes
                     extra[i] = h.t2_checksum
@@ -379,8 +379,8 @@ class StorageTier:
                 counts["_stopped"] = 1
                 break
             idx = todo[s:s + per]
-            items = [(skeys[i], [pack_header(op.kind, srcs[i], self.tag, op.keys[i], op._t2_checksums[i]), srcs[i]])
-                     for i in idx]
+            items = [(skeys[i], [pack_header(op.kind, srcs[i].data, self.tag, op.keys[i], op._t2_checksums[i]),
+                                 srcs[i]]) for i in idx]
             if self._backend_call("write", self.backend.put_many, items) is _DOWN:
                 counts["write_unavailable"] += len(idx)
                 continue

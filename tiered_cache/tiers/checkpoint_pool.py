@@ -78,6 +78,7 @@ def envelope_layout(spec: StateSpec, codec: str = "int8") -> tuple[tuple[Envelop
         raise InvalidTypeError("spec", "a StateSpec", type(spec).__name__)
     choice_arg("codec", codec, CODECS)
     L, (H, a, b) = spec.num_layers, spec.temporal_shape
+    parts: list[tuple[str, torch.dtype, tuple[int, ...]]]
     if codec == "int8":
         parts = [("qdata", torch.int8, (L, H, spec.d_v, spec.d_k)),
                  ("scale", spec.temporal_dtype, (L, H, 1, spec.d_k))]
@@ -118,7 +119,7 @@ class Int8CheckpointPool:
         self.capacity = num_slots + 1
         # T0 <-> T1 moves: "stores" / "loads" (slots) and "store_bytes" / "load_bytes" (envelopes written
         # or read), so an owner reports T1 traffic without wrapping the pool.
-        self.stats: collections.Counter = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         need = self.estimate_bytes(spec, num_slots, codec)
         if check_memory:
             free = dev.free_memory(self.device)
@@ -131,6 +132,8 @@ class Int8CheckpointPool:
         self.scale: Optional[torch.Tensor] = views.get("scale")
         self.data: Optional[torch.Tensor] = views.get("data")
         self.conv: list[torch.Tensor] = [views[f"conv{i}"] for i in range(len(spec.conv_shapes))]
+        # the temporal field's views, present in either codec: (qdata, scale) or (data,)
+        self._temporal = tuple(views[f.name] for f in self.fields[: 2 if codec == "int8" else 1])
         # Host-side slot bookkeeping (alloc/free never touch the device), with the busy guard that keeps
         # slots under an in-flight T2 transfer from being freed.
         self.allocator = SlotAllocator(num_slots, name="checkpoint")
@@ -231,9 +234,11 @@ class Int8CheckpointPool:
             raise InvalidArgumentError("ckpt_slots", f"{rows.numel()} ids, as many as active_ids", slots.numel())
         va = self.spec.value_axis
         if self.codec == "int8":
-            quant.validate_quantize_store(temporal, rows, self.qdata, self.scale, slots, va, check_ids=False)
+            qdata, scale = self._temporal
+            quant.validate_quantize_store(temporal, rows, qdata, scale, slots, va, check_ids=False)
         else:
-            quant.validate_copy_rows(temporal, rows, self.data, slots, check_ids=False, names=("side", "data"))
+            (data,) = self._temporal
+            quant.validate_copy_rows(temporal, rows, data, slots, check_ids=False, names=("side", "data"))
         for c_src, c_dst in zip(convs, self.conv):
             quant.validate_copy_rows(c_src, rows, c_dst, slots, check_ids=False, names=("side", "conv"))
         self.stats["stores"] += rows.numel()
@@ -242,10 +247,10 @@ class Int8CheckpointPool:
             return
         fin = self.flags.arm(slots)
         if self.codec == "int8":
-            quant.quantize_store(temporal, rows, self.qdata, self.scale, slots, va, backend=self.backend,
-                                 check_ids=False, finite=fin)
+            quant.quantize_store(temporal, rows, qdata, scale, slots, va, backend=self.backend, check_ids=False,
+                                 finite=fin)
         else:
-            quant.copy_rows(temporal, rows, self.data, slots, backend=self.backend, check_ids=False, finite=fin)
+            quant.copy_rows(temporal, rows, data, slots, backend=self.backend, check_ids=False, finite=fin)
         for c_src, c_dst in zip(convs, self.conv):
             quant.copy_rows(c_src, rows, c_dst, slots, backend=self.backend, check_ids=False, finite=fin)
         self.flags.sent(host_slots.tolist())
@@ -262,9 +267,11 @@ class Int8CheckpointPool:
             raise InvalidArgumentError("active_ids", f"{slots.numel()} ids, as many as ckpt_slots", rows.numel())
         va = self.spec.value_axis
         if self.codec == "int8":
-            quant.validate_dequantize_load(self.qdata, self.scale, slots, temporal, rows, va, check_ids=False)
+            qdata, scale = self._temporal
+            quant.validate_dequantize_load(qdata, scale, slots, temporal, rows, va, check_ids=False)
         else:
-            quant.validate_copy_rows(self.data, slots, temporal, rows, check_ids=False, names=("data", "side"))
+            (data,) = self._temporal
+            quant.validate_copy_rows(data, slots, temporal, rows, check_ids=False, names=("data", "side"))
         for c_src, c_dst in zip(self.conv, convs):
             quant.validate_copy_rows(c_src, slots, c_dst, rows, check_ids=False, names=("conv", "side"))
         self.stats["loads"] += rows.numel()
@@ -272,10 +279,9 @@ class Int8CheckpointPool:
         if rows.numel() == 0:
             return
         if self.codec == "int8":
-            quant.dequantize_load(self.qdata, self.scale, slots, temporal, rows, va, backend=self.backend,
-                                  check_ids=False)
+            quant.dequantize_load(qdata, scale, slots, temporal, rows, va, backend=self.backend, check_ids=False)
         else:
-            quant.copy_rows(self.data, slots, temporal, rows, backend=self.backend, check_ids=False)
+            quant.copy_rows(data, slots, temporal, rows, backend=self.backend, check_ids=False)
         for c_src, c_dst in zip(self.conv, convs):
             quant.copy_rows(c_src, slots, c_dst, rows, backend=self.backend, check_ids=False)
 
@@ -324,7 +330,7 @@ class Int8CheckpointPool:
         spec, n_conv = self.spec, len(self.spec.conv_shapes)
         host_ids = not isinstance(active_ids, torch.Tensor)
         ids = None if host_ids else self._device_ids("active_ids", active_ids)
-        host = None
+        host: Optional[np.ndarray] = None
         if isinstance(side, StateSide):
             if side.spec != spec:
                 raise InvalidArgumentError("side", f"a T0 side whose spec is {spec}", side.spec)
@@ -348,8 +354,6 @@ class Int8CheckpointPool:
             what = "physical rows"
             if host_ids:
                 host = self._host_ids("active_ids", active_ids)
-            else:
-                rows = ids
         else:
             raise InvalidTypeError("side", "a T0 state side (StateSide), ActiveViews or a temporal tensor",
                                    type(side).__name__)
@@ -358,7 +362,9 @@ class Int8CheckpointPool:
             raise InvalidArgumentError("side", f"{n_conv} conv views (spec.conv_shapes)", len(convs))
         for i, c in enumerate(convs):
             self._check_view(f"side.convs[{i}]", c, spec.conv_shapes[i], spec.conv_dtype, temporal.shape[1])
-        if host is None:
+        if host is None:  # physical rows given as a device tensor
+            assert ids is not None
+            rows = ids
             host = rows.detach().to("cpu", torch.int64).numpy()
         if host.size and (host.min() < 0 or host.max() >= temporal.shape[1]):
             raise InvalidArgumentError("active_ids", f"{what} (rows in [0, {temporal.shape[1]}))", host.tolist())

@@ -144,7 +144,7 @@ class HostMirror:
     """
 
     def __init__(self, regions: Sequence[RegionSpec], *, pin: str = "auto", chunk_bytes: int = 1 << 30,
-                 budget_bytes: Optional[int] = None, check_memory: bool = True) -> None:
+                 budget_bytes: Optional[float] = None, check_memory: bool = True) -> None:
         choice_arg("pin", pin, PIN_METHODS)
         if isinstance(regions, RegionSpec) or not isinstance(regions, (list, tuple)):
             raise InvalidTypeError("regions", "a list or tuple of RegionSpec", regions)

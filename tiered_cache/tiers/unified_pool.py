@@ -220,9 +220,9 @@ class UnifiedPool:
         if total_bytes is None:
             if low_slots is None and high_slots is None:
                 raise InvalidTypeError("total_bytes", "an int, or both low_slots and high_slots", None)
-            for arg, n in (("low_slots", low_slots), ("high_slots", high_slots)):
-                if n is None:
-                    raise InvalidTypeError(arg, "an int >= 1 (with the other side's slots, or total_bytes)", n)
+            if low_slots is None or high_slots is None:
+                arg = "low_slots" if low_slots is None else "high_slots"
+                raise InvalidTypeError(arg, "an int >= 1 (with the other side's slots, or total_bytes)", None)
             total_bytes = self.bytes_for(low, high, low_slots, high_slots, page_size)
         elif low_slots is not None or high_slots is not None:
             raise InvalidArgumentError("total_bytes", "either total_bytes or low_slots/high_slots, not both",
@@ -241,7 +241,7 @@ class UnifiedPool:
             raise InvalidTypeError("names", "two non-empty str names", names)
         if names[0] == names[1]:
             raise InvalidArgumentError("names", "two different names", names)
-        names = tuple(names)
+        low_name, high_name = names
         if check_memory:
             free = dev.free_memory(self.device)
             if total_bytes > free:
@@ -250,11 +250,11 @@ class UnifiedPool:
         self.page_size = page_size
         # Unwritten slots read as zeros, so a padded read of the sink is harmless.
         self.raw = torch.zeros(total_bytes, dtype=torch.uint8, device=self.device)
-        self.low: SubPool[KVSpec] = SubPool(self, names[0], low, "up", page_size, lazy_compaction, backend)
-        self.high: SubPool[Spec] = SubPool(self, names[1], high, "down", page_size, lazy_compaction, backend)
+        self.low: SubPool[KVSpec] = SubPool(self, low_name, low, "up", page_size, lazy_compaction, backend)
+        self.high: SubPool[Spec] = SubPool(self, high_name, high, "down", page_size, lazy_compaction, backend)
         self.low.allocator.bind_peer(self.high.allocator)
         self.high.allocator.bind_peer(self.low.allocator)
-        self._sides: dict[str, SubPool[Any]] = {names[0]: self.low, names[1]: self.high}
+        self._sides: dict[str, SubPool[Any]] = {low_name: self.low, high_name: self.high}
 
     @staticmethod
     def bytes_for(low: Spec, high: Spec, low_slots: int, high_slots: int, page_size: int = 1) -> int:
