@@ -39,7 +39,7 @@ def test_sglang_scenario_page_size_1(codec):
     assert len(match(cache, [10, 11, 12]).device_indices) == 0
     r = cache.evict(EvictParams(mamba_num=1))
     assert (r.num_tokens_evicted, r.mamba_num_evicted) == (0, 1)  # [1, 2, 3] becomes a tombstone
-    assert cache.root.children[1].key == [1, 2, 3] and cache.root.children[1].mamba_value is None
+    assert cache.root.children[1].key == [1, 2, 3] and cache.root.children[1].payload.mamba_value is None
     cache.check_invariants(request_states=torch.empty(0))
 
     assert len(match(cache, [1, 2, 3, 4, 5]).device_indices) == 0
@@ -96,7 +96,7 @@ def test_page_size_4_alignment():
     res, _ = insert_fresh(cache, [1, 2, 3, 4, 9, 9, 9, 9])
     assert (res.prefix_len, res.cached_len) == (4, 8)
     top = cache.root.children[(1, 2, 3, 4)]
-    assert top.key == [1, 2, 3, 4] and top.mamba_value is None and len(top.children) == 2
+    assert top.key == [1, 2, 3, 4] and top.payload.mamba_value is None and len(top.children) == 2
     m = match(cache, [1, 2, 3, 4, 5, 6, 7])  # KV for 4 tokens, no state before 8
     assert len(m.device_indices) == 0 and m.kv_hit_length == 4 and m.mamba_branching_seqlen == 4
     for x in cache.root.children.values():
@@ -143,7 +143,7 @@ def test_locks_protect_and_report_deltas():
     assert cache.mamba_evictable_size() == 1  # [1, 2, 3]'s state is not locked: the state lock is the node's
     assert cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 0
     r = cache.evict(EvictParams(mamba_num=5))
-    assert r.mamba_num_evicted == 1 and cache.root.children[1].mamba_value is None  # tombstone, kept
+    assert r.mamba_num_evicted == 1 and cache.root.children[1].payload.mamba_value is None  # tombstone, kept
     cache.check_invariants(request_states=torch.empty(0))
     assert cache.dec_lock_ref(leaf).delta == 5
     with pytest.raises(InvalidArgumentError):
@@ -184,7 +184,7 @@ def test_state_recency_only_on_store_or_match():
     insert_fresh(cache, [3, 4])
     insert_fresh(cache, [1, 2, 5])  # walks through [1, 2] but does not refresh its state
     assert cache.evict(EvictParams(mamba_num=1)).mamba_num_evicted == 1
-    assert cache.root.children[1].mamba_value is None
+    assert cache.root.children[1].payload.mamba_value is None
     match(cache, [3, 4])
     insert_fresh(cache, [6])
     r = cache.evict(EvictParams(mamba_num=1))  # [5] is now the LRU state: a leaf, removed with its tombstone parent

@@ -64,9 +64,9 @@ def tiered(codec="int8", device="cpu"):
 def test_tiered_match_and_load_back(codec):
     cache, saved, state = tiered(codec)
     n12, n34, n56 = (node_at(cache, t) for t in ([1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]))
-    assert n12.value is not None and n12.mamba_value is not None
+    assert n12.value is not None and n12.payload.mamba_value is not None
     assert n34.value is None and n34.host_kv is not None and n34.is_tombstone
-    assert n56.value is None and n56.mamba_value is None and n56.state_host is not None
+    assert n56.value is None and n56.payload.mamba_value is None and n56.payload.state_host is not None
     m = match(cache, [1, 2, 3, 4, 5, 6, 99])
     assert len(m.device_indices) == 2 and m.last_device_node is n12
     assert (m.host_hit_length, m.mamba_host_hit_length) == (4, 1)
@@ -85,7 +85,8 @@ def test_tiered_match_and_load_back(codec):
     got = cache.states.temporal_view_all()[:, cache.states.translate(req.mamba_pool_idx)[0]]
     assert torch.equal(got, state[0])  # the dequantized checkpoint, bit for bit
     assert torch.equal(cache.states.conv_view_all(0)[:, cache.states.translate(req.mamba_pool_idx)[0]], state[1])
-    assert n34.host_kv is not None and n56.host_kv is not None and n56.state_host is not None  # host copies stay
+    # host copies stay
+    assert n34.host_kv is not None and n56.host_kv is not None and n56.payload.state_host is not None
     assert n56.full_lock_ref == 0 and n12.full_lock_ref == 0 and not n56.tickets  # locks released
     cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=req.mamba_pool_idx)
     m2 = match(cache, [1, 2, 3, 4, 5, 6, 99])
@@ -221,10 +222,10 @@ def test_t1_full_demotes_states_to_host_and_t2_full_drops_lru():
     insert_fresh(cache, [2])
     insert_fresh(cache, [3])  # T1 full: [1]'s state (LRU) is demoted to T2
     n1 = node_at(cache, [1])
-    assert n1.mamba_value is None and n1.state_host is not None
+    assert n1.payload.mamba_value is None and n1.payload.state_host is not None
     assert match(cache, [1]).mamba_host_hit_length == 1
     insert_fresh(cache, [4])  # T1 full, T2 full: [1]'s host state goes (T2 LRU), then [2]'s moves down
-    assert not n1.alive and node_at(cache, [2]).state_host is not None
+    assert not n1.alive and node_at(cache, [2]).payload.state_host is not None
     cache.check_invariants(request_states=torch.empty(0))
 
 
@@ -242,7 +243,7 @@ def test_corrupt_host_entry_is_a_miss_never_a_hit(what, locked):
     if what == "kv":
         cache.kv_region.flip_bit(x.host_kv[0], 5, 1)
     else:
-        cache.state_region.flip_bit(x.state_host, 3, 7)
+        cache.state_region.flip_bit(x.payload.state_host, 3, 7)
     m = match(cache, [1, 2, 3, 4])
     assert m.best_match_node is x and m.host_hit_length == 2
     req = req_for([1, 2, 3, 4])
@@ -376,7 +377,7 @@ def test_demotion_and_write_back_on_cuda():
     x = node_at(cache, [1, 2, 3, 4])
     saved = rows_of(cache, x.value)
     cache.evict(EvictParams(num_tokens=6, mamba_num=2))
-    assert x.value is None and x.host_kv is not None and x.state_host is not None
+    assert x.value is None and x.host_kv is not None and x.payload.state_host is not None
     cache.kv_region.flip_bit(node_at(cache, [5, 6]).host_kv[0], 0, 0)
     for toks, ok in (([1, 2, 3, 4], True), ([5, 6], False)):
         m = match(cache, toks)

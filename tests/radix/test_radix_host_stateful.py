@@ -52,8 +52,8 @@ def hi_contents(cache):
         for j in range(0, len(x.key), ps):
             kv[(salt, pre + tuple(x.key[:j + ps]))] = (None if ids is None else tuple(ids[j:j + ps]),
                                                        None if x.host_kv is None else x.host_kv[j // ps])
-        if x.mamba_value is not None or x.state_host is not None:
-            states[(salt, full)] = (x.mamba_value is not None, x.state_host is not None)
+        if x.payload.mamba_value is not None or x.payload.state_host is not None:
+            states[(salt, full)] = (x.payload.mamba_value is not None, x.payload.state_host is not None)
         nodes[(salt, full)] = x
     return kv, states, nodes
 
@@ -71,7 +71,7 @@ class HiRadixMachine(CacheMachine):
         self.kv, self.states, _ = hi_contents(c)
         self.reqs, self.loads, self.finished = [], [], []
         self.checked = []  # failed loads' handles whose corrupt entries were seen to leave
-        apply = c._apply_load
+        apply = c.host_tier.loads.apply_load
 
         def apply_and_check(op):
             """A failed load drops its corrupt host entries: checked the moment the cache applies it
@@ -83,12 +83,13 @@ class HiRadixMachine(CacheMachine):
             bad = ld["bad"] if ld is not None else bad_entries(op.tickets, host_regions(c))  # (in init_load_back)
             _, _, nodes = hi_contents(c)
             owned = {(id(c.kv_region), h) for x in nodes.values() for h in (x.host_kv or [])}
-            owned |= {(id(c.state_region), x.state_host) for x in nodes.values() if x.state_host is not None}
+            owned |= {(id(c.state_region), x.payload.state_host) for x in nodes.values()
+                      if x.payload.state_host is not None}
             for region, slot in bad:  # the corrupt entry left the tree (or was written again)
                 assert (id(region), slot) not in owned or not corrupt(region, slot), "a corrupt entry stayed"
             self.checked.append(op.handle)
 
-        c._apply_load = apply_and_check
+        c.host_tier.loads.apply_load = apply_and_check
 
     # ------------------------------------------------------------------ model
     def expect_match(self, toks, salt):
@@ -331,13 +332,13 @@ class HiRadixMachine(CacheMachine):
             check_host_k(c.kv_region, host, k_off, ps, torch.tensor(h))
         data = c.ckpt.field("data")
         for (s, full), x in nodes.items():
-            if x.mamba_value is None and x.state_host is None:
+            if x.payload.mamba_value is None and x.payload.state_host is None:
                 continue
             want_t = state_pattern(list(full), s)[0]
-            if x.mamba_value is not None:
-                assert torch.equal(c.ckpt.data[:, int(x.mamba_value)], want_t), "cached state content changed"
-            if x.state_host is not None and not corrupt(c.state_region, x.state_host):
-                raw = c.state_region.slot(x.state_host)[data.offset:data.offset + data.nbytes]
+            if x.payload.mamba_value is not None:
+                assert torch.equal(c.ckpt.data[:, int(x.payload.mamba_value)], want_t), "cached state content changed"
+            if x.payload.state_host is not None and not corrupt(c.state_region, x.payload.state_host):
+                raw = c.state_region.slot(x.payload.state_host)[data.offset:data.offset + data.nbytes]
                 assert torch.equal(raw.view(torch.float32).view(want_t.shape), want_t), "host state changed"
 
     def teardown(self):

@@ -28,7 +28,7 @@ def tree_contents(cache):
         ids = x.value.tolist()
         for j in range(0, len(x.key), ps):
             kv[(salt, pre + tuple(x.key[:j + ps]))] = tuple(ids[j:j + ps])
-        if x.mamba_value is not None:
+        if x.payload.mamba_value is not None:
             states.add((salt, pre + tuple(x.key)))
     return kv, states
 
@@ -171,9 +171,9 @@ class RadixMachine(CacheMachine):
                 want.extend(float(h) for h in prefix_hashes(p, s)[-self.ps:])
             assert torch.equal(k0(c.kv, ids, self.ps), torch.tensor(want)), "cached KV content changed"
         for x, salt, pre in walk(c):
-            if x.mamba_value is not None:
+            if x.payload.mamba_value is not None:
                 want_t = state_pattern(list(pre + tuple(x.key)), salt)[0]
-                assert torch.equal(c.ckpt.data[:, int(x.mamba_value)], want_t), "cached state content changed"
+                assert torch.equal(c.ckpt.data[:, int(x.payload.mamba_value)], want_t), "cached state content changed"
 
     def teardown(self):
         c = self.cache

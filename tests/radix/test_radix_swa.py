@@ -31,13 +31,13 @@ def test_a_match_whose_window_was_tombstoned_hits_shorter():
     b = node_at(cache, range(1, 9))
     # LRU first: A, B and C were touched by the last match in path order, so A goes first
     a = node_at(cache, [1, 2, 3, 4])
-    assert a.swa_tomb and not b.swa_tomb and r.swa_num_tokens_evicted == 4 and r.num_tokens_evicted == 0
+    assert a.payload.swa_tomb and not b.payload.swa_tomb and r.swa_num_tokens_evicted == 4 and r.num_tokens_evicted == 0
     assert len(match(cache, [1, 2, 3, 4]).device_indices) == 0  # its own window is gone
     m = match(cache, range(1, 11))  # the window before 8 and 10 lies in B and C: still whole
     assert len(m.device_indices) == 10
     check_swa(cache, m.swa_device_indices, list(range(1, 11)), start=4)
     cache.evict(EvictParams(swa_num_tokens=1))  # B (C is newer)
-    assert b.swa_tomb
+    assert b.payload.swa_tomb
     m = match(cache, range(1, 11))  # window before 10 = [6, 10): B's part is gone -> no hit at all
     assert len(m.device_indices) == 0 and m.kv_hit_length == 10
     r = cache.evict(EvictParams(swa_num_tokens=1))  # C is a leaf: removed whole, then B and A (tombstones)
@@ -51,7 +51,7 @@ def test_window_tombstone_in_the_middle_hits_the_node_before():
     cache.inc_lock_ref(a)  # a locked path keeps its SWA KV: B (older than C) is the victim
     assert cache.evict(EvictParams(swa_num_tokens=1)).swa_num_tokens_evicted == 4
     cache.dec_lock_ref(a)
-    assert b.swa_tomb and not a.swa_tomb
+    assert b.payload.swa_tomb and not a.payload.swa_tomb
     m = match(cache, range(1, 11))  # the window before 10 reaches into B: cut back to A
     assert len(m.device_indices) == 4 and m.last_device_node is a and m.kv_hit_length == 10
     cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
@@ -62,15 +62,15 @@ def test_swa_evicted_seqlen_caches_the_slid_out_span_as_tombstones():
     res = insert_swa(cache, list(range(1, 11)), evicted=5)  # SWA of [0, 5) gone: page [4, 6) with it
     assert res.cached_len == 10
     top = cache.root.children[(1, 2)]
-    assert top.key == [1, 2, 3, 4, 5, 6] and top.swa_tomb and top.swa_value is None
+    assert top.key == [1, 2, 3, 4, 5, 6] and top.payload.swa_tomb and top.payload.swa_value is None
     leaf = node_at(cache, range(1, 11))
-    assert leaf.key == [7, 8, 9, 10] and not leaf.swa_tomb
+    assert leaf.key == [7, 8, 9, 10] and not leaf.payload.swa_tomb
     assert len(match(cache, range(1, 11)).device_indices) == 10
     assert len(match(cache, range(1, 7)).device_indices) == 0
     assert cache.swa.allocator.num_live == 2  # the tree took 2 SWA pages, the caller freed the rest
     # the same tokens again with their full window: the tombstone takes the caller's SWA ids
     res = insert_swa(cache, list(range(1, 7)))
-    assert res.prefix_len == 6 and not top.swa_tomb
+    assert res.prefix_len == 6 and not top.payload.swa_tomb
     m = match(cache, range(1, 7))
     assert len(m.device_indices) == 6
     check_swa(cache, m.swa_device_indices, list(range(1, 7)))
@@ -84,10 +84,12 @@ def test_an_offloaded_window_loads_back_byte_equal(policy):
     b, c = node_at(cache, range(1, 9)), node_at(cache, range(1, 11))
     ps = 2
     saved_full = cache.kv.rows_bytes()[cache.kv.translate(torch.cat([b.value, c.value])[::ps]) // ps].clone()
-    saved_swa = cache.swa.rows_bytes()[cache.swa.translate(torch.cat([b.swa_value, c.swa_value])[::ps]) // ps].clone()
+    swa_ids = torch.cat([b.payload.swa_value, c.payload.swa_value])
+    saved_swa = cache.swa.rows_bytes()[cache.swa.translate(swa_ids[::ps]) // ps].clone()
     match(cache, [1, 2, 3, 4])
     assert cache.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6  # C, then B: demoted with their SWA KV
-    assert b.value is None and b.swa_host is not None and not b.swa_tomb and c.swa_host is not None
+    assert b.value is None and b.payload.swa_host is not None and not b.payload.swa_tomb
+    assert c.payload.swa_host is not None
     m = match(cache, range(1, 11))
     assert (len(m.device_indices), m.host_hit_length, m.swa_host_hit_length) == (4, 6, 6)
     assert m.best_match_node is c
@@ -101,7 +103,7 @@ def test_an_offloaded_window_loads_back_byte_equal(policy):
     m = match(cache, range(1, 11))
     assert len(m.device_indices) == 10 and m.host_hit_length == 0
     check_swa(cache, m.swa_device_indices, list(range(1, 11)))
-    assert b.host_kv is not None and b.swa_host is not None  # host copies stay
+    assert b.host_kv is not None and b.payload.swa_host is not None  # host copies stay
     cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
 
 
@@ -111,7 +113,7 @@ def test_corrupt_swa_host_page_is_a_miss():
     match(cache, [1, 2, 3, 4])
     cache.evict(EvictParams(num_tokens=6))
     c = node_at(cache, range(1, 11))
-    cache.swa_region.flip_bit(c.swa_host[0], 1, 2)
+    cache.swa_region.flip_bit(c.payload.swa_host[0], 1, 2)
     m = match(cache, range(1, 11))
     req = CacheReq(token_ids=list(range(1, 11)), kv_indices=torch.empty(0, dtype=torch.int64))
     cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
@@ -183,7 +185,7 @@ def test_cache_unfinished_req_chunked_prefill_locks_and_repoints():
     first = req.last_node
     cache.cache_unfinished_req(req, chunked=True)
     assert req.cache_protected_len == 10 and first.full_lock_ref == 1 and req.last_node.full_lock_ref == 1
-    assert node_at(cache, toks[:6]).swa_tomb and not node_at(cache, toks[:10]).swa_tomb
+    assert node_at(cache, toks[:6]).payload.swa_tomb and not node_at(cache, toks[:10]).payload.swa_tomb
     cache.check_invariants(request_kv=_owned(req)[0], request_states=_owned(req)[1])
     m = match(cache, toks[:10])
     assert len(m.device_indices) == 10 and torch.equal(m.device_indices, req.kv_indices[:10])
@@ -292,13 +294,13 @@ def _offloaded_window_loads_back_on(device, policy):
     toks = list(range(1, 11))
     a, b, c = node_at(cache, [1, 2, 3, 4]), node_at(cache, range(1, 9)), node_at(cache, toks)
     saved_full = _rows(cache.kv, torch.cat([b.value, c.value]))
-    saved_swa = _rows(cache.swa, torch.cat([b.swa_value, c.swa_value]))
+    saved_swa = _rows(cache.swa, torch.cat([b.payload.swa_value, c.payload.swa_value]))
     assert saved_full.device == cache.device and saved_swa.device == cache.device
     match(cache, [1, 2, 3, 4])
     assert cache.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6  # C, then B: demoted with their SWA KV
     for x in (b, c):
-        assert x.value is None and x.swa_value is None and not x.swa_tomb
-        assert x.host_kv is not None and x.swa_host is not None
+        assert x.value is None and x.payload.swa_value is None and not x.payload.swa_tomb
+        assert x.host_kv is not None and x.payload.swa_host is not None
     m = match(cache, toks)
     assert (len(m.device_indices), m.host_hit_length, m.swa_host_hit_length) == (4, 6, 6)
     assert m.best_match_node is c and m.last_device_node is a
@@ -314,13 +316,13 @@ def _offloaded_window_loads_back_on(device, policy):
     cache.check_hicache_events()
     assert h.done and h.ok
     assert torch.equal(torch.cat([b.value, c.value]), ids)
-    assert torch.equal(torch.cat([b.swa_value, c.swa_value]), h.swa_indices)
+    assert torch.equal(torch.cat([b.payload.swa_value, c.payload.swa_value]), h.swa_indices)
     assert torch.equal(_rows(cache.kv, ids), saved_full)  # full KV byte-equal to what was demoted
     assert torch.equal(_rows(cache.swa, h.swa_indices), saved_swa)  # SWA KV too
     check_kv(cache, torch.cat([m.device_indices, ids]), toks)
     check_swa(cache, torch.cat([m.swa_device_indices, h.swa_indices]), toks)
     for x in (b, c):
-        assert x.host_kv is not None and x.swa_host is not None and not x.swa_tomb  # host copies stay
+        assert x.host_kv is not None and x.payload.swa_host is not None and not x.payload.swa_tomb  # host copies stay
         assert not x.tickets
     assert a.full_lock_ref == b.full_lock_ref == c.full_lock_ref == 0  # locks released
     cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
@@ -334,15 +336,15 @@ def _demotion_write_back_and_corrupt_swa_on(device):
     cache = three(write_policy="write_back", device=device)
     toks = list(range(1, 11))
     b, c = node_at(cache, range(1, 9)), node_at(cache, toks)
-    assert all(x.host_kv is None and x.swa_host is None for x in (b, c))  # write_back: nothing on the host yet
-    saved_full, saved_swa = _rows(cache.kv, b.value), _rows(cache.swa, b.swa_value)
+    assert all(x.host_kv is None and x.payload.swa_host is None for x in (b, c))  # write_back: nothing on the host yet
+    saved_full, saved_swa = _rows(cache.kv, b.value), _rows(cache.swa, b.payload.swa_value)
     match(cache, [1, 2, 3, 4])
     assert cache.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6  # written back, then demoted
     for x in (b, c):
-        assert x.alive and x.value is None and x.swa_value is None and not x.swa_tomb and not x.tickets
-        assert x.host_kv is not None and x.swa_host is not None
+        assert x.alive and x.value is None and x.payload.swa_value is None and not x.payload.swa_tomb and not x.tickets
+        assert x.host_kv is not None and x.payload.swa_host is not None
     cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
-    cache.swa_region.flip_bit(c.swa_host[0], 1, 2)  # C's full KV intact, its SWA page not
+    cache.swa_region.flip_bit(c.payload.swa_host[0], 1, 2)  # C's full KV intact, its SWA page not
     m, ids, h = _load(cache, toks[:8])  # B alone: intact
     assert h.ok and m.best_match_node is b and len(ids) == 4
     assert torch.equal(_rows(cache.kv, ids), saved_full) and torch.equal(_rows(cache.swa, h.swa_indices), saved_swa)
@@ -351,7 +353,7 @@ def _demotion_write_back_and_corrupt_swa_on(device):
     assert m.best_match_node is c and len(ids) == 2
     assert not h.ok and not c.alive and b.children == {}
     assert cache.engine.stats["checksum_failures"] == 1 and cache.stats["corrupt_host_kv_dropped"] == 1
-    assert c.value is None and c.swa_value is None  # its loaded pages went back, never served
+    assert c.value is None and c.payload.swa_value is None  # its loaded pages went back, never served
     cache.check_invariants(request_kv=_nothing(cache), request_states=_nothing(cache))
     m = match(cache, toks)  # a miss for C: the hit ends at B, on the device
     assert len(m.device_indices) == 8 and m.host_hit_length == 0 and m.swa_host_hit_length == 0

@@ -40,12 +40,13 @@ def swa_contents(cache):
         if x.value is None and x.host_kv is None:
             continue
         ids = None if x.value is None else x.value.tolist()
-        sw = None if x.swa_value is None else x.swa_value.tolist()
+        sw = None if x.payload.swa_value is None else x.payload.swa_value.tolist()
         for j in range(0, len(x.key), ps):
             kv[(salt, pre + tuple(x.key[:j + ps]))] = (
                 None if ids is None else tuple(ids[j:j + ps]), None if x.host_kv is None else x.host_kv[j // ps],
-                None if sw is None else tuple(sw[j:j + ps]), None if x.swa_host is None else x.swa_host[j // ps],
-                x.swa_tomb)
+                None if sw is None else tuple(sw[j:j + ps]),
+                None if x.payload.swa_host is None else x.payload.swa_host[j // ps],
+                x.payload.swa_tomb)
         nodes[(salt, full)] = x
     return kv, nodes
 

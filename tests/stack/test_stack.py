@@ -55,7 +55,7 @@ def test_state_model_with_host_tier():
         assert c.host.region("state").slot_bytes == c.t1.slot_bytes
         assert c.host.region("full").slot_bytes == c.kv.entry_bytes
         insert_fresh(c.tree, [1, 2, 3, 4])
-        while c.tree._ops:  # the write-through backup lands
+        while c.tree.host_tier.busy:  # the write-through backup lands
             c.tree.check_hicache_events()
         assert c.stats()["transfer"]["d2h_bytes"] == 2 * c.kv.entry_bytes
         c.check_invariants()

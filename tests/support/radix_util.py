@@ -228,14 +228,15 @@ def full_snapshot(cache) -> tuple:
         for ck in sorted(x.children, key=repr):
             c = x.children[ck]
             nodes.append((pre, tuple(c.key), None if c.value is None else tuple(c.value.tolist()),
-                          None if c.mamba_value is None else int(c.mamba_value), c.state_host, c.host_kv,
+                          None if getattr(c.payload, "mamba_value", None) is None else int(c.payload.mamba_value),
+                          getattr(c.payload, "state_host", None), c.host_kv,
                           c.full_lock_ref, c.mamba_lock_ref, c.hit_count,
                           tuple(pol.stamp(r, c) for r in ("kv", "state")),
                           tuple(c in pol.candidates(r) for r in ("kv", "state", "kv_host", "state_host", "swa"))))
             stack.append((c, pre + tuple(c.key)))
     sizes = (cache.full_evictable_size(), cache.full_protected_size(), cache.mamba_evictable_size(),
              cache.mamba_protected_size(), cache.kv.available_size())
-    if cache.ckpt is not None:
+    if cache.supports_mamba():
         sizes += (cache.states.available_size(), cache.ckpt.available_size())
     if cache.host is not None:
         sizes += tuple(r.available_size() for r in cache.host.regions.values()) if hasattr(cache.host, "regions") \

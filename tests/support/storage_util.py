@@ -175,8 +175,7 @@ def settle(cache, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         cache.check_hicache_events()
-        # _ops: the tree's T2 transfers in flight (read only here, to know when backups have landed)
-        if not cache._ops and tier.pending() == 0 and not cache.t3.fetches:
+        if not cache.host_tier.busy and tier.pending() == 0 and not cache.t3.fetches:
             return
         time.sleep(0.005)
     raise AssertionError(f"T2/T3 ops not done in {timeout_s} s")

@@ -1,10 +1,11 @@
 """The radix caches of hybrid models: ``HiMambaRadixCache`` (KV + recurrent states over T0, T1 and
-T2) and ``HiSWARadixCache`` (full + sliding-window KV over T0 and T2)."""
+T2) and ``HiSWARadixCache`` (full + sliding-window KV over T0 and T2), facades over a ``RadixTree``,
+a resume rule per kind (``MambaRule``, ``SWARule``), the ``HostTier`` and the ``Eviction``."""
 
 from __future__ import annotations
 
 from tiered_cache.radix.cache import HiMambaRadixCache
-from tiered_cache.radix.host import LoadBack
+from tiered_cache.radix.loadback import LoadBack
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import (
     CacheReq,

@@ -1,4 +1,4 @@
-"""Input checks and key parsing of ``HiMambaRadixCache``: every one raises before anything changes."""
+"""Input checks and key parsing of the radix caches: every one raises before anything changes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any, Optional
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
-from tiered_cache.radix.node import TreeNode
-from tiered_cache.radix.params import RadixKey
+from tiered_cache.radix.params import InsertParams, RadixKey
+from tiered_cache.tiers.protocols import StateSide
 from tiered_cache.validate import _INT_TORCH, int_list, is_int
 
 
@@ -28,6 +28,19 @@ def common_len(node_key: list[int], key: list[int], start: int, end: int, page_s
     return i // page_size * page_size
 
 
+def insert_args(params: Any, page_size: int, device: Any, ids: tuple[str, ...]) -> tuple[list[int], Any, int, int]:
+    """An ``InsertParams``' key, its T0 ids (the fields ``ids``, one per token) and ``prev_prefix_len``,
+    checked. -> (token ids, tenant salt, prev_prefix_len, page-aligned key length)."""
+    if not isinstance(params, InsertParams):
+        raise InvalidTypeError("params", "an InsertParams", type(params).__name__)
+    toks, salt = parse_key(params.key)
+    n = len(toks)
+    for arg in ids:
+        check_value(arg, getattr(params, arg), n, device)
+    check_prev_prefix_len(params.prev_prefix_len, n, page_size)
+    return toks, salt, int(params.prev_prefix_len), n // page_size * page_size
+
+
 def check_prev_prefix_len(prev: Any, n: int, page_size: int) -> None:
     """``InsertParams.prev_prefix_len``: a whole number of pages inside the key."""
     what = f"a multiple of page_size={page_size} in [0, {n}]"
@@ -35,20 +48,6 @@ def check_prev_prefix_len(prev: Any, n: int, page_size: int) -> None:
         raise InvalidTypeError("prev_prefix_len", what, prev)
     if not 0 <= int(prev) <= n or int(prev) % page_size:
         raise InvalidArgumentError("prev_prefix_len", what, prev)
-
-
-def check_node(cache, node: Any, arg: str = "node") -> None:
-    if not isinstance(node, TreeNode):
-        raise InvalidTypeError(arg, "a TreeNode of this cache", type(node).__name__)
-    if node.owner is not cache._token or not node.alive:
-        raise InvalidArgumentError(arg, "a live node of this cache", node)
-
-
-def check_locked(cache, node: Any, arg: str) -> None:
-    """``node`` is a live node of this cache that ``inc_lock_ref`` locked (the root always counts)."""
-    check_node(cache, node, arg)
-    if node is not cache.root and node.mamba_lock_ref <= 0:
-        raise InvalidArgumentError(arg, "a node locked by inc_lock_ref", node)
 
 
 def parse_key(key: Any, arg: str = "key") -> tuple[list[int], Optional[str]]:
@@ -68,47 +67,62 @@ def parse_key(key: Any, arg: str = "key") -> tuple[list[int], Optional[str]]:
     return toks, salt
 
 
-def state_slot(cache, arg: str, slot: Any) -> torch.Tensor:
-    """One T0 state slot id (an int or a 1-element integer tensor on the cache's device) as a tensor [1].
-    Slot 0 is the sink: never an active id."""
-    what = f"one T0 state slot id in [1, {cache.states.capacity}) (an int or an int64 tensor on {cache.device})"
+def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:
+    """One slot id of the T0 state side ``states`` (an int or a 1-element integer tensor on its device)
+    as a tensor [1]. Slot 0 is the sink: never an active id."""
+    what = f"one T0 state slot id in [1, {states.capacity}) (an int or an int64 tensor on {states.device})"
     if is_int(slot) and not isinstance(slot, torch.Tensor):
         v = int(slot)
-        if not 0 < v < cache.states.capacity:
+        if not 0 < v < states.capacity:
             raise InvalidArgumentError(arg, what, slot)
-        return torch.tensor([v], dtype=torch.int64, device=cache.device)
+        return torch.tensor([v], dtype=torch.int64, device=states.device)
     if not isinstance(slot, torch.Tensor) or slot.dtype not in _INT_TORCH:
         raise InvalidTypeError(arg, what, desc(slot))
-    if slot.numel() != 1 or slot.device != cache.device:
+    if slot.numel() != 1 or slot.device != states.device:
         raise InvalidArgumentError(arg, what, desc(slot))
     return slot.reshape(1) if slot.dtype in (torch.int64, torch.int32) else slot.reshape(1).to(torch.int64)
 
 
-def check_state_allocated(cache, slot: torch.Tensor, arg: str = "mamba_value") -> None:
+def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mamba_value") -> None:
     v = int(slot)
-    if not 0 < v < cache.states.capacity or int(cache.states.translate(slot)) < 0:
+    if not 0 < v < states.capacity or int(states.translate(slot)) < 0:
         raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
 
 
-def check_callers_kv(cache, v: torch.Tensor, arg: str = "value") -> None:
-    """``v`` (whole pages) must be allocated in T0, distinct, and not already the tree's (a few host syncs).
-    ``arg``: the caller's name for ``v`` in errors."""
-    ps = cache.page_size
+def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value") -> None:
+    """``v`` (whole pages) must be allocated in T0, distinct, and not already the ``RadixTree``'s (a few
+    host syncs). ``arg``: the caller's name for ``v`` in errors."""
+    ps = tree.page_size
     first = v[::ps]
     pages = first // ps
     if ps > 1:
-        ok_shape = bool(torch.equal(v.view(-1, ps), first[:, None] + cache._offsets))
+        ok_shape = bool(torch.equal(v.view(-1, ps), first[:, None] + tree.offsets))
         ok_shape = ok_shape and bool((first % ps == 0).all())
     else:
         ok_shape = True
     if not ok_shape:
         raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", v[:16].tolist())
-    if pages.numel() and (int(pages.min()) < 1 or int(pages.max()) >= cache.kv.capacity):
-        raise InvalidArgumentError(arg, f"KV ids of pages in [1, {cache.kv.capacity})", v[:16].tolist())
-    bad = (cache.kv.translate(first) < 0) | cache._owned[pages]
+    if pages.numel() and (int(pages.min()) < 1 or int(pages.max()) >= tree.kv.capacity):
+        raise InvalidArgumentError(arg, f"KV ids of pages in [1, {tree.kv.capacity})", v[:16].tolist())
+    bad = (tree.kv.translate(first) < 0) | tree.owned[pages]
     if bool(bad.any()) or torch.unique(pages).numel() != pages.numel():
         raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)",
                                    v[:16].tolist())
+
+
+def check_value(arg: str, value: Any, n: int, device: Any) -> None:
+    """``value``: one T0 KV id per token of an ``n``-token key, a 1-D int64 tensor on ``device``."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidTypeError(arg, "a 1-D int64 tensor of KV ids", desc(value))
+    if value.dtype != torch.int64:
+        raise InvalidTypeError(arg, "a 1-D int64 tensor of KV ids", desc(value))
+    if value.dim() != 1:
+        raise InvalidArgumentError(arg, "a 1-D int64 tensor of KV ids", desc(value))
+    if value.device != device:
+        raise InvalidArgumentError(arg, f"a tensor on {device}", value.device)
+    if value.numel() != n:
+        # The two disagree: either may be the wrong one, so the error names both.
+        raise InvalidArgumentError(f"key, {arg}", f"one KV id per token ({n} tokens)", f"{value.numel()} ids")
 
 
 def desc(x: Any) -> Any:

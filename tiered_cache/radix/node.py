@@ -9,15 +9,13 @@ the node owns, because the tree changes where a node lives only when the ticket 
     value_pending  T0 ids a load back is writing (owned by the load until its ticket completes)
     host_kv        T2 host pages of the span, one slot per page (a list: a split partitions it)
     host_pending   T2 host pages a backup is writing (owned by the backup until it completes)
-    mamba_value    T1 checkpoint slot of the state at the span's end (1-element LongTensor) or None
-    state_host     T2 host state slot of that state, or None. No state in T1 nor T2: a *tombstone*
-                   (a hybrid model cannot resume at this node)
-    swa_value ...  SWA mode: the same four fields for the sliding-window KV, and ``swa_tomb``
+    payload        what the hybrid kind needs to resume at the span's end (its resume rule's payload:
+                   ``mamba.MambaPayload``, a recurrent state; ``swa.SWAPayload``, the span's SWA KV).
+                   ``payload.resumable`` False: a *tombstone* (a hybrid model cannot resume here)
     tickets        in-flight operations (``host.Op``) reading or writing this node's data; a node
                    with one is never dropped and never a victim
     full_lock_ref  locks on this node or any descendant (the lock covers the path to the root)
-    mamba_lock_ref locks taken on this node itself; they protect its state. full >= mamba.
-    t1_unverified  host id of ``mamba_value`` until its store's NaN/inf flag has been read (then None)
+    mamba_lock_ref locks taken on this node itself; they protect its payload. full >= mamba.
 
 A node with KV nowhere (no ``value``, no ``host_kv``, nothing pending) is *dead*: a load back found
 its host copy corrupt while a request held it locked. It matches nothing and goes with its last lock.
@@ -35,38 +33,28 @@ _ids = itertools.count()
 
 class TreeNode:
     __slots__ = (
-        "id", "parent", "children", "ck", "key", "value", "value_pending", "host_kv", "host_pending",
-        "mamba_value", "state_host", "swa_value", "swa_pending", "swa_host", "swa_host_pending", "swa_tomb",
-        "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "t1_unverified", "__weakref__",
+        "id", "parent", "children", "ck", "key", "value", "value_pending", "host_kv", "host_pending", "payload",
+        "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
     )
 
-    def __init__(self, owner: Any, parent: Optional[TreeNode], key: list[int],
-                 value: Optional[torch.Tensor]) -> None:
+    def __init__(self, owner: Any, parent: Optional[TreeNode], key: list[int], value: Optional[torch.Tensor],
+                 payload: Any) -> None:
         self.id = next(_ids)
-        self.owner = owner  # the (cache, epoch) that made it: a node of another cache or of a reset tree is refused
+        self.owner = owner  # the (tree, epoch) that made it: a node of another cache or of a reset tree is refused
         self.parent = parent
         self.children: dict[Any, TreeNode] = {}
-        self.ck: Any = None  # this node's key in parent.children (first token or page, salted at the root)
+        self.ck: Any = None  # this node's key in parent.children (``RadixTree.child_key``)
         self.key = key
         self.value = value
         self.value_pending: Optional[torch.Tensor] = None
         self.host_kv: Optional[list[int]] = None
         self.host_pending: Optional[list[int]] = None
-        self.mamba_value: Optional[torch.Tensor] = None
-        self.state_host: Optional[int] = None
-        self.swa_value: Optional[torch.Tensor] = None
-        self.swa_pending: Optional[torch.Tensor] = None
-        self.swa_host: Optional[list[int]] = None
-        self.swa_host_pending: Optional[list[int]] = None
-        self.swa_tomb = False
+        self.payload = payload
         self.tickets: list = []
         self.full_lock_ref = 0
         self.mamba_lock_ref = 0
         self.alive = True
         self.hit_count = 0
-        # Host id of the T1 slot of ``mamba_value`` while the finiteness of its store is not known yet
-        # (``Int8CheckpointPool.poll_flags``): checked before the state is served or moved.
-        self.t1_unverified: Optional[int] = None
 
     @property
     def is_root(self) -> bool:
@@ -74,8 +62,8 @@ class TreeNode:
 
     @property
     def is_tombstone(self) -> bool:
-        """No state in any tier (mamba mode)."""
-        return self.mamba_value is None and self.state_host is None and self.parent is not None
+        """A model cannot resume at this node's end from any tier."""
+        return self.parent is not None and not self.payload.resumable
 
     @property
     def evicted(self) -> bool:
@@ -94,6 +82,5 @@ class TreeNode:
     def __repr__(self) -> str:
         k = self.key if len(self.key) <= 8 else self.key[:8] + ["..."]
         where = ("dev" if self.value is not None else "") + ("+host" if self.host_kv is not None else "")
-        st = "T1" if self.mamba_value is not None else ("T2" if self.state_host is not None else "tomb")
-        return (f"TreeNode(id={self.id}, key={k}, {where or 'dead'}, {st}, full={self.full_lock_ref}, "
+        return (f"TreeNode(id={self.id}, key={k}, {where or 'dead'}, {self.payload!r}, full={self.full_lock_ref}, "
                 f"mamba={self.mamba_lock_ref}, ops={len(self.tickets)})")

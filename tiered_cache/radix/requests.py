@@ -1,9 +1,11 @@
-"""The request flows of ``HiMambaRadixCache``: ``cache_finished_req`` and ``cache_unfinished_req``.
+"""The request flows of the radix caches: ``cache_finished_req`` and ``cache_unfinished_req``.
 
 The request carries what SGLang reads from ``Req`` and its ``req_to_token_pool`` row (see
 ``params.CacheReq``): ``token_ids``, ``kv_indices`` (whole pages; ``[:cache_protected_len]`` are the
 tree's), ``mamba_pool_idx`` (its T0 state slot, the state at ``len(token_ids)``), ``last_node``
-(locked), ``cache_protected_len`` and ``extra_key``.
+(locked), ``cache_protected_len`` and ``extra_key``; an SWA request has ``swa_kv_indices`` and
+``swa_evicted_seqlen`` instead of a state slot. The flows use the cache's public methods and its
+tree's (``RadixTree.lock``, ``path_values``).
 """
 
 from __future__ import annotations
@@ -13,15 +15,7 @@ from typing import Any
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
-from tiered_cache.radix.checks import (
-    check_callers_kv,
-    check_locked,
-    check_state_allocated,
-    desc,
-    parse_key,
-    state_slot,
-)
-from tiered_cache.radix.node import TreeNode
+from tiered_cache.radix.checks import check_callers_kv, check_state_allocated, desc, parse_key, state_slot
 from tiered_cache.radix.params import InsertParams, RadixKey
 from tiered_cache.validate import int_arg
 
@@ -36,7 +30,7 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
         raise InvalidTypeError("is_insert", "a bool", is_insert)
     toks, kv, prev = req_fields(cache, req)
     if cache.validate and prev < kv.numel():
-        check_callers_kv(cache, kv[prev:], "req.kv_indices")  # what it frees after the insert is the request's
+        check_callers_kv(cache.tree, kv[prev:], "req.kv_indices")  # what it frees after the insert is the request's
     keep = prev
     if is_insert:
         res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
@@ -45,7 +39,7 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
     if keep < kv.numel():
         cache.kv.free(kv[keep:])
     if req.mamba_pool_idx is not None:
-        cache.states.free(state_slot(cache, "req.mamba_pool_idx", req.mamba_pool_idx))
+        cache.states.free(state_slot(cache.states, "req.mamba_pool_idx", req.mamba_pool_idx))
         req.mamba_pool_idx = None
     if req.last_node is not None:
         cache.dec_lock_ref(req.last_node)
@@ -65,14 +59,18 @@ def cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
         req.prefix_indices = kv[:len(toks)]
         return
     node = res.last_device_node
-    tree_ids = path_values(cache, node)
-    req.kv_indices = torch.cat([tree_ids, kv[res.cached_len:]])
+    req.kv_indices = torch.cat([cache.tree.path_values(node), kv[res.cached_len:]])
     req.prefix_indices = req.kv_indices[:len(toks)]
-    cache._lock(node)
+    _move_lock(cache, req, node, res.cached_len)
+
+
+def _move_lock(cache, req: Any, node: Any, cached_len: int) -> None:
+    """The request's prefix now ends at ``node`` (``cached_len`` tokens): lock it, release the old end."""
+    cache.tree.lock(node)
     if req.last_node is not None:
         cache.dec_lock_ref(req.last_node)
     req.last_node = node
-    req.cache_protected_len = res.cached_len
+    req.cache_protected_len = cached_len
 
 
 def req_fields(cache, req: Any) -> tuple[list[int], torch.Tensor, int]:
@@ -94,17 +92,61 @@ def req_fields(cache, req: Any) -> tuple[list[int], torch.Tensor, int]:
         raise InvalidArgumentError("req.kv_indices", f"whole pages covering {len(toks)} tokens", kv.numel())
     prev = int_arg("req.cache_protected_len", req.cache_protected_len, lo=0, hi=len(toks))
     if req.last_node is not None:
-        check_locked(cache, req.last_node, "req.last_node")  # released at the end: must be held now
+        cache.tree.check_locked(req.last_node, "req.last_node")  # released at the end: must be held now
     if req.mamba_pool_idx is not None:
-        slot = state_slot(cache, "req.mamba_pool_idx", req.mamba_pool_idx)
+        slot = state_slot(cache.states, "req.mamba_pool_idx", req.mamba_pool_idx)
         if cache.validate:
-            check_state_allocated(cache, slot, "req.mamba_pool_idx")
+            check_state_allocated(cache.states, slot, "req.mamba_pool_idx")
     return toks, kv, prev
 
 
-def path_values(cache, node: TreeNode) -> torch.Tensor:
-    vals = []
-    while node is not cache.root:
-        vals.append(node.value)
-        node = node.parent
-    return torch.cat(vals[::-1]) if vals else cache._empty
+
+# --------------------------------------------------------------------------------- SWA
+def swa_cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
+    """A request finished: cache its tokens, free the full and SWA ids it still owns (SWA ids
+    before ``req.swa_evicted_seqlen`` it freed itself), release its lock."""
+    toks = list(req.token_ids)
+    kv, swa, prev = req.kv_indices, req.swa_kv_indices, int(req.cache_protected_len)
+    ev = int(getattr(req, "swa_evicted_seqlen", 0))
+    if req.last_node is not None:
+        cache.tree.check_node(req.last_node)
+    keep = prev
+    if is_insert:
+        res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
+                                       swa_value=swa[:len(toks)], prev_prefix_len=prev, swa_evicted_seqlen=ev))
+        keep = max(res.cached_len, prev)
+    if keep < kv.numel():
+        cache.kv.free(kv[keep:])
+    lo = max(keep, -(-ev // cache.page_size) * cache.page_size)
+    if lo < swa.numel():
+        cache.swa.free(swa[lo:])
+    if req.last_node is not None:
+        cache.dec_lock_ref(req.last_node)
+        req.last_node = None
+    req.cache_protected_len = 0
+
+
+def swa_cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
+    """A chunk of a prefill is done: cache what it wrote (full + SWA KV), point the request's prefix at
+    the tree's ids (sink ids where the tree holds an SWA tombstone), move its lock to the new end."""
+    toks = req.token_ids.tolist() if isinstance(req.token_ids, torch.Tensor) else list(req.token_ids)
+    n = len(toks)
+    kv, swa, prev = req.kv_indices, getattr(req, "swa_kv_indices", None), int(req.cache_protected_len)
+    for arg, ids in (("req.kv_indices", kv), ("req.swa_kv_indices", swa)):
+        if (not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64
+                or ids.device != cache.device or ids.numel() < n or ids.numel() % cache.page_size):
+            raise InvalidArgumentError(arg, f"a 1-D int64 tensor on {cache.device}, whole pages covering "
+                                       f"{n} tokens", getattr(ids, "shape", ids))
+    ev = int(getattr(req, "swa_evicted_seqlen", 0))
+    if req.last_node is not None:
+        cache.tree.check_node(req.last_node)
+    res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:n], swa_value=swa[:n],
+                                   prev_prefix_len=prev, swa_evicted_seqlen=ev, chunked=chunked))
+    if res.cached_len <= prev:
+        req.prefix_indices = kv[:n]
+        return
+    node = res.last_device_node
+    req.kv_indices = torch.cat([cache.tree.path_values(node), kv[res.cached_len:]])
+    req.swa_kv_indices = torch.cat([cache.rule.path_swa(node), swa[res.cached_len:]])
+    req.prefix_indices = req.kv_indices[:n]
+    _move_lock(cache, req, node, res.cached_len)

@@ -66,7 +66,7 @@ class StorageHook:
                  write_through: bool = True) -> None:
         if cache.host is None:
             raise InvalidArgumentError("storage", "None without a host tier (T3 prefetches into T2)", tier)
-        if cache.mode != "mamba":
+        if not cache.supports_mamba():
             raise InvalidArgumentError("storage", "None in SWA mode (T3 is wired for the mamba tree only)", tier)
         choice_arg("prefetch_policy", policy, PREFETCH_POLICIES)
         timeout_s = float_arg("prefetch_timeout_s", timeout_s, lo=0, lo_open=True)
@@ -75,26 +75,13 @@ class StorageHook:
         if tier.fingerprint.page_size != cache.page_size:
             raise InvalidArgumentError("storage", f"a tier of page_size {cache.page_size}",
                                        tier.fingerprint.page_size)
-        self.cache, self.tier, self.policy = cache, tier, policy
+        self.cache, self.tree, self.tier, self.policy = cache, cache.tree, tier, policy
         self.timeout_s, self.write_through = timeout_s, write_through
         self.fetches: list[_Fetch] = []
 
     # ----------------------------------------------------------------------------- keys
-    def _path(self, x: TreeNode) -> tuple[list, Optional[str]]:
-        parts, y, root = [], x, self.cache.root
-        while y.parent is not root:
-            parts.append(y.key)
-            y = y.parent
-        parts.append(y.key)
-        ck = y.ck
-        # A root child's key is (extra_key, first token or page) under a request key, else the bare
-        # token (an int) or page (a tuple of ints): a str first element can only be an extra_key.
-        salt = ck[0] if isinstance(ck, tuple) and len(ck) == 2 and isinstance(ck[0], str) else None
-        toks = [t for p in reversed(parts) for t in p]
-        return toks, salt
-
     def _node_keys(self, x: TreeNode) -> list[bytes]:
-        toks, salt = self._path(x)
+        toks, salt = self.tree.path_tokens(x)
         keys = self.tier.keys(toks, extra_key=salt)
         return keys[len(keys) - len(x.key) // self.cache.page_size:]
 
@@ -128,16 +115,16 @@ class StorageHook:
         if demoted == self.write_through or x is c.root or not x.alive:
             return  # write-through wrote it when it was cached; otherwise it goes when demoted
         r = c.state_region
-        h, tmp = x.state_host, None
+        h, tmp = x.payload.state_host, None
         if h is None:
-            if x.mamba_value is None:
+            if x.payload.mamba_value is None:
                 return
             got = r.alloc(1)  # a scratch T2 slot: never evicts for it
             if got is None:
                 c.stats["t3_state_write_no_room"] += 1
                 return
             tmp = h = got[0]
-            t = demote_states(c.engine, c.ckpt, [int(x.mamba_value)], r, [h])
+            t = demote_states(c.engine, c.ckpt, [int(x.payload.mamba_value)], r, [h])
             c.engine.wait(t)
             if not all(t.ok):
                 r.free([h])
@@ -153,12 +140,10 @@ class StorageHook:
     # ----------------------------------------------------------------------------- prefetch
     def _anchor(self, toks: list, salt: Optional[str], end: int) -> Optional[tuple[TreeNode, int]]:
         """The node the walk of ``toks[:end]`` stops at, at a node boundary, with pages left; else None."""
-        c = self.cache
-        ps, root = c.page_size, c.root
-        node, i = root, 0
+        tree = self.tree
+        ps, node, i = tree.page_size, tree.root, 0
         while i < end:
-            ck = toks[i] if ps == 1 else tuple(toks[i:i + ps])
-            child = node.children.get(ck if node is not root or salt is None else (salt, ck))
+            child = tree.child(node, toks, i, salt)
             if child is None:
                 return node, i
             if child.value is None and child.host_kv is None:
@@ -256,7 +241,7 @@ class StorageHook:
                 c.stats["t3_miss"] += 1
                 self._drop(f)
                 return
-            got = c._alloc_host_pages([(c.kv_region, p)], f.anchor)
+            got = c.host_tier.alloc_pages([(c.kv_region, p)], f.anchor)
             h = c.state_region.alloc(1) if got is not None else None
             if got is None or h is None:
                 if got is not None:
@@ -276,18 +261,15 @@ class StorageHook:
             c.stats["t3_miss" if not ok else "t3_tree_changed"] += 1
             self._drop(f)
             return
-        ps = c.page_size
-        key = f.toks[f.start:f.start + f.pages * ps]
-        x = TreeNode(c._token, f.anchor, key, None)
-        ck = key[0] if ps == 1 else tuple(key[:ps])
-        x.ck = (f.salt, ck) if f.anchor is c.root and f.salt is not None else ck
-        f.anchor.children[x.ck] = x
-        x.host_kv, x.state_host = list(f.slots), f.state_slot
+        tree = self.tree
+        key = f.toks[f.start:f.start + f.pages * c.page_size]
+        x = tree.link(f.anchor, key, None, f.salt)
+        x.host_kv, x.payload.state_host = list(f.slots), f.state_slot
         f.slots, f.state_slot = None, None
-        c.policy.touch("kv", x)
-        c.policy.touch("state", x)
-        c._sync(x)
-        c._sync(f.anchor)
+        tree.policy.touch("kv", x)
+        tree.policy.touch("state", x)
+        tree.sync(x)
+        tree.sync(f.anchor)
         c.stats["t3_hits"] += 1
         c.stats["t3_hit_tokens"] += len(key)
         self.fetches.remove(f)

@@ -1,0 +1,62 @@
+"""``Frees``: ids a change of the tree gives back, batched per pool so a long eviction frees each once.
+
+T0 KV ids are the tree's own (``kv``: its ownership map is cleared with them); everything else goes
+to a named *sink*, a pool or host region that the component owning it registered in ``tree.sinks``:
+"kv_host" (``HostTier``), "t1" and "state_host" (``MambaStates``), "swa" and "swa_host" (the SWA cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tiered_cache.radix.node import TreeNode
+
+
+class Frees:
+    """Ids to give back to the pools of ``tree`` (a ``RadixTree``)."""
+
+    __slots__ = ("tree", "kv", "ids", "pages")
+
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree
+        self.kv: list[torch.Tensor] = []
+        self.ids: dict[str, list[torch.Tensor]] = {}
+        self.pages: dict[str, list[int]] = {}
+
+    def put(self, sink: str, ids: torch.Tensor) -> None:
+        """T0/T1 ids to free; ``sink`` "kv" is the tree's own KV side."""
+        (self.kv if sink == "kv" else self.ids.setdefault(sink, [])).append(ids)
+
+    def put_pages(self, sink: str, pages: Sequence[int]) -> None:
+        self.pages.setdefault(sink, []).extend(pages)
+
+    def take(self, x: TreeNode) -> None:
+        """Everything ``x`` owns or has in flight (nothing may be in flight any more)."""
+        for t in (x.value, x.value_pending):
+            if t is not None:
+                self.kv.append(t)
+        for pages in (x.host_kv, x.host_pending):
+            if pages is not None:
+                self.put_pages("kv_host", pages)
+        x.value = x.value_pending = x.host_kv = x.host_pending = None
+        x.payload.release(self)
+
+    def flush(self) -> None:
+        tree = self.tree
+        ps = tree.page_size
+        if self.kv:
+            ids = self.kv[0] if len(self.kv) == 1 else torch.cat(self.kv)
+            if ids.numel():
+                tree.owned[ids[::ps] // ps] = False
+                tree.kv.free(ids)
+        for sink, ts in self.ids.items():
+            ids = ts[0] if len(ts) == 1 else torch.cat(ts)
+            if ids.numel():
+                tree.sinks[sink].free(ids)
+        for sink, lst in self.pages.items():
+            if lst:
+                tree.sinks[sink].free(lst)
+        self.kv, self.ids, self.pages = [], {}, {}

@@ -1,0 +1,342 @@
+"""The Mamba resume rule: a prefix is resumable where a node has a recurrent state (in T1 or T2).
+
+Each node may hold the state at its span's end (``MambaPayload``): a T1 int8 slot the tree owns
+(``Int8CheckpointPool``) and/or a T2 host slot; a node without one is a *tombstone*: its KV can be
+reused only by a longer match that ends at a state::
+
+    root ── [1 2]* ── [3 4] ── [5 6]°          * = state in T1, ° = state in T2
+       │    device     host      host          matching [1..6, 99]: 2 tokens usable from the device,
+       └── [10 11 12]*                          4 more loadable from the host (init_load_back)
+
+``MambaRule`` answers the tree's questions about states and runs match and insert (ownership in
+``HiMambaRadixCache``); ``mamba_states.MambaStates`` evicts, demotes and loads them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.radix.checks import (
+    check_callers_kv,
+    check_state_allocated,
+    common_len,
+    insert_args,
+    parse_key,
+    state_slot,
+)
+from tiered_cache.radix.frees import Frees
+from tiered_cache.radix.invariants import Seen, ids
+from tiered_cache.radix.node import TreeNode
+from tiered_cache.radix.nonfinite import StateFlags
+from tiered_cache.radix.params import InsertParams, InsertResult, MatchPrefixParams, MatchResult
+from tiered_cache.radix.tree import RadixTree
+from tiered_cache.tiers.protocols import StateSide
+
+if TYPE_CHECKING:
+    from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
+
+
+class MambaPayload:
+    """The state at a node's end: ``mamba_value`` (T1 slot, a 1-element LongTensor) and/or ``state_host``
+    (T2 slot); ``t1_unverified``: host id of ``mamba_value`` until its store's NaN/inf flag was read."""
+
+    __slots__ = ("mamba_value", "state_host", "t1_unverified")
+
+    def __init__(self) -> None:
+        self.mamba_value: Optional[torch.Tensor] = None
+        self.state_host: Optional[int] = None
+        self.t1_unverified: Optional[int] = None
+
+    @property
+    def resumable(self) -> bool:
+        return self.mamba_value is not None or self.state_host is not None
+
+    def release(self, f: Frees) -> None:
+        if self.mamba_value is not None:
+            f.put("t1", self.mamba_value)
+        if self.state_host is not None:
+            f.put_pages("state_host", [self.state_host])
+        self.mamba_value = self.state_host = None
+
+    def split(self, m: int, k: int) -> MambaPayload:
+        """The upper half of a split span ends where no state was saved: a tombstone."""
+        return MambaPayload()
+
+    def __repr__(self) -> str:
+        return "T1" if self.mamba_value is not None else ("T2" if self.state_host is not None else "tomb")
+
+
+class MambaRule:
+    """Match and insert for a tree of KV + recurrent states; ``states`` is the T0 state side, ``ckpt``
+    the T1 pool, ``unit`` the checkpoint unit (``mamba_branching_seqlen`` is aligned to it)."""
+
+    path_resources: tuple[str, ...] = ()
+
+    def __init__(self, tree: RadixTree, states: StateSide, ckpt: Int8CheckpointPool, unit: int) -> None:
+        self.tree, self.states, self.ckpt, self.unit = tree, states, ckpt, unit
+        self.flags = StateFlags(tree, ckpt)
+        self.host: Any = None  # HostTier
+        self.t1: Any = None  # MambaStates
+
+    def bind(self, host: Any, t1: Any) -> None:
+        self.host, self.t1 = host, t1
+
+    def clear(self) -> None:
+        """The tree was cleared: no store's flag is awaited any more."""
+        self.flags.clear()
+
+    def on_events(self) -> None:
+        """Every engine step: NaN/inf flags of earlier stores have landed; read them without waiting."""
+        self.flags.poll()
+
+    # ----------------------------------------------------------------------------- tree hooks
+    def payload(self) -> MambaPayload:
+        return MambaPayload()
+
+    def sync(self, x: TreeNode, idle: bool, unlocked: bool) -> None:
+        pol, p = self.tree.policy, x.payload
+        free_state = idle and x.mamba_lock_ref == 0
+        (pol.add if p.mamba_value is not None and free_state else pol.discard)("state", x)
+        if self.tree.host_on:
+            (pol.add if p.state_host is not None and free_state else pol.discard)("state_host", x)
+
+    def own_lock_changed(self, x: TreeNode, locked: bool) -> None:
+        tree, p = self.tree, x.payload
+        if p.mamba_value is not None:
+            tree.state_evictable += -1 if locked else 1
+            tree.state_protected += 1 if locked else -1
+            if locked:
+                tree.policy.discard("state", x)
+        if locked and p.state_host is not None:
+            tree.policy.discard("state_host", x)
+
+    def removed(self, x: TreeNode) -> None:
+        if x.payload.mamba_value is not None:
+            self.tree.state_evictable -= 1
+            self.tree.freed["state"] += 1
+
+    def check_node(self, x: TreeNode, seen: Seen, idle: bool, unlocked: bool) -> None:
+        """``check_invariants``: ``x``'s state slots, counts and candidate sets."""
+        p = x.payload
+        if p.mamba_value is not None:
+            seen.add("t1", [int(p.mamba_value)], "T1 slot")
+            if x.mamba_lock_ref:
+                seen.state_pr += 1
+            else:
+                seen.state_ev += 1
+            if idle and x.mamba_lock_ref == 0:
+                seen.want["state"].add(x)
+        if p.state_host is not None:
+            seen.add("state_host", [p.state_host], "host state slot")
+            if self.tree.host_on and idle and x.mamba_lock_ref == 0:
+                seen.want["state_host"].add(x)
+
+    def check_slots(self, seen: Seen, request_states: Optional[torch.Tensor]) -> None:
+        """``check_invariants``: every T0 state slot is a request's, every T1 slot cached or a load's scratch."""
+        live_states = set(self.states.allocator.live_virtual_ids())
+        if request_states is not None:
+            rs = ids(request_states)
+            assert len(set(rs)) == len(rs), "a T0 state slot is held by two requests"
+            assert live_states == set(rs), (f"T0 state slots allocated but no request's: "
+                                            f"{sorted(live_states - set(rs))}; a request's but free: "
+                                            f"{sorted(set(rs) - live_states)}")
+        t1, scratch = seen.sets["t1"], seen.sets["scratch"]
+        alloc = set(self.ckpt.allocator.allocated_ids())
+        assert not (t1 & scratch), "a T1 slot is both cached and a scratch slot"
+        assert alloc == t1 | scratch, (f"T1 slots neither free, cached nor in flight: {sorted(alloc - t1 - scratch)}; "
+                                       f"free but held: {sorted((t1 | scratch) - alloc)}")
+        if self.tree.host_on:
+            seen.host.append((self.tree.sinks["state_host"], seen.sets["state_host"], set()))
+
+    def set_state(self, node: TreeNode, t1: torch.Tensor) -> None:
+        tree = self.tree
+        node.payload.mamba_value = t1
+        tree.policy.touch("state", node)
+        if node.mamba_lock_ref:  # a locked tombstone got its state: protected at once
+            tree.state_protected += 1
+        else:
+            tree.state_evictable += 1
+        tree.sync(node)
+
+    # ----------------------------------------------------------------------------- match
+    def match(self, params: MatchPrefixParams) -> MatchResult:
+        """See ``HiMambaRadixCache.match_prefix``."""
+        tree, host = self.tree, self.host
+        if not isinstance(params, MatchPrefixParams):
+            raise InvalidTypeError("params", "a MatchPrefixParams", type(params).__name__)
+        toks, salt = parse_key(params.key)
+        req, cow = params.req, params.cow_mamba
+        if not isinstance(cow, bool):
+            raise InvalidTypeError("cow_mamba", "a bool", cow)
+        dst = None
+        if cow:
+            if req is None or not hasattr(req, "mamba_pool_idx"):
+                raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
+            if req.mamba_pool_idx is not None:
+                dst = self.req_slot(req)
+        # Every check is done: what follows may change the tree.
+        if host.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
+            host.t3.maybe_prefetch(toks, salt, req)
+        self.flags.poll()
+        while True:
+            path, values, kv_len, dev, dev_len, dev_k, best, best_len = self._walk(toks, salt, len(toks))
+            # Neither state may be reported before its NaN/inf flag is read: a drop changes the walk.
+            if self.flags.verify(dev) and self.flags.verify(best):
+                break
+        root, touch = tree.root, tree.policy.touch
+        for x in path:
+            touch("kv", x)
+        branching = None
+        if kv_len > best_len:
+            b = kv_len // self.unit * self.unit
+            branching = b if b > best_len else None
+        if best is root:
+            return tree.match_result(tree.empty, root, root, 0, 0, branching, kv_len)
+        unserved = None
+        if cow and dev is not root and dst is None:
+            dst = self.t1.alloc_active_state(dev)  # evicts KV (dev's path locked meanwhile)
+            if dst is None:  # no room for the request's state: the device part is unusable, a miss
+                unserved, dev, dev_k, dev_len = dev, root, 0, 0
+            else:
+                req.mamba_pool_idx = dst
+        if best is not unserved:  # a state not served is not a hit
+            touch("state", best)
+            best.hit_count += 1
+        if dev is not best and dev is not root:
+            touch("state", dev)
+        host.count_hits(path, best)
+        if cow and dev is not root:
+            self.ckpt.load_to_active(dev.payload.mamba_value, self.states, dst)
+        idx = tree.empty if dev_k == 0 else values[0] if dev_k == 1 else torch.cat(values[:dev_k])
+        mamba_host = int(best is not dev and best.payload.mamba_value is None)
+        return tree.match_result(idx, dev, best, best_len - dev_len, mamba_host, branching, kv_len)
+
+    def req_slot(self, req: Any) -> torch.Tensor:
+        """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds."""
+        slot = state_slot(self.states, "req.mamba_pool_idx", req.mamba_pool_idx)
+        if self.tree.validate:
+            check_state_allocated(self.states, slot, "req.mamba_pool_idx")
+        return slot
+
+    def _walk(self, toks: list[int], salt: Optional[str], end: int):
+        """Read-only walk. -> (nodes on the path, device values of fully matched nodes, page-aligned
+        tokens whose KV matched in any tier, deepest node with a T1 state reachable on the device,
+        its depth, its #values, deepest node with a state in any tier, its depth)."""
+        tree = self.tree
+        ps = tree.page_size
+        end = end // ps * ps
+        node = root = tree.root
+        path: list[TreeNode] = []
+        values: list[torch.Tensor] = []
+        i = 0
+        dev, dev_len, dev_k = root, 0, 0
+        best, best_len = root, 0
+        on_dev = True
+        while i < end:
+            child = tree.child(node, toks, i, salt)
+            if child is None:
+                break
+            v = child.value
+            if v is None and child.host_kv is None:
+                break  # dead: matches nothing
+            m = common_len(child.key, toks, i, end, ps)
+            path.append(child)
+            if m < len(child.key):
+                return path, values, i + m, dev, dev_len, dev_k, best, best_len
+            i += m
+            node = child
+            if v is None:
+                on_dev = False
+            elif on_dev:
+                values.append(v)
+            if child.payload.mamba_value is not None:
+                best, best_len = child, i
+                if on_dev:
+                    dev, dev_len, dev_k = child, i, len(values)
+            elif child.payload.state_host is not None:
+                best, best_len = child, i
+        return path, values, i, dev, dev_len, dev_k, best, best_len
+
+    # ----------------------------------------------------------------------------- insert
+    def insert(self, params: InsertParams) -> InsertResult:
+        """See ``HiMambaRadixCache.insert``."""
+        tree = self.tree
+        toks, salt, prev, aligned = insert_args(params, tree.page_size, tree.device, ("value",))
+        n, value = len(toks), params.value
+        slot = None if params.mamba_value is None else state_slot(self.states, "mamba_value", params.mamba_value)
+        if aligned == 0:
+            return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
+        path, end_node, _, pending = tree.probe(toks, salt, aligned, prev)
+        if tree.validate and prev < aligned:
+            check_callers_kv(tree, value[prev:aligned])
+        if tree.validate and slot is not None:
+            check_state_allocated(self.states, slot)
+        if pending:  # the caller computed on KV a load is writing: its ticket is done, or nearly
+            self.host.settle("load")
+            path, end_node, _, _ = tree.probe(toks, salt, aligned, prev, "the prefix whose load succeeded")
+        mamba_exist = aligned == n and end_node is not None and end_node.payload.resumable
+        t1 = t1_id = None
+        if slot is not None and aligned == n and not mamba_exist:
+            got = self.ckpt.alloc_ids(1) or self.t1.alloc_ckpt_protected(path[-1] if path else None)
+            if got is None:
+                return InsertResult(prefix_len=prev, cached_len=prev, last_device_node=None)
+            t1, (t1_id,) = got
+            try:
+                self.ckpt.store_from_active(self.states, slot, t1)
+            except BaseException:
+                self.ckpt.free(t1)
+                raise
+        res = self._insert_walk(toks, salt, value, aligned, prev, t1, mamba_exist, slot is not None)
+        node = res.last_device_node
+        if res.mamba_stored:
+            self.flags.stored(node, t1_id)
+        self.host.after_insert(node)
+        if self.host.t3 is not None and res.mamba_stored and node.alive and self.flags.verify(node):
+            self.host.t3.on_state(node, demoted=False)  # T3 is shared: a NaN state never goes there
+        return res
+
+    def _insert_walk(self, toks, salt, value, aligned, prev, t1, mamba_exist, offered) -> InsertResult:
+        tree = self.tree
+        root, touch = tree.root, tree.policy.touch
+        node, i, prefix = root, 0, None
+        dups: list[torch.Tensor] = []
+        split_suffix = None
+        while i < aligned:
+            step = tree.insert_step(node, toks, i, aligned, salt)
+            if step is None:
+                break
+            child, m, lower = step
+            split_suffix = lower or split_suffix
+            if child.value is None:  # on the host only (or dead): take the caller's ids for its span
+                prefix = i if prefix is None else prefix
+                tree.reattach(child, value[i:i + m])
+            elif prefix is None:
+                lo = max(prev, i)
+                if lo < i + m:
+                    dups.append(value[lo:i + m])
+            i += m
+            node = child
+        prefix = i if prefix is None else prefix
+        stored = False
+        if i < aligned:
+            if t1 is not None:
+                node = tree.new_leaf(node, toks[i:aligned], value[i:aligned], salt,
+                                     lambda leaf: self.set_state(leaf, t1))
+                stored, i = True, aligned
+        elif node is not root:
+            if not node.payload.resumable and t1 is not None:
+                self.set_state(node, t1)
+                stored = True
+            elif mamba_exist and offered:
+                touch("state", node)
+        if t1 is not None and not stored:
+            self.ckpt.free(t1)
+        if dups:
+            tree.kv.free(dups[0] if len(dups) == 1 else torch.cat(dups))
+        if split_suffix is not None and split_suffix.alive:
+            tree.prune_up(split_suffix)  # states evicted for room may have taken its children
+        return InsertResult(prefix_len=prefix, cached_len=i, mamba_exist=mamba_exist, mamba_stored=stored,
+                            last_device_node=node)
