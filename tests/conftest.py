@@ -70,6 +70,16 @@ class Poison:
         return torch.full_like(t, self.value(t.dtype))
 
 
+@pytest.fixture(scope="module")
+def qwen_long():
+    """The tiny long-memory Qwen3-Next (seed 0) that the engine, graph and T3 tests run, one a module as
+    each module built its own before. Imported here, not at the top: the package (and ``transformers``,
+    which the model needs and some machines lack) must not be a condition of collecting every test."""
+    from tiered_cache.engine import tiny_qwen3_next
+
+    return tiny_qwen3_next(seed=0, long_memory=True, device="cpu")
+
+
 @pytest.fixture(scope="session")
 def poison() -> Poison:
     """The one NaN-poison helper (see ``Poison``). Module-level helpers that poison take it as an argument."""

@@ -51,11 +51,6 @@ def qwen():
 
 
 @pytest.fixture(scope="module")
-def qwen_long():
-    return tiny_qwen3_next(seed=0, long_memory=True, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def swa():
     return tiny_swa_model(seed=0, device="cpu")
 

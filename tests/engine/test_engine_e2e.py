@@ -57,11 +57,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def qwen_long():
-    return tiny_qwen3_next(seed=0, long_memory=True, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def baseline(qwen_long):
     return run_workload(Engine(qwen_long, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
 

@@ -59,11 +59,6 @@ def assert_same_caches(ref, got):
                 torch.testing.assert_close(lb.values, la.values, atol=ATOL, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def qwen_long():
-    return tiny_qwen3_next(seed=0, long_memory=True, device="cpu")
-
-
 @pytest.mark.parametrize("lens", [[37, 20, 51], [9]], ids=["three", "one"])
 def test_static_step_equals_one_request_forwards(qwen_long, lens):
     """Logits, and every cache afterwards (keys, values, conv windows, states), as one-request forwards
