@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS, bench_gpu, write_results  # noqa: E402
-from tiered_cache.engine.graph_decode import gqa_sdpa  # noqa: E402
+from tiered_cache.engine.runner.graph_decode import gqa_sdpa  # noqa: E402
 
 
 def repeat_kv(module, q, k, v, mask, scaling=None):

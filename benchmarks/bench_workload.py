@@ -93,8 +93,8 @@ def check_fla(device: torch.device) -> int:
     """Exit status for ``--check-fla``: 0 when transformers' Qwen3-Next runs its gated delta through
     flash-linear-attention on ``device`` (a tiny model's forward through the fla path succeeds)."""
     try:
-        from tiered_cache.engine.adapters import forward_chunk, new_cache
         from tiered_cache.engine.models import tiny_qwen3_next
+        from tiered_cache.engine.runner.forward import forward_chunk, new_cache
 
         model = tiny_qwen3_next(seed=0, dtype=torch.bfloat16, device=device)
         impl = gated_delta_impl(model)
@@ -113,7 +113,7 @@ def check_prefill_graphs(model, tokens: int = 520) -> dict:
     differences of the output and the final state (CUDA graphs of fla's kernels on a GPU)."""
     import importlib
 
-    from tiered_cache.engine.graph_prefill import GraphChunkRule
+    from tiered_cache.engine.runner.graph_prefill import GraphChunkRule
 
     cfg = model.config.get_text_config(decoder=True)
     mod = importlib.import_module(type(model).__module__)
@@ -188,7 +188,7 @@ def run_config(model, ecfg, clients, w: dict, label: str, progress: bool, timeli
     st["engine_counts"] = {k: int(engine.stats.c[k]) for k in ("split_forwards", "mid_checkpoints",
                                                                "branch_checkpoints", "end_checkpoints",
                                                                "decode_forwards", "decode_checkpoints")}
-    gd = engine.graph_decoder
+    gd = engine.runner.graph_decoder
     if gd is not None:  # CUDA graphs: how many captured and replayed, and why they stopped if they did
         st["graph_decoder"] = dict(gd.stats, capture_error=gd.capture_error)
         if gd.capture_error:
@@ -297,9 +297,18 @@ def ratios(s: dict[str, dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def engine_config(serve: dict, cache: dict, tier: dict):
+    """One configuration's ``EngineConfig``: the serving knobs ``serve``, the tiers' shared settings
+    ``cache`` and the configuration's budgets ``tier`` (``wc.split_budget``'s; ``use_cache=False``: none)."""
+    from tiered_cache.config import CacheConfig
+    from tiered_cache.engine.config import EngineConfig
+
+    budgets = {k: v for k, v in tier.items() if k != "use_cache"}
+    return EngineConfig(use_cache=tier.get("use_cache", True), cache=CacheConfig(**cache, **budgets), **serve)
+
+
 def run_workload(name: str, args: argparse.Namespace, device: torch.device, models: dict) -> dict:
-    from tiered_cache.engine.models import spec_for
-    from tiered_cache.engine.scheduler import EngineConfig
+    from tiered_cache.engine.model_specs import spec_for
 
     sec = wc.load_workload(name, args.scale, args.set)
     w, m, e = sec["workload"], sec["model"], sec["engine"]
@@ -324,11 +333,11 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     req_pages = -(-longest // e["page_size"])
     gpu, host = int(sec["gpu_budget_mib"] * wc.MiB), int(sec["host_budget_mib"] * wc.MiB)
     tiers = wc.split_budget(tb, gpu, host, e["max_running"], req_pages, e["kv_fraction"])
-    common = dict(page_size=e["page_size"], chunk_size=e["chunk_size"], prefill_budget=e["prefill_budget"],
-                  max_running=e["max_running"], write_policy=e["write_policy"],
-                  decode_batch=bool(args.decode_batch or e.get("decode_batch", False)),
-                  decode_graphs=bool(args.decode_graphs), prefill_graphs=bool(args.prefill_graphs),
-                  phase_timing=args.phase_timing)
+    serve = dict(chunk_size=e["chunk_size"], prefill_budget=e["prefill_budget"], max_running=e["max_running"],
+                 decode_batch=bool(args.decode_batch or e.get("decode_batch", False)),
+                 decode_graphs=bool(args.decode_graphs), prefill_graphs=bool(args.prefill_graphs),
+                 phase_timing=args.phase_timing)
+    cache = dict(page_size=e["page_size"], write_policy=e["write_policy"])
     n_req = sum(len(c.questions) for c in clients)
     print(f"\n== {name} ({args.scale}): {w['clients']} clients x {w['rounds']} rounds, prefix {w['prefix_len']} "
           f"({'own' if not w['prefix_groups'] else str(w['prefix_groups']) + ' shared'}), question "
@@ -347,13 +356,13 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
         # (misses, then hits through every tier), two tokens each.
         wcl = wc.make_clients(dict(w, clients=min(w["clients"], e["max_running"]), rounds=min(2, w["rounds"]),
                                    max_new_tokens=2), vocab)
-        run_config(model, EngineConfig(**common, **tiers["int8_t1_t2"]), wcl, dict(w, request_rate=0, max_new_tokens=2),
-                   "warm-up", False)
+        run_config(model, engine_config(serve, cache, tiers["int8_t1_t2"]), wcl,
+                   dict(w, request_rate=0, max_new_tokens=2), "warm-up", False)
         minfo["warm"] = True
     raw: dict[str, dict] = {}
     configs = [c for c in wc.CONFIGS if c in args.configs]
     for cname in configs:
-        ecfg = EngineConfig(**common, **tiers[cname])
+        ecfg = engine_config(serve, cache, tiers[cname])
         if args.profile:  # where the time goes: cProfile per configuration (a development aid)
             import cProfile
             import pstats
@@ -379,7 +388,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     sweep = []
     for rate in args.rates or []:  # the same clients at other arrival rates: TTFT and throughput against load
         wr = dict(w, request_rate=float(rate))
-        raw_r = {c: run_config(model, EngineConfig(**common, **tiers[c]), clients, wr,
+        raw_r = {c: run_config(model, engine_config(serve, cache, tiers[c]), clients, wr,
                                f"{name} {wc.LABELS[c]} @ {rate:g}/s", args.progress)
                  for c in wc.CONFIGS if c in args.sweep_configs}
         sr = {c: summarize(raw_r[c], raw_r.get("no_cache") if c != "no_cache" else None) for c in raw_r}

@@ -27,6 +27,15 @@ from tiered_cache.engine import (  # noqa: E402
 )
 from tiered_cache.errors import InvalidArgumentError  # noqa: E402
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool  # noqa: E402
+from tiered_cache.tiers.unified_pool import UnifiedPool  # noqa: E402
+
+
+def _pool(specs, full_slots: int, high_slots: int, device: str = "cpu") -> UnifiedPool:
+    """A real T0 for the model: full KV (``full_slots`` pages) + its states or SWA KV (``high_slots``)."""
+    high = specs.state if specs.state is not None else specs.swa
+    return UnifiedPool(specs.full, high, low_slots=full_slots, high_slots=high_slots, page_size=specs.page_size,
+                       device=device)
+
 
 N, SPLIT, HOP = 56, 21, 43  # sequence length, first resume point, second resume point
 DECODE = 4  # tokens run one by one after the chunked continuation (the single-token kernels)
@@ -83,7 +92,7 @@ class Hybrid:
         self.model, self.poison = model, poison
         self.specs = spec_for(model, page_size)
         self.ad = HybridCacheAdapter(model, self.specs)
-        self.pool = self.specs.make_pool(full_slots=N // page_size + 2, high_slots=4, device="cpu")
+        self.pool = _pool(self.specs, full_slots=N // page_size + 2, high_slots=4, device="cpu")
         self.full, self.state = self.pool.side("full"), self.pool.side("mamba")
         self.tokens = self.full.alloc(-(-N // page_size) * page_size)
         self.t1 = Int8CheckpointPool(self.specs.state, 2, device="cpu", codec=codec) if codec else None
@@ -204,7 +213,7 @@ def test_swa_split_resume_equals_whole(swa):
     window = specs.swa.window
 
     def run(corrupt_oldest: bool) -> torch.Tensor:
-        pool = specs.make_pool(full_slots=N // PAGE + 2, high_slots=N // PAGE + 2, device="cpu")
+        pool = _pool(specs, full_slots=N // PAGE + 2, high_slots=N // PAGE + 2, device="cpu")
         full, side = pool.side("full"), pool.side("swa")
         tok, stok = full.alloc(N), side.alloc(N)
         cache = new_cache(swa)
@@ -241,7 +250,7 @@ def test_bf16_resume_is_bit_identical_to_in_memory(family):
     ids, end = _ids(2), SPLIT + 2 * DECODE
     cache = new_cache(model)
     forward_chunk(model, cache, ids[:SPLIT], 0)
-    pool = specs.make_pool(full_slots=N // PAGE + 2, high_slots=N // PAGE + 2, device="cpu")
+    pool = _pool(specs, full_slots=N // PAGE + 2, high_slots=N // PAGE + 2, device="cpu")
     full, high = pool.sides
     tok, high_ids = full.alloc(N), high.alloc(N if specs.swa is not None else 1)
     ad.export_kv(cache, full, tok, 0, SPLIT)

@@ -24,10 +24,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.engine import tiny_qwen3_next, tiny_swa_model  # noqa: E402
-from tiered_cache.engine.adapters import forward_chunk, new_cache  # noqa: E402
+from tiered_cache.engine.config import EngineConfig  # noqa: E402
 from tiered_cache.engine.request import Request, Status  # noqa: E402
-from tiered_cache.engine.scheduler import HOST_TIER_AVAILABLE, Engine, EngineConfig  # noqa: E402
+from tiered_cache.engine.runner.forward import forward_chunk, new_cache  # noqa: E402
+from tiered_cache.engine.scheduler import Engine  # noqa: E402
 from tiered_cache.engine.workload import WorkloadConfig, make_conversations, run_workload  # noqa: E402
 from tiered_cache.errors import InvalidArgumentError  # noqa: E402
 from tiered_cache.radix import EvictParams  # noqa: E402
@@ -45,12 +47,11 @@ INT8_DRIFT_BOUND = 0.3
 # measurement with margin.
 INT8_T2_TOP1_BOUND = 0.95
 WL = WorkloadConfig(clients=4, rounds=4, question_len=12, system_len=24, max_new_tokens=16)
-COMMON = dict(page_size=4, chunk_size=16, prefill_budget=64, max_running=2)
+SERVE = dict(chunk_size=16, prefill_budget=64, max_running=2)
 # T0: 48 pages of 4 tokens (the 2 running requests reserve up to 2 x 25); T1: 6 states.
-SMALL = dict(kv_pages=48, t0_states=2, t1_states=6, **COMMON)
+SMALL = dict(page_size=4, kv_pages=48, t0_states=2, t1_states=6)
 HOST = dict(host_kv_pages=200, host_states=40)
-needs_host = pytest.mark.skipif(not HOST_TIER_AVAILABLE, reason="the radix cache has no host tier (T2) yet")
-T2 = pytest.param(True, marks=needs_host)
+NO_CACHE = EngineConfig(use_cache=False, cache=CacheConfig(page_size=4), **SERVE)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,7 +59,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def baseline(qwen_long):
-    return run_workload(Engine(qwen_long, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
+    return run_workload(Engine(qwen_long, NO_CACHE), WL, record_logits=True)
 
 
 def run_checked(model, cfg: EngineConfig, wl: WorkloadConfig = WL, **kw):
@@ -98,7 +99,7 @@ def compare(base, got):
 # ------------------------------------------------------------------------------ lossless equality
 @pytest.mark.parametrize("batch", [False, True, "static", "prefill"],
                          ids=["one-by-one", "decode-batch", "decode-static", "decode-static-prefill-static"])
-@pytest.mark.parametrize("host", [False, T2], ids=["T0-T1", "T0-T1-T2"])
+@pytest.mark.parametrize("host", [False, True], ids=["T0-T1", "T0-T1-T2"])
 def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
     """Through the tiers (lossless) every token equals the no-cache run, decoding one request per
     forward, (``decode_batch``) the step's decode tokens in one forward, or (``decode_graphs``, run
@@ -107,8 +108,9 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
     buffers (``prefill_graphs``). The batched run with T2 also times its phases (``phase_timing``:
     synchronizes, changes no result)."""
     timed = batch is True and bool(host)
-    cfg = EngineConfig(codec="lossless", decode_batch=batch is True, decode_graphs=batch in ("static", "prefill"),
-                       prefill_graphs=batch == "prefill", phase_timing=timed, **SMALL, **(HOST if host else {}))
+    cfg = EngineConfig(cache=CacheConfig(codec="lossless", **SMALL, **(HOST if host else {})),
+                       decode_batch=batch is True, decode_graphs=batch in ("static", "prefill"),
+                       prefill_graphs=batch == "prefill", phase_timing=timed, **SERVE)
     e, got = run_checked(qwen_long, cfg)
     for a, b in zip(baseline, got, strict=True):
         assert b.output == a.output, f"client {a.client} round {a.round}"
@@ -118,7 +120,7 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
     if batch == "prefill":
         assert st["graph_prefill"]["calls"] > 0 and st["graph_prefill"]["eager"] == 0
     assert st["tokens"]["reused"] > 0 and st["hits"]["T1_states"] > 0
-    assert e.ckpt.counts["stores"] > cfg.t1_states  # more states cached than T1 holds: T1 evicted
+    assert e.tiers.t1.stats["stores"] > cfg.cache.t1_states  # more states cached than T1 holds: T1 evicted
     if host:  # KV and states went to the host and came back
         assert st["hits"]["T2_kv_tokens"] > 0 and st["hits"]["T2_states"] > 0
         assert st["bytes"]["T2_d2h"] > 0 and st["bytes"]["T2_h2d"] > 0
@@ -127,7 +129,7 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
     if batch:
         assert st["tokens"]["decode_forwards"] < st["tokens"]["decoded"]  # some steps did batch
     if batch == "static":
-        assert e.graph_decoder.stats["steps"] == st["tokens"]["decode_forwards"] > 0
+        assert e.runner.graph_decoder.stats["steps"] == st["tokens"]["decode_forwards"] > 0
     if timed:
         ph = st["phase_s"]
         for k in ("events", "admit", "build_cache", "prefill_forward", "export_kv", "checkpoint", "decode_forward",
@@ -137,11 +139,10 @@ def test_lossless_multi_turn_equals_no_cache(qwen_long, baseline, host, batch):
         assert "phase_s" not in st
 
 
-@needs_host
 def test_two_forwards_per_split_chunk_equals_no_cache(qwen_long, baseline):
     """``split_checkpoints=False``: a chunk whose state is cached inside it runs as two forwards (what
     models the split forward does not support do); through every tier the run still equals no cache."""
-    cfg = EngineConfig(codec="lossless", split_checkpoints=False, **SMALL, **HOST)
+    cfg = EngineConfig(cache=CacheConfig(codec="lossless", **SMALL, **HOST), split_checkpoints=False, **SERVE)
     e, got = run_checked(qwen_long, cfg)
     assert e.stats.c["split_forwards"] == 0 and e.stats.c["branch_checkpoints"] > 0
     for a, b in zip(baseline, got, strict=True):
@@ -150,12 +151,11 @@ def test_two_forwards_per_split_chunk_equals_no_cache(qwen_long, baseline):
     assert n >= 200 and top1 == 1.0 and drift < LOGIT_ATOL, drift
 
 
-@needs_host
 def test_a_split_forward_that_takes_no_state_caches_none_and_runs_two_forwards_after(qwen_long, baseline,
                                                                                    monkeypatch):
     """When a split forward cannot take the state (``forward_chunk_split`` returns None), the engine
     caches nothing at that cut, runs two forwards from then on, and still equals no cache."""
-    import tiered_cache.engine.split_forward as sf
+    import tiered_cache.engine.runner.split_forward as sf
 
     real = sf.forward_chunk_split
     calls = []
@@ -166,8 +166,8 @@ def test_a_split_forward_that_takes_no_state_caches_none_and_runs_two_forwards_a
         return (logits, cache, None) if len(calls) == 1 else (logits, cache, st)
 
     monkeypatch.setattr(sf, "forward_chunk_split", once_without_state)
-    e, got = run_checked(qwen_long, EngineConfig(codec="lossless", **SMALL, **HOST))
-    assert len(calls) == 1 and e.stats.c["split_failures"] == 1 and not e.split
+    e, got = run_checked(qwen_long, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL, **HOST), **SERVE))
+    assert len(calls) == 1 and e.stats.c["split_failures"] == 1 and not e.runner.split
     assert e.stats.c["split_forwards"] == 0 and e.stats.c["branch_checkpoints"] > 0
     for a, b in zip(baseline, got, strict=True):
         assert b.output == a.output, f"client {a.client} round {a.round}"
@@ -178,7 +178,7 @@ def test_phase_clock_counts_each_phase_once():
     import collections
     import time
 
-    from tiered_cache.engine.scheduler import PhaseClock
+    from tiered_cache.engine.stats import PhaseClock
 
     tot = collections.Counter()
     clock = PhaseClock(tot, torch.device("cpu"))
@@ -193,11 +193,10 @@ def test_phase_clock_counts_each_phase_once():
     assert tot["inner"] + tot["outer"] <= wall
 
 
-@needs_host
 def test_random_aborts_mid_prefill_release_everything(qwen_long, baseline):
     """Requests aborted in the middle of their prefill (some chunks cached, some not) and sent again:
     nothing leaks, and the answers still equal the no-cache run's."""
-    cfg = EngineConfig(codec="lossless", **SMALL, **HOST)
+    cfg = EngineConfig(cache=CacheConfig(codec="lossless", **SMALL, **HOST), **SERVE)
     e, got = run_checked(qwen_long, cfg, abort_prob=0.5, abort_seed=1)
     assert e.final_stats["requests"]["aborted"] >= 2
     assert any(t.attempts > 1 for t in got)
@@ -208,9 +207,9 @@ def test_random_aborts_mid_prefill_release_everything(qwen_long, baseline):
 # ------------------------------------------------------------------------------------ int8
 def _int8_run(model, baseline, host: bool, zero_states: bool = False):
     forced = {(t.client, t.round): t.output for t in baseline}
-    e = Engine(model, EngineConfig(codec="int8", **SMALL, **(HOST if host else {})))
+    e = Engine(model, EngineConfig(cache=CacheConfig(codec="int8", **SMALL, **(HOST if host else {})), **SERVE))
     if zero_states:  # every state the tree hands back (from T1, or T2 through T1's layout) is zeroed
-        load = e.ckpt.load_to_active
+        load = e.tiers.t1.load_to_active
 
         def zeroed(ckpt_slots, side, active_ids):
             load(ckpt_slots, side, active_ids)
@@ -218,7 +217,7 @@ def _int8_run(model, baseline, host: bool, zero_states: bool = False):
             side.temporal_view_all()[:, rows] = 0
             side.conv_view_all(0)[:, rows] = 0
 
-        e.ckpt.load_to_active = zeroed
+        e.tiers.t1.load_to_active = zeroed
     got = run_workload(e, WL, forced=forced, record_logits=True, on_step=e.check_invariants)
     assert_released(e)
     return e, got
@@ -240,7 +239,6 @@ def test_int8_long_memory_top1_and_drift(qwen_long, baseline):
 
 
 @pytest.mark.slow
-@needs_host
 def test_int8_long_memory_through_the_host_tier(qwen_long, baseline):
     """Through T2 the tree keeps every conversation's states, so 14 of the 16 turns resume from an
     int8 state (T0+T1: 7, all from the one system-prompt state, the other turns recompute exactly):
@@ -278,14 +276,14 @@ def test_int8_long_memory_through_the_host_tier(qwen_long, baseline):
     assert zdrift > INT8_DRIFT_BOUND and ztop1 < INT8_T2_TOP1_BOUND  # the bounds catch a lost state
 
 
-@pytest.mark.parametrize("host", [False, T2], ids=["T1", "T2"])
+@pytest.mark.parametrize("host", [False, True], ids=["T1", "T2"])
 def test_int8_resume_is_one_rounding_of_the_cached_state(qwen_long, host):
     """The state an int8 resume hands the model is the state the previous turn cached, rounded once:
     every element within half a quantization step of it, the step being that state's own scale (one
     per layer, head and k-channel: amax over d_v / 127). A dequantize with the wrong scales, layout
     or value axis is off by more; a zeroed state by up to 127 steps."""
     p1, q2 = _two_turn_prompts()
-    e = Engine(qwen_long, EngineConfig(codec="int8", **SMALL, **(HOST if host else {})))
+    e = Engine(qwen_long, EngineConfig(cache=CacheConfig(codec="int8", **SMALL, **(HOST if host else {})), **SERVE))
     cached, resumed = {}, {}
     finish, start = e._finish, e._start_prefill
 
@@ -293,8 +291,8 @@ def test_int8_resume_is_one_rounding_of_the_cached_state(qwen_long, host):
         return torch.stack([r.reshape(r.shape[-3:]) for r in rows]).clone()
 
     def on_finish(req):  # the T0 slot holds the state at slot_pos: what cache_finished_req quantizes
-        row = e.states.translate(req.mamba_pool_idx.reshape(-1))
-        cached[req.rid] = req.slot_pos, states(e.states.temporal_view_all()[:, row].unbind(0))
+        row = e.tiers.states.translate(req.mamba_pool_idx.reshape(-1))
+        cached[req.rid] = req.slot_pos, states(e.tiers.states.temporal_view_all()[:, row].unbind(0))
         finish(req)
 
     def on_start(req):
@@ -330,7 +328,7 @@ def _one_turn(e: Engine, rid, prompt, n_new=12) -> Request:
 
 
 def _reference(model, prompts, n_new=12):
-    e = Engine(model, EngineConfig(use_cache=False, **COMMON))
+    e = Engine(model, NO_CACHE)
     return [_one_turn(e, i, p, n_new) for i, p in enumerate(prompts)]
 
 
@@ -339,12 +337,12 @@ def _two_turn_prompts():
     return conv.system + conv.questions[0], conv.questions[1]
 
 
-@pytest.mark.parametrize("host", [False, T2], ids=["T0-T1-T0", "T0-T1-T2-T0"])
+@pytest.mark.parametrize("host", [False, True], ids=["T0-T1-T0", "T0-T1-T2-T0"])
 def test_split_and_resume_through_every_tier(qwen_long, host):
     """Turn 1 is cached (its state checkpointed T0 -> T1); everything the tree holds on the device is
     evicted (to T2 when there is one); turn 2 resumes from it and equals the no-cache run."""
     p1, q2 = _two_turn_prompts()
-    e = Engine(qwen_long, EngineConfig(codec="lossless", **SMALL, **(HOST if host else {})))
+    e = Engine(qwen_long, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL, **(HOST if host else {})), **SERVE))
     r1 = _one_turn(e, "t1", p1)
     p2 = p1 + r1.output + q2
     ref = _reference(qwen_long, [p1, p2])
@@ -365,7 +363,7 @@ def _second_turn_from_host(model):
     """An engine with T2 that served turn 1 and then evicted everything the tree held on the device
     (to T2); returns it, turn 2's prompt and the no-cache run of turn 2."""
     p1, q2 = _two_turn_prompts()
-    e = Engine(model, EngineConfig(codec="lossless", **SMALL, **HOST))
+    e = Engine(model, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL, **HOST), **SERVE))
     r1 = _one_turn(e, "t1", p1)
     p2 = p1 + r1.output + q2
     ref = _reference(model, [p2])[0]
@@ -373,7 +371,6 @@ def _second_turn_from_host(model):
     return e, p2, ref
 
 
-@needs_host
 def test_a_load_back_that_lands_during_the_step_prefills_in_it(qwen_long):
     """The step polls its admissions' loads again after its forwards: one that landed meanwhile (on the
     CPU, every one) starts its prefill in that step, not the next; the result still equals no cache."""
@@ -390,7 +387,6 @@ def test_a_load_back_that_lands_during_the_step_prefills_in_it(qwen_long):
     assert_released(e)
 
 
-@needs_host
 def test_abort_during_load_back_and_corrupt_host_copy(qwen_long):
     e, p2, ref = _second_turn_from_host(qwen_long)
 
@@ -398,8 +394,8 @@ def test_abort_during_load_back_and_corrupt_host_copy(qwen_long):
     # (on the CPU a ticket ends at the next poll, and the step polls again before it ends).
     req = Request(rid="t2", prompt=p2, max_new_tokens=12)
     e.submit(req)
-    fired, slow = e.transfer._fired, [True]
-    e.transfer._fired = lambda t: not slow[0] and fired(t)
+    fired, slow = e.tiers.transfer._fired, [True]
+    e.tiers.transfer._fired = lambda t: not slow[0] and fired(t)
     e.step()
     assert req.status is Status.LOADING and req.load_back is not None and not req.load_back.done
     e.check_invariants()
@@ -417,9 +413,9 @@ def test_abort_during_load_back_and_corrupt_host_copy(qwen_long):
             region.flip_bit(slots[0], 5, 3)
             flipped.append(slots[0])
 
-    e.transfer.corrupt_hook = flip_once
+    e.tiers.transfer.corrupt_hook = flip_once
     r2 = _one_turn(e, "t2b", p2)
-    e.transfer.corrupt_hook = None
+    e.tiers.transfer.corrupt_hook = None
     st = e.stats_dict()
     assert flipped and st["hits"]["T2_checksum_failures"] >= 1 and e.stats.c["load_back_failures"] == 1
     assert r2.output == ref.output
@@ -428,7 +424,7 @@ def test_abort_during_load_back_and_corrupt_host_copy(qwen_long):
 
 
 def test_abort_mid_prefill_and_while_waiting(qwen_long):
-    e = Engine(qwen_long, EngineConfig(codec="lossless", **SMALL))
+    e = Engine(qwen_long, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL), **SERVE))
     prompt = list(range(3, 3 + 70))
     a = Request(rid="a", prompt=prompt, max_new_tokens=4)
     b = Request(rid="b", prompt=prompt[:40], max_new_tokens=4)
@@ -452,7 +448,7 @@ def test_swa_model_runs_through_the_no_cache_path():
     recomputation (through the tiers: test_swa_model_through_the_cache_equals_no_cache)."""
     model = tiny_swa_model(seed=0, device="cpu")
     prompt = make_conversations(WorkloadConfig(clients=1, rounds=1, question_len=21, system_len=0))[0].questions[0]
-    e = Engine(model, EngineConfig(use_cache=False, **COMMON))
+    e = Engine(model, NO_CACHE)
     req = _one_turn(e, "s", prompt, n_new=10)
     toks = list(prompt)
     for _ in range(10):
@@ -460,17 +456,17 @@ def test_swa_model_runs_through_the_no_cache_path():
         toks.append(int(logits[-1].argmax()))
     assert req.output == toks[len(prompt):]
     with pytest.raises(InvalidArgumentError, match="decode_graphs"):
-        Engine(model, EngineConfig(use_cache=False, decode_graphs=True, **COMMON))
+        Engine(model, EngineConfig(use_cache=False, cache=CacheConfig(page_size=4), decode_graphs=True, **SERVE))
 
 
-@pytest.mark.parametrize("host", [False, T2], ids=["T0", "T0-T2"])
+@pytest.mark.parametrize("host", [False, True], ids=["T0", "T0-T2"])
 def test_swa_model_through_the_cache_equals_no_cache(host):
     """The sliding-window model through HiSWARadixCache, T0 small enough that SWA KV is tombstoned and
     whole leaves evicted (and, with T2, demoted and loaded back): every generated token equals the
     no-cache run, logits differ by < 1e-4, every pool ends where it began."""
     model = tiny_swa_model(seed=0, device="cpu")
-    base = run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
-    cfg = EngineConfig(codec="lossless", kv_pages=48, **COMMON, **(HOST if host else {}))
+    base = run_workload(Engine(model, NO_CACHE), WL, record_logits=True)
+    cfg = EngineConfig(cache=CacheConfig(codec="lossless", page_size=4, kv_pages=48, **(HOST if host else {})), **SERVE)
     e = Engine(model, cfg)
     assert type(e.cache).__name__ == "HiSWARadixCache"
     evicted = {"swa": 0, "kv": 0}
@@ -497,24 +493,25 @@ def test_swa_model_through_the_cache_equals_no_cache(host):
 
 
 # ------------------------------------------------------------------------------- config misuse
-@pytest.mark.parametrize("kw, arg", [
-    (dict(chunk_size=10, page_size=4), "chunk_size"),
-    (dict(max_running=4, t0_states=2), "max_running"),
-    (dict(codec="fp4"), "codec"),
-    (dict(host_kv_pages=8), "host_kv_pages"),
-    (dict(prefill_budget=8, chunk_size=16), "prefill_budget"),
-    (dict(decode_batch="yes"), "decode_batch"),
-    (dict(phase_timing=1), "phase_timing"),
-    (dict(decode_graphs="on"), "decode_graphs"),
-    (dict(split_checkpoints="auto"), "split_checkpoints"),
+@pytest.mark.parametrize("kw, cache, arg", [
+    (dict(chunk_size=10), dict(page_size=4), "chunk_size"),
+    (dict(max_running=4), dict(t0_states=2), "max_running"),
+    (dict(), dict(codec="fp4"), "codec"),
+    (dict(), dict(host_kv_pages=8), "host_kv_pages"),
+    (dict(prefill_budget=8, chunk_size=16), dict(), "prefill_budget"),
+    (dict(decode_batch="yes"), dict(), "decode_batch"),
+    (dict(phase_timing=1), dict(), "phase_timing"),
+    (dict(decode_graphs="on"), dict(), "decode_graphs"),
+    (dict(split_checkpoints="auto"), dict(), "split_checkpoints"),
+    (dict(cache=dict(page_size=4)), None, "cache"),
 ])
-def test_config_misuse_names_the_argument(kw, arg):
+def test_config_misuse_names_the_argument(kw, cache, arg):
     with pytest.raises(InvalidArgumentError, match=arg):
-        EngineConfig(**kw)
+        EngineConfig(**kw) if cache is None else EngineConfig(cache=CacheConfig(**cache), **kw)
 
 
 def test_request_too_large_for_t0_is_refused(qwen_long):
-    e = Engine(qwen_long, EngineConfig(codec="lossless", **dict(SMALL, kv_pages=8)))
+    e = Engine(qwen_long, EngineConfig(cache=CacheConfig(codec="lossless", **dict(SMALL, kv_pages=8)), **SERVE))
     e.submit(Request(rid="big", prompt=[5] * 1000, max_new_tokens=8))  # T0 holds ~450 tokens
     with pytest.raises(MemoryError, match="kv_pages"):
         e.step()
@@ -528,7 +525,7 @@ def test_a_step_queues_its_decode_before_its_prefills_and_reads_it_back_after(qw
     every request's tokens are still what one request alone gets."""
     prompts = [list(range(3, 40)), list(range(50, 95))]
     ref = _reference(qwen_long, prompts)
-    e = Engine(qwen_long, EngineConfig(codec="lossless", decode_graphs=True, **SMALL))
+    e = Engine(qwen_long, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL), decode_graphs=True, **SERVE))
     log = []
     for name in ("_decode_launch", "_prefill_chunk", "_decode_land"):
         fn = getattr(e, name)
@@ -555,7 +552,7 @@ def test_a_step_queues_its_decode_before_its_prefills_and_reads_it_back_after(qw
 def test_submit_arrival_stamp(qwen_long):
     """A front end that hands a request over after a step stamps when it arrived: its TTFT counts the
     wait. A stamp in the future, or not a number, is refused and nothing is queued."""
-    e = Engine(qwen_long, EngineConfig(codec="lossless", **SMALL))
+    e = Engine(qwen_long, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL), **SERVE))
     for bad in (time.perf_counter() + 60.0, float("nan"), "now", True):
         with pytest.raises(InvalidArgumentError, match="arrival"):
             e.submit(Request(rid="x", prompt=[5] * 20, max_new_tokens=2), arrival=bad)
@@ -603,7 +600,6 @@ def skip_if_fla(model) -> None:
         pytest.skip(f"gated delta runs {impl} (TF32): exact equality needs the fp32 torch implementation")
 
 
-@needs_host
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True, "all"], ids=["eager", "decode-graphs", "decode-and-prefill-graphs"])
 def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs):
@@ -612,11 +608,11 @@ def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs):
     model = tiny_qwen3_next(seed=0, long_memory=True, device="cuda")
     skip_if_fla(model)
     torch.backends.cuda.matmul.allow_tf32 = False
-    base = run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
-    e, got = run_checked(model, EngineConfig(codec="lossless", decode_graphs=bool(graphs),
-                                             prefill_graphs=graphs == "all", **SMALL, **HOST))
+    base = run_workload(Engine(model, NO_CACHE), WL, record_logits=True)
+    e, got = run_checked(model, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL, **HOST),
+                                             decode_graphs=bool(graphs), prefill_graphs=graphs == "all", **SERVE))
     if graphs:
-        assert e.graph_decoder.stats["replays"] > 0
+        assert e.runner.graph_decoder.stats["replays"] > 0
     if graphs == "all":
         gp = e.final_stats["graph_prefill"]
         assert gp["replays"] > 0 and gp["eager"] == 0 and gp["capture_error"] is None
@@ -631,7 +627,7 @@ def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs):
 @pytest.mark.gpu
 def test_int8_long_memory_on_cuda():
     model = tiny_qwen3_next(seed=0, long_memory=True, device="cuda")
-    base = run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), WL, record_logits=True)
+    base = run_workload(Engine(model, NO_CACHE), WL, record_logits=True)
     _, got = _int8_run(model, base, host=False)
     n, top1, drift, margins = compare(base, got)
     print(f"cuda int8 T0+T1: {n} tokens, top-1 {top1:.4f}, drift {drift:.4f}, flips' margins {margins}")

@@ -1,4 +1,4 @@
-"""The static-buffer decoder (``engine.graph_decode``): on CPU its eager step against one-request
+"""The static-buffer decoder (``engine.runner.graph_decode``): on CPU its eager step against one-request
 forwards; on the GPU its CUDA-graph replays against the same."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiered_cache.engine import graph_decode
-from tiered_cache.engine.adapters import forward_chunk, new_cache
-from tiered_cache.engine.graph_decode import GraphDecoder, gqa_sdpa
 from tiered_cache.engine.models import tiny_qwen3_next, tiny_swa_model
+from tiered_cache.engine.runner import graph_decode
+from tiered_cache.engine.runner.forward import forward_chunk, new_cache
+from tiered_cache.engine.runner.graph_decode import GraphDecoder, gqa_sdpa
 from tiered_cache.errors import InvalidArgumentError
 
 # Measured on the long-memory model (CPU, fp32): <= 3.5e-6 over 5 steps, as decode_batch (summation order).

@@ -1,4 +1,4 @@
-"""The chunk rule of prefill forwards on padded static buffers (``engine.graph_prefill``), against plain
+"""The chunk rule of prefill forwards on padded static buffers (``engine.runner.graph_prefill``), against plain
 calls of the same rule: transformers' torch rule pads to its chunk size the same way, so a padded call
 computes exactly the plain one (outputs and final state bit for bit); on a GPU the captured graph's
 replays match the eager calls; through the engine the tokens and cached states are those of an engine
@@ -11,8 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.engine import EngineConfig, tiny_qwen3_next  # noqa: E402
-from tiered_cache.engine.graph_prefill import GraphChunkRule, routed  # noqa: E402
+from tiered_cache.engine.runner.graph_prefill import GraphChunkRule, routed  # noqa: E402
 from tiered_cache.errors import InvalidArgumentError  # noqa: E402
 
 H_K, H_V, D_K, D_V = 2, 4, 16, 8
@@ -139,8 +140,8 @@ def test_engine_with_prefill_graphs_serves_what_it_serves_without():
     second = first + torch.randint(3, 256, (45,), generator=g).tolist()
     out = {}
     for on in (False, True):
-        eng = Engine(model, EngineConfig(page_size=16, chunk_size=64, prefill_budget=256, kv_pages=64,
-                                         t0_states=4, t1_states=8, prefill_graphs=on))
+        eng = Engine(model, EngineConfig(cache=CacheConfig(page_size=16, kv_pages=64, t0_states=4, t1_states=8),
+                                         chunk_size=64, prefill_budget=256, prefill_graphs=on))
         toks = []
         for i, prompt in enumerate((first, second)):
             eng.submit(Request(rid=f"r{i}", prompt=prompt, max_new_tokens=4))

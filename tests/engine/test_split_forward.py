@@ -1,4 +1,4 @@
-"""One forward that also takes the recurrent state inside it (``engine.split_forward``), against the
+"""One forward that also takes the recurrent state inside it (``engine.runner.split_forward``), against the
 two forwards it replaces: the state at the split (conv window and recurrent state of every linear
 layer), the logits of every position and the cache at the end agree to float rounding."""
 
@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from tiered_cache.engine import forward_chunk, new_cache, tiny_qwen3_next  # noqa: E402
 from tiered_cache.engine.models import tiny_swa_model  # noqa: E402
-from tiered_cache.engine.split_forward import forward_chunk_split, split_supported  # noqa: E402
+from tiered_cache.engine.runner.split_forward import forward_chunk_split, split_supported  # noqa: E402
 from tiered_cache.errors import InvalidArgumentError  # noqa: E402
 
 ATOL = 2e-5  # fp32: the same sums over differently shaped GEMMs
@@ -117,7 +117,7 @@ def test_a_forward_that_does_not_call_the_wrapped_functions_as_expected_takes_no
     """If the layers stop calling the wrapped functions once each (a model or transformers change),
     the split forward says so and returns no state; its logits and cache are one forward's (to float
     rounding: the recurrence still ran in two parts)."""
-    import tiered_cache.engine.split_forward as sf
+    import tiered_cache.engine.runner.split_forward as sf
 
     ids = _ids(40)
     monkeypatch.setattr(sf, "layer_kinds", lambda cfg: ["linear_attention"] * 99)  # more than it has

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from tiered_cache import cli  # noqa: E402
 from tiered_cache.engine import stress  # noqa: E402
 from tiered_cache.engine import stress_report as rep  # noqa: E402
-from tiered_cache.engine.stats import CountingLRUPolicy  # noqa: E402
+from tiered_cache.stack import CountingLRUPolicy  # noqa: E402
 
 TINY = ["--clients", "2", "--rounds", "3", "--question-len", "8", "--system-len", "8", "--max-new-tokens", "4",
         "--page-size", "4", "--chunk-size", "8", "--kv-pages", "24", "--max-running", "2", "--t0-states", "2",

@@ -17,14 +17,16 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.support.storage_util import redis_server  # noqa: E402,F401  (fixture)
+from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.engine import tiny_qwen3_next  # noqa: E402
-from tiered_cache.engine.scheduler import Engine, EngineConfig  # noqa: E402
+from tiered_cache.engine.config import EngineConfig  # noqa: E402
+from tiered_cache.engine.scheduler import Engine  # noqa: E402
 from tiered_cache.engine.workload import WorkloadConfig, run_workload  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WL = WorkloadConfig(clients=2, rounds=2, question_len=12, system_len=24, max_new_tokens=8)
-COMMON = dict(page_size=4, chunk_size=16, prefill_budget=64, max_running=2)
-TIERS = dict(codec="lossless", kv_pages=48, t0_states=2, t1_states=6, host_kv_pages=200, host_states=40,
+COMMON = dict(chunk_size=16, prefill_budget=64, max_running=2)
+TIERS = dict(page_size=4, codec="lossless", kv_pages=48, t0_states=2, t1_states=6, host_kv_pages=200, host_states=40,
              prefetch_policy="wait_complete")
 
 
@@ -38,11 +40,12 @@ def model():
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    return [t.output for t in run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), WL)]
+    base = EngineConfig(use_cache=False, cache=CacheConfig(**TIERS), **COMMON)
+    return [t.output for t in run_workload(Engine(model, base), WL)]
 
 
 def run(model, url):
-    e = Engine(model, EngineConfig(storage_url=url, **TIERS, **COMMON))
+    e = Engine(model, EngineConfig(cache=CacheConfig(storage_url=url, **TIERS), **COMMON))
     try:
         outs = [t.output for t in run_workload(e, WL, on_step=e.check_invariants)]
         stats = e.stats_dict()
@@ -115,7 +118,7 @@ def test_abort_cancels_prefetch(model, baseline, tmp_path):
 
     url = f"file://{tmp_path / 'store'}"
     run(model, url)  # fill the store
-    cfg = EngineConfig(storage_url=url, **dict(TIERS, prefetch_policy="best_effort"), **COMMON)
+    cfg = EngineConfig(cache=CacheConfig(storage_url=url, **dict(TIERS, prefetch_policy="best_effort")), **COMMON)
     e = Engine(model, cfg)
     try:
         prompt = list(range(3, 3 + 40))

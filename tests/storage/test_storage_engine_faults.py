@@ -23,9 +23,11 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.support.storage_util import WrapBackend, own_redis  # noqa: E402,F401  (fixture)
+from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.engine import tiny_qwen3_next  # noqa: E402
+from tiered_cache.engine.config import EngineConfig  # noqa: E402
 from tiered_cache.engine.request import Request  # noqa: E402
-from tiered_cache.engine.scheduler import Engine, EngineConfig  # noqa: E402
+from tiered_cache.engine.scheduler import Engine  # noqa: E402
 from tiered_cache.engine.workload import WorkloadConfig, run_workload  # noqa: E402
 from tiered_cache.storage.format import HEADER_SIZE, pack_header, parse_header  # noqa: E402
 
@@ -37,6 +39,16 @@ WL_EVICT = WorkloadConfig(clients=3, rounds=2, question_len=12, system_len=24, m
 COMMON = dict(page_size=4, chunk_size=16, prefill_budget=64, max_running=2)
 TIERS = dict(codec="lossless", kv_pages=48, t0_states=2, t1_states=6, host_kv_pages=200, host_states=40,
              prefetch_policy="wait_complete")
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def config(**over) -> EngineConfig:
+    """TIERS and COMMON overridden by ``over``: EngineConfig's own fields go to it, the rest to its cache."""
+    kw = {**TIERS, **COMMON, **over}
+    serve = {k: kw.pop(k) for k in list(kw) if k in ENGINE_FIELDS}
+    return EngineConfig(cache=CacheConfig(**kw), **serve)
+
+
 RUN_BOUND_S = 120.0  # a whole run (tens of steps); a hang fails here instead of stalling CI
 STEP_BOUND_S = 5.0   # one step, even right after the server died (connect + socket timeouts: 1 + 2 s)
 CLOSE_BOUND_S = 10.0
@@ -51,7 +63,7 @@ def model():
 
 
 def no_cache(model, wl):
-    return run_workload(Engine(model, EngineConfig(use_cache=False, **COMMON)), wl)
+    return run_workload(Engine(model, config(use_cache=False)), wl)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +149,7 @@ def run(model, wl: WorkloadConfig = WL, *, setup=None, on_step=None, **cfg) -> R
     every step (invariants are checked there too)."""
 
     def go() -> Run:
-        e = Engine(model, EngineConfig(**{**TIERS, **COMMON, **cfg}))
+        e = Engine(model, config(**cfg))
         try:
             if setup is not None:
                 setup(e)
@@ -185,8 +197,8 @@ def test_redis_killed_mid_run(model, baseline, own_redis, policy, kill_at):  # n
         def before(method, n):
             if n == kill_at:
                 own_redis.kill()
-        e.storage.retry_after_s = 0.05  # the breaker lets calls through often: many raw failures, not one
-        e.storage.backend = WrapBackend(e.storage.backend, before=before)
+        e.tiers.storage.retry_after_s = 0.05  # the breaker lets calls through often: many raw failures, not one
+        e.tiers.storage.backend = WrapBackend(e.tiers.storage.backend, before=before)
 
     r = run(model, setup=setup, storage_url=url, prefetch_policy=policy)
     assert own_redis.proc.poll() is not None, "the server was not killed during the run"
@@ -230,7 +242,7 @@ def test_entries_of_another_fingerprint_give_zero_hits(model, baseline, tmp_path
     other = run(make(model) if make else model, storage_url=url, **both, **writer_cfg)
     assert other.t3["tier"].get("written", 0) > 0, other.t3
     n_foreign = len(store_files(tmp_path / "store"))
-    assert other.engine.storage is None  # closed
+    assert other.engine.tiers.storage is None  # closed
     ours = run(model, storage_url=url, **both)
     assert ours.outs == baseline
     assert ours.t3["lookups"] > 0 and ours.t3.get("hits", 0) == 0, ours.t3
@@ -285,11 +297,10 @@ def test_prefetch_policies_with_a_slow_store(model, baseline_turns, baseline, tm
     assert fill.outs == baseline
 
     def go():
-        e = Engine(model, EngineConfig(**{**TIERS, **COMMON, "prefetch_policy": policy}, storage_url=url,
-                                       prefetch_timeout_s=TIMEOUT_S))
+        e = Engine(model, config(prefetch_policy=policy, storage_url=url, prefetch_timeout_s=TIMEOUT_S))
         try:
             assert e.cache.t3.policy == policy and e.cache.t3.timeout_s == TIMEOUT_S
-            e.storage.backend = w = WrapBackend(e.storage.backend, delay_s=GET_DELAY_S, slow=("get",))
+            e.tiers.storage.backend = w = WrapBackend(e.tiers.storage.backend, delay_s=GET_DELAY_S, slow=("get",))
             t0 = baseline_turns[0]
             r = Request("first", list(t0.prompt), len(t0.output))
             e.submit(r)

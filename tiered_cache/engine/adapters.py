@@ -15,169 +15,25 @@ Per kind of layer (``config.layer_types``), the cache layer and the pool side th
 Token ids are virtual ids of a KV side, one per position: ``token_ids[p]`` holds position ``p``.
 A state slot holds the state after a fixed number of tokens; the caller knows which.
 
-Continuing on a restored cache always passes ``position_ids`` (``forward_chunk``): some models derive
-positions from the cache length otherwise, which a restored cache may not report as the caller means.
-
-transformers versions: tested on 5.24 and 5.17 (CPU). They differ in the cache keyword of
-``forward`` (``cache`` in 5.24, where ``past_key_values`` is deprecated; ``past_key_values`` in 5.17)
-and in how Qwen3-Next asks whether a layer has a state (``Cache.has_previous_state`` in 5.17, the
-layer's ``has_previous_state`` dict through ``get_conv_state`` in 5.24); filling fresh layers through
-their own ``update*`` methods, as below, sets both.
+Running the model on those caches is ``runner.forward``'s.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Sequence
 from typing import Optional, Union
 
 import torch
 
 from tiered_cache.device import host_to_device
-from tiered_cache.engine.models import FULL, LINEAR, SLIDING, ModelSpecs, layer_kinds, spec_for
+from tiered_cache.engine.model_specs import ModelSpecs, spec_for
+from tiered_cache.engine.models import layer_kinds
+from tiered_cache.engine.runner.forward import new_cache
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec
-from tiered_cache.tiers.unified_pool import SubPool
+from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide
 
 IdsLike = Union[torch.Tensor, Sequence[int]]
-
-
-def new_cache(model):
-    """A fresh ``DynamicCache(config=...)``: one layer object per model layer, of the kind it needs."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
-def _cache_kwarg(model) -> str:
-    """``cache`` (5.24+) or ``past_key_values`` (5.17): the name ``forward`` takes the cache under."""
-    return _cache_kwarg_of(type(model).forward)
-
-
-@functools.cache
-def _cache_kwarg_of(forward) -> str:  # once per model class, not once per forward
-    params = inspect.signature(forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-@torch.no_grad()
-def forward_chunk(model, cache, input_ids: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, object]:
-    """Run tokens at positions ``[start_pos, start_pos + T)`` on ``cache`` (batch 1), with explicit positions.
-
-    ``input_ids``: ``[T]`` or ``[1, T]``. Returns ``(logits [T, vocab], cache)``; ``cache`` is updated
-    in place. Raises if ``start_pos`` disagrees with the tokens the cache holds, or if the cache has
-    attention KV but a linear layer has no state (a continuation would silently restart the recurrence).
-    """
-    ids = input_ids if input_ids.dim() == 2 else input_ids.reshape(1, -1)
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise InvalidArgumentError("input_ids", "a non-empty [T] or [1, T] tensor (batch 1)", tuple(input_ids.shape))
-    if not isinstance(start_pos, int) or isinstance(start_pos, bool) or start_pos < 0:
-        raise InvalidArgumentError("start_pos", "an int >= 0", start_pos)
-    seen = _seen_tokens(cache)
-    if seen is not None and seen != start_pos:
-        raise InvalidArgumentError("start_pos", f"{seen}, the tokens the cache holds", start_pos)
-    if start_pos > 0:
-        for i, layer in enumerate(cache.layers):
-            if hasattr(layer, "recurrent_states") and not all(layer.has_previous_state.values()):
-                raise InvalidArgumentError("cache", f"a state in linear layer {i} to continue from", "none")
-    ids = ids.to(model.device)
-    pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
-    out = model(input_ids=ids, position_ids=pos, use_cache=True, **{_cache_kwarg(model): cache})
-    return out.logits[0], cache
-
-
-@torch.no_grad()
-def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """One decode token for each of several requests, in one forward: ``caches[b]`` (batch 1) holds
-    positions ``[0, positions[b])`` and the token at ``positions[b]`` is ``tokens[b]``.
-
-    Returns the logits ``[B, vocab]``; each cache gains its token's KV and its new recurrent state, as
-    ``forward_chunk`` would have left it (up to floating-point summation order). The requests' KV is
-    gathered into one left-padded batch cache (padding masked out), so a step costs one forward
-    instead of ``B``. Models with sliding-window layers are not batched here.
-    """
-    kinds = layer_kinds(model.config)
-    if SLIDING in kinds:
-        raise InvalidArgumentError("model", "a model without sliding-window layers (batched decode)", "sliding layers")
-    n = len(caches)
-    if n == 0 or len(tokens) != n or len(positions) != n:
-        raise InvalidArgumentError("tokens, positions", f"one per cache ({n} caches, at least one)",
-                                   (len(tokens), len(positions)))
-    for b, (c, p) in enumerate(zip(caches, positions)):
-        seen = _seen_tokens(c)
-        if not isinstance(p, int) or p < 1 or (seen is not None and seen != p):
-            raise InvalidArgumentError("positions", f"positions[{b}] = {seen}, the tokens cache {b} holds", p)
-    dev = model.device
-    width = max(positions)
-    k_conv = model.config.get_text_config(decoder=True).linear_conv_kernel_dim if LINEAR in kinds else 0
-    batch = new_cache(model)
-    for i, kind in enumerate(kinds):
-        layers = [c.layers[i] for c in caches]
-        if kind == FULL:
-            k0, v0 = layers[0].keys, layers[0].values
-            keys = k0.new_zeros((n, k0.shape[1], width, k0.shape[3]))
-            values = v0.new_zeros((n, v0.shape[1], width, v0.shape[3]))
-            for b, (lay, p) in enumerate(zip(layers, positions)):
-                keys[b, :, width - p:] = lay.keys[0]
-                values[b, :, width - p:] = lay.values[0]
-            batch.layers[i].update(keys, values)
-        else:
-            for b, lay in enumerate(layers):
-                if not all(lay.has_previous_state.values()):
-                    raise InvalidArgumentError("caches", f"a state in linear layer {i} of cache {b}", "none")
-            conv = torch.cat([lay.conv_states[0][..., -k_conv:] for lay in layers])
-            rec = torch.cat([lay.recurrent_states[0] for lay in layers])
-            target = batch.layers[i]
-            target.is_conv_states_initialized[0] = False
-            target.has_previous_state[0] = False
-            target.update_conv_state(conv.clone(), 0, conv_kernel_size=k_conv)
-            target.update_recurrent_state(rec.clone(), 0)
-    mask = torch.zeros((n, width + 1), dtype=torch.long, device=dev)
-    for b, p in enumerate(positions):
-        mask[b, width - p:] = 1
-    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=dev).view(n, 1)
-    pos = torch.as_tensor(list(positions), dtype=torch.long, device=dev).view(n, 1)
-    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **{_cache_kwarg(model): batch})
-    full = [i for i, k in enumerate(kinds) if k == FULL]
-    linear = [i for i, k in enumerate(kinds) if k == LINEAR]
-    store_decoded(caches, kinds, k_conv, {i: batch.layers[i].keys[:, :, -1:] for i in full},
-                  {i: batch.layers[i].values[:, :, -1:] for i in full},
-                  {i: batch.layers[i].conv_states[0] for i in linear},
-                  {i: batch.layers[i].recurrent_states[0] for i in linear})
-    return out.logits[:, -1]
-
-
-def store_decoded(caches: Sequence, kinds: Sequence[str], k_conv: int, keys: dict, values: dict, conv: dict,
-                  rec: dict) -> None:
-    """After a batched decode step: hand cache ``b`` row ``b`` of each layer's results. ``keys[i]`` /
-    ``values[i]``: ``[n, kv_heads, 1, D]``, the decoded token's (appended); ``conv[i]`` (its last
-    ``k_conv`` columns are the window) and ``rec[i]``: the new conv window and state (copied in place,
-    in one foreach copy)."""
-    dst, src = [], []
-    for i, kind in enumerate(kinds):
-        for b, c in enumerate(caches):
-            lay = c.layers[i]
-            if kind == FULL:
-                lay.update(keys[i][b:b + 1], values[i][b:b + 1])
-                continue
-            cv = conv[i][b:b + 1, ..., -k_conv:]
-            if lay.conv_states[0].shape == cv.shape:
-                dst.append(lay.conv_states[0])
-                src.append(cv)
-            else:
-                lay.conv_states[0] = cv.clone()
-            dst.append(lay.recurrent_states[0])
-            src.append(rec[i][b:b + 1])
-    if dst:
-        torch._foreach_copy_(dst, src)
-
-
-def _seen_tokens(cache) -> Optional[int]:
-    try:
-        return int(cache.get_seq_length())
-    except ValueError:  # a cache of linear layers only tracks no length
-        return None
 
 
 def _ids(name: str, ids: IdsLike, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -197,15 +53,15 @@ def _slot(slot: Union[int, torch.Tensor]) -> torch.Tensor:
     return t.reshape(-1).to(torch.int64)
 
 
-def _physical(side: SubPool, name: str, ids: torch.Tensor) -> torch.Tensor:
+def _physical(side: ActiveSide, name: str, ids: torch.Tensor) -> torch.Tensor:
     """``side.translate`` that refuses free or unknown ids: they map to -1, which would index the last row.
 
-    Ids on the host are checked and translated on the allocator's host table and sent to the device
+    Ids on the host are checked and translated on the side's host table and sent to the device
     through page-locked memory: no wait for the device. Ids on the device cost one host sync (the
     check reads the translated ids back)."""
     if ids.device.type == "cpu":
         try:
-            rows = side.allocator.translate_host(ids.numpy())
+            rows = side.translate_host(ids.numpy())
         except InvalidArgumentError:
             rows = None
         if rows is None or (rows.size and int(rows.min()) < 0):
@@ -230,7 +86,7 @@ def _from_store(x: torch.Tensor, spec: KVSpec) -> torch.Tensor:
 
 
 class HybridCacheAdapter:
-    """Moves one request's cache contents to and from ``UnifiedPool`` sides, for one model.
+    """Moves one request's cache contents to and from T0 sides (``KVSide`` / ``StateSide``), for one model.
 
     ``specs``: from ``spec_for(model, page_size)`` (computed if omitted). A side is recognised by its
     spec: ``specs.full`` (full-attention layers), ``specs.swa`` (sliding layers), ``specs.state``.
@@ -246,7 +102,7 @@ class HybridCacheAdapter:
         return new_cache(self.model)
 
     # --------------------------------------------------------------------------- states
-    def export_state(self, cache, side: SubPool, slot: Union[int, torch.Tensor]) -> None:
+    def export_state(self, cache, side: StateSide, slot: Union[int, torch.Tensor]) -> None:
         """Write every linear layer's recurrent state and conv window into state slot ``slot`` (virtual)."""
         spec = self._state_side(side)
         layers = [cache.layers[i] for i in self.specs.linear_layers]
@@ -258,7 +114,7 @@ class HybridCacheAdapter:
         self._write_state(side, spec, slot, "cache", [lay.conv_states[0][..., -k:] for lay in layers],
                           [lay.recurrent_states[0] for lay in layers])
 
-    def export_split_state(self, states, side: SubPool, slot: Union[int, torch.Tensor]) -> None:
+    def export_split_state(self, states, side: StateSide, slot: Union[int, torch.Tensor]) -> None:
         """Write the state a split forward captured (``split_forward.SplitStates``: one conv window and
         one recurrent state per linear layer) into state slot ``slot`` (virtual), as ``export_state``
         writes a cache's."""
@@ -270,7 +126,7 @@ class HybridCacheAdapter:
                                        type(states).__name__)
         self._write_state(side, spec, slot, "states", conv, rec)
 
-    def _write_state(self, side: SubPool, spec, slot, name: str, conv_l: list, rec_l: list) -> None:
+    def _write_state(self, side: StateSide, spec, slot, name: str, conv_l: list, rec_l: list) -> None:
         conv, rec = torch.stack(conv_l), torch.stack(rec_l)
         want = ((len(rec_l), 1, *spec.temporal_shape), (len(conv_l), 1, *spec.conv_shapes[0]))
         if (tuple(rec.shape), tuple(conv.shape)) != want:
@@ -280,7 +136,7 @@ class HybridCacheAdapter:
         side.temporal_view_all()[:, row] = rec.to(side.device, spec.temporal_dtype)
         side.conv_view_all(0)[:, row] = conv.to(side.device, spec.conv_dtype)
 
-    def import_state(self, side: SubPool, slot: Union[int, torch.Tensor], cache=None):
+    def import_state(self, side: StateSide, slot: Union[int, torch.Tensor], cache=None):
         """Load state slot ``slot`` into the linear layers of ``cache`` (a fresh one if None); returns it.
 
         A layer that already has a state is overwritten in place (its tensors keep their address).
@@ -311,7 +167,7 @@ class HybridCacheAdapter:
         return cache
 
     # ------------------------------------------------------------------------------ KV
-    def export_kv(self, cache, side: SubPool, token_ids: IdsLike, start: int, end: int) -> tuple[int, int]:
+    def export_kv(self, cache, side: KVSide, token_ids: IdsLike, start: int, end: int) -> tuple[int, int]:
         """Write K/V of positions ``[start, end)`` of the side's layers into its pages.
 
         Full side: every position must be in the cache. SWA side: only the positions the sliding
@@ -349,7 +205,7 @@ class HybridCacheAdapter:
         side.v_view_all()[:, pages, offs] = _to_store(v, spec).to(side.device)
         return start, end
 
-    def import_kv(self, cache, side: SubPool, token_ids: IdsLike, n_tokens: int) -> None:
+    def import_kv(self, cache, side: KVSide, token_ids: IdsLike, n_tokens: int) -> None:
         """Fill the side's (empty) layers of ``cache`` with positions ``[0, n_tokens)`` from the pages;
         sliding layers take only the last ``spec.window`` of them and count all ``n_tokens``."""
         spec, model_layers = self._kv_side(side)
@@ -373,8 +229,8 @@ class HybridCacheAdapter:
             if spec.window:
                 layer.cumulative_length = n_tokens  # the positions it has seen, not the ones it keeps
 
-    def build_cache(self, kv_side: SubPool, token_ids: IdsLike, state_side: Optional[SubPool] = None,
-                    slot: Union[int, torch.Tensor, None] = None, *, swa_side: Optional[SubPool] = None,
+    def build_cache(self, kv_side: KVSide, token_ids: IdsLike, state_side: Optional[StateSide] = None,
+                    slot: Union[int, torch.Tensor, None] = None, *, swa_side: Optional[KVSide] = None,
                     swa_token_ids: Optional[IdsLike] = None, n_tokens: Optional[int] = None):
         """A fresh cache holding positions ``[0, n_tokens)`` (default ``len(token_ids)``) from the pools.
 
@@ -405,7 +261,7 @@ class HybridCacheAdapter:
         hi = getattr(layer, "cumulative_length", n) if getattr(layer, "is_sliding", False) else n
         return hi - n, hi
 
-    def _kv_side(self, side: SubPool) -> tuple[KVSpec, tuple[int, ...]]:
+    def _kv_side(self, side: KVSide) -> tuple[KVSpec, tuple[int, ...]]:
         spec = getattr(side, "spec", None)
         if spec == self.specs.full:
             return spec, self.specs.full_layers
@@ -414,11 +270,11 @@ class HybridCacheAdapter:
         want = [self.specs.full] + ([self.specs.swa] if self.specs.swa is not None else [])
         raise InvalidArgumentError("side", f"a KV side whose spec is one of {want}", spec)
 
-    def _state_side(self, side: SubPool):
+    def _state_side(self, side: StateSide):
         spec = getattr(side, "spec", None)
         if self.specs.state is None or spec != self.specs.state:
             raise InvalidArgumentError("side", f"a state side whose spec is {self.specs.state}", spec)
         return spec
 
 
-__all__ = ["FULL", "LINEAR", "SLIDING", "HybridCacheAdapter", "decode_batch", "forward_chunk", "new_cache"]
+__all__ = ["HybridCacheAdapter"]

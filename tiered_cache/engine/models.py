@@ -1,30 +1,25 @@
-"""Tiny seeded random-weight hybrid models from ``transformers`` configs, and the pool specs they need.
+"""Tiny seeded random-weight hybrid models from ``transformers`` configs, and what their layers are.
 
 Two families, both built from a config (no download), on the CPU or the GPU:
 
 - ``tiny_qwen3_next``: Qwen3-Next, gated delta-net (linear attention) + full attention; a recurrent
   state ``[H_v, d_k, d_v]`` (fp32) and a conv window ``[conv_dim, kernel]`` per linear layer.
-  ``long_memory=True`` makes the state matter (PLATFORM.md): random-init models forget within a few
+  ``long_memory=True`` makes the state matter (docs/platform.md): random-init models forget within a few
   tokens, so an all-zero state would pass a naive test.
 - ``tiny_swa_model``: Gemma3 text, sliding-window + full attention (layer pattern S,S,F,S,S,F).
 
-``spec_for`` derives the ``KVSpec``/``StateSpec`` for the pools from one probe token through the
-model's own ``DynamicCache``: the shapes and dtypes the pools hold are by construction the ones the
-cache layers hold, on whichever transformers version is installed (5.17 stores the conv window as
-``[conv_dim, kernel]``, as 5.24 does; a future change shows up here, not as silent garbage).
+``layer_kinds`` reads which kind each layer is (``model_specs.spec_for`` derives the pools' specs from
+them); ``weights_id`` names a model by its weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import hashlib
 
 import torch
 
 from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError
-from tiered_cache.specs import KVSpec, StateSpec
-from tiered_cache.tiers.unified_pool import UnifiedPool
 
 # Layer kinds, as ``config.layer_types`` names them (both 5.17 and 5.24).
 LINEAR, FULL, SLIDING = "linear_attention", "full_attention", "sliding_attention"
@@ -45,7 +40,7 @@ def tiny_qwen3_next(seed: int = 0, long_memory: bool = False, dtype: torch.dtype
 
     ``d_k`` (16) differs from ``d_v`` (32) so a mix-up of the state's axes cannot pass unnoticed.
     ``long_memory``: decay ``A = exp(A_log)`` uniform in [0.02, 0.1], ``dt_bias = -2`` and every 2-D
-    weight scaled x4 (PLATFORM.md), so the state carries information across many tokens.
+    weight scaled x4 (docs/platform.md), so the state carries information across many tokens.
     ``overrides`` go to ``Qwen3NextConfig`` (e.g. ``num_experts=4, mlp_only_layers=[]`` for MoE MLPs).
     """
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -106,32 +101,14 @@ def tiny_swa_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: de
     return model.to(device=dev.resolve(device), dtype=dtype)
 
 
-# ------------------------------------------------------------------------------------------ specs
-@dataclass(frozen=True)
-class ModelSpecs:
-    """What the pools hold for one model, and which model layer is which pool layer.
-
-    ``full``: KV of the full-attention layers (``full_layers[i]`` is pool layer ``i``).
-    ``state``: recurrent state + conv window of the linear layers (``linear_layers``), or None.
-    ``swa``: KV of the sliding-window layers (``swa_layers``), ``window`` = tokens a resume needs
-    (the layer's ``sliding_window - 1``: a query at ``p`` sees keys ``(p - sliding_window, p]``), or None.
-    """
-
-    full: KVSpec
-    state: Optional[StateSpec]
-    swa: Optional[KVSpec]
-    full_layers: tuple[int, ...]
-    linear_layers: tuple[int, ...]
-    swa_layers: tuple[int, ...]
-    page_size: int
-
-    def make_pool(self, full_slots: int, high_slots: int, device: dev.DeviceLike = None, **kwargs) -> UnifiedPool:
-        """A ``UnifiedPool``: full KV (``full_slots`` pages) + states or SWA KV (``high_slots`` states/pages)."""
-        high = self.state if self.state is not None else self.swa
-        if high is None:
-            raise InvalidArgumentError("model", "a hybrid (linear or sliding-window layers)", "full attention only")
-        return UnifiedPool(self.full, high, low_slots=full_slots, high_slots=high_slots,
-                           page_size=self.page_size, device=device, **kwargs)
+def weights_id(model) -> str:
+    """The model class and a SHA-256 of its weights: T3's default model id, so another model's (or another
+    seed's) entries are never served."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return f"{type(model).__name__}/weights-sha256:{h.hexdigest()[:32]}"
 
 
 def layer_kinds(config) -> tuple[str, ...]:
@@ -144,55 +121,3 @@ def layer_kinds(config) -> tuple[str, ...]:
     if bad:
         raise InvalidArgumentError("model", f"layer types in {(LINEAR, FULL, SLIDING)}", bad)
     return kinds
-
-
-@torch.no_grad()
-def spec_for(model, page_size: int = 16) -> ModelSpecs:
-    """Specs of the pools for ``model``, read from one probe token through its own cache.
-
-    State ``value_axis`` is 2: Qwen3-Next keeps ``[B, H_v, d_k, d_v]``; the int8 scale reduces over d_v.
-    """
-    from tiered_cache.engine.adapters import forward_chunk, new_cache  # adapters import this module
-
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise InvalidArgumentError("page_size", "an int >= 1", page_size)
-    kinds = layer_kinds(model.config)
-    cache = new_cache(model)
-    probe = torch.ones(1, 1, dtype=torch.long, device=model.device)
-    forward_chunk(model, cache, probe, 0)
-    idx = {k: tuple(i for i, t in enumerate(kinds) if t == k) for k in (LINEAR, FULL, SLIDING)}
-    if not idx[FULL]:
-        raise InvalidArgumentError("model", "at least one full-attention layer", kinds)
-
-    def kv_spec(layers: tuple[int, ...], window: int) -> KVSpec:
-        shapes = {(tuple(cache.layers[i].keys.shape), tuple(cache.layers[i].values.shape),
-                   cache.layers[i].keys.dtype) for i in layers}
-        if len(shapes) != 1:
-            raise InvalidArgumentError("model", "the same K/V shape and dtype in every layer of a kind", shapes)
-        (k_shape, v_shape, dtype), = shapes
-        return KVSpec(num_layers=len(layers), kv_heads=k_shape[1], head_dim=k_shape[3], dtype=dtype,
-                      v_head_dim=v_shape[3], window=window)
-
-    swa = None
-    if idx[SLIDING]:
-        windows = {int(cache.layers[i].sliding_window) for i in idx[SLIDING]}
-        if len(windows) != 1:
-            raise InvalidArgumentError("model", "one sliding window for all sliding layers", windows)
-        swa = kv_spec(idx[SLIDING], windows.pop() - 1)
-    state = None
-    if idx[LINEAR]:
-        layers = [cache.layers[i] for i in idx[LINEAR]]
-        if any(lay.number_of_states != 1 for lay in layers):
-            raise InvalidArgumentError("model", "one conv/recurrent state per linear layer",
-                                       [lay.number_of_states for lay in layers])
-        rec = {(tuple(lay.recurrent_states[0].shape), lay.recurrent_states[0].dtype) for lay in layers}
-        conv = {(tuple(lay.conv_states[0].shape), lay.conv_states[0].dtype) for lay in layers}
-        if len(rec) != 1 or len(conv) != 1:
-            raise InvalidArgumentError("model", "the same state shapes in every linear layer", (rec, conv))
-        (r_shape, r_dtype), = rec
-        (c_shape, c_dtype), = conv
-        state = StateSpec(num_layers=len(layers), temporal_shape=r_shape[1:], temporal_dtype=r_dtype,
-                          conv_shapes=(c_shape[1:],), conv_dtype=c_dtype, value_axis=2)
-    return ModelSpecs(full=kv_spec(idx[FULL], 0), state=state, swa=swa, full_layers=idx[FULL],
-                      linear_layers=idx[LINEAR], swa_layers=idx[SLIDING], page_size=page_size)
-

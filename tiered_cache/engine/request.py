@@ -67,8 +67,8 @@ class Request:
     slot_pos: int = 0  # the T0 state slot holds the state after this many tokens
     branching: Optional[int] = None  # match's mamba_branching_seqlen: export a state there
     model_cache: Any = None  # the transformers cache the request runs on (dropped when it ends)
-    # field name -> (the device tensor, its copy on the host): Engine._on_host refreshes an entry when
-    # the field is replaced
+    # field name -> (the device tensor, its copy on the host): ``on_host`` refreshes an entry when the
+    # field is replaced
     host_copies: dict = field(default_factory=dict)
     # --- stats
     reused_tokens: int = 0  # prompt tokens taken from the cache (not computed)
@@ -95,6 +95,33 @@ class Request:
     def token_ids(self) -> list[int]:
         """The tokens whose KV is written (what ``cache_*_req`` would cache)."""
         return self.tokens[:self.filled]
+
+    def on_host(self, name: str) -> Optional[torch.Tensor]:
+        """``self.<name>`` (``kv_indices``, ``swa_kv_indices``, ``mamba_pool_idx``) on the host, copied once
+        each time the tensor is replaced (admission, a checkpoint that hands pages to the tree): the
+        adapter then checks and translates those ids on the allocator's host table, with no wait for the
+        device."""
+        src = getattr(self, name)
+        if src is None:
+            return None
+        held = self.host_copies.get(name)
+        if held is None or held[0] is not src:
+            held = self.host_copies[name] = (src, src.cpu())
+        return held[1]
+
+    def emit(self, am: int, row: torch.Tensor) -> int:
+        """Record a generated token: the model's pick ``am`` (its argmax of ``row``, the next-token logits),
+        or the forced one in its place. Returns its index in ``output``; the first one stamps the TTFT."""
+        i = len(self.output)
+        tok = am if self.forced_output is None else int(self.forced_output[i])
+        self.output.append(tok)
+        self.argmax.append(am)
+        self.tokens.append(tok)
+        if self.record_logits:
+            self.logits.append(row.detach().float().cpu().clone())
+        if i == 0:
+            self.t_first_token = time.perf_counter()
+        return i
 
     @property
     def done(self) -> bool:

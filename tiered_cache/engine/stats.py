@@ -1,60 +1,56 @@
-"""What the reference engine counts: hits per tier, tokens computed and reused, bytes moved per tier.
+"""What the reference engine counts: hits per tier, tokens computed and reused, bytes moved per tier,
+and (``PhaseClock``) where a step's time goes.
 
 Bytes are counted where they move: T0 by the engine (KV and states written from the model's cache
-into the pool, read back to resume), T1 by ``CountingCheckpointPool`` (every quantize-store and
-dequantize-load the tree asks for), T2 by the ``TransferEngine``'s own ``stats`` counter.
+into the pool, read back to resume); T1 (every quantize-store and dequantize-load the tree asks for),
+T2 (the transfer engine's bytes) and T3 by the tiers themselves, read from ``TieredCache.stats()``,
+which also gives the evictions per tier.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
+import time
 from collections.abc import Sequence
 from typing import Optional
 
-from tiered_cache.radix.policy import LRUPolicy
-from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
+import torch
+
+from tiered_cache import device as dev
+
+_NO_PHASE = contextlib.nullcontext()
 
 
-class CountingCheckpointPool(Int8CheckpointPool):
-    """``Int8CheckpointPool`` that counts the slots and bytes its T0 <-> T1 moves touch.
+class PhaseClock:
+    """Seconds per named phase, exclusive: a phase entered inside another pauses the outer one. The
+    device is synchronized at every boundary (``EngineConfig.phase_timing``). ``on=False``: a phase is
+    a no-op (no synchronization)."""
 
-    ``bytes`` per move: the T1 envelope (int8 data + scales + conv windows, or the lossless copy),
-    which is what T1 writes on a store and reads on a load.
-    """
+    def __init__(self, totals: collections.Counter, device: torch.device, on: bool = True) -> None:
+        self.totals, self.device, self.on = totals, device, on
+        self.stack: list[list] = []  # [name, started]
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.counts: collections.Counter = collections.Counter()
+    def __call__(self, name: str):
+        return self._timed(name) if self.on else _NO_PHASE
 
-    def store_from_active(self, side, active_ids, ckpt_slots) -> None:
-        super().store_from_active(side, active_ids, ckpt_slots)
-        n = len(ckpt_slots)
-        self.counts["stores"] += n
-        self.counts["store_bytes"] += n * self.slot_bytes
-
-    def load_to_active(self, ckpt_slots, side, active_ids) -> None:
-        super().load_to_active(ckpt_slots, side, active_ids)
-        n = len(ckpt_slots)
-        self.counts["loads"] += n
-        self.counts["load_bytes"] += n * self.slot_bytes
-
-
-class CountingLRUPolicy(LRUPolicy):
-    """``LRUPolicy`` that counts its victims per resource: ``counts["kv"]`` device KV nodes evicted (demoted
-    to T2 or dropped), ``"state"`` T1 states, ``"kv_host"`` / ``"state_host"`` T2 copies dropped. The tree
-    asks ``pop`` once per victim, so these are the evictions per tier (the stress report says which tier
-    ran out from them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def pop(self, resource: str):
-        x = super().pop(resource)
-        if x is not None:
-            self.counts[resource] += 1
-        return x
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        dev.synchronize(self.device)
+        now = time.perf_counter()
+        if self.stack:
+            outer = self.stack[-1]
+            self.totals[outer[0]] += now - outer[1]
+        self.stack.append([name, now])
+        try:
+            yield
+        finally:
+            dev.synchronize(self.device)
+            now = time.perf_counter()
+            self.totals[name] += now - self.stack.pop()[1]
+            if self.stack:
+                self.stack[-1][1] = now
 
 
 def percentile(xs: Sequence[float], q: float) -> Optional[float]:
@@ -79,7 +75,23 @@ class EngineStats:
     def add(self, key: str, n: int = 1) -> None:
         self.c[key] += n
 
-    def as_dict(self, ckpt: Optional[CountingCheckpointPool] = None, transfer=None) -> dict:
+    def admitted(self, req, n: int = 1) -> None:
+        """``req`` (a ``Request``) was admitted (``n=-1``: sent back to the queue, its admission undone)."""
+        self.add("admitted", n)
+        self.add("prompt_tokens", n * len(req.prompt))
+
+    def resumed(self, req) -> None:
+        """``req`` (an admitted ``Request``) starts its prefill: where its prefix and state came from."""
+        p, host = req.cache_protected_len, req.reused_host_tokens
+        self.add({"T1": "hit_t1_states", "T2": "hit_t2_states"}.get(req.state_tier, "misses"))
+        self.add("hit_t0_kv_tokens", p - host)
+        self.add("hit_t2_kv_tokens", host)
+        self.add("reused_tokens", p)
+        self.add("reused_host_tokens", host)
+
+    def as_dict(self, tiers: Optional[dict] = None) -> dict:
+        """The counters as one report; ``tiers``: ``TieredCache.stats()`` (None: no cache), whose T1 and T2
+        bytes, evictions per tier and T3 counters join it."""
         c = self.c
         prompt = c["prompt_tokens"]
         out = {
@@ -105,14 +117,20 @@ class EngineStats:
         }
         if self.phase_s:
             out["phase_s"] = dict(self.phase_s)
-        if ckpt is not None:
-            out["bytes"]["T1_stored"] = ckpt.counts["store_bytes"]
-            out["bytes"]["T1_loaded"] = ckpt.counts["load_bytes"]
-        if transfer is not None:
-            st = transfer.stats
+        if tiers is None:
+            return out
+        out["evictions"] = tiers["evictions"]  # victims per resource (tier)
+        if "t1" in tiers:
+            out["bytes"]["T1_stored"] = tiers["t1"].get("store_bytes", 0)
+            out["bytes"]["T1_loaded"] = tiers["t1"].get("load_bytes", 0)
+        if "transfer" in tiers:
+            st = tiers["transfer"]
             out["bytes"]["T2_d2h"] = int(st.get("d2h_bytes", 0))
             out["bytes"]["T2_h2d"] = int(st.get("h2d_bytes", 0))
             out["hits"]["T2_checksum_failures"] = int(st.get("checksum_failures", 0))
+        if "storage" in tiers:  # the tree's T3 hook counters, and the storage tier's own
+            out["T3"] = dict({k[3:]: v for k, v in tiers["tree"].items() if k.startswith("t3_")},
+                             tier=tiers["storage"])
         return out
 
     def _rate(self) -> float:

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.config import CODECS, PREFETCH_POLICIES, WRITE_POLICIES
+from tiered_cache.config import CODECS, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError
 from tiered_cache.validate import float_arg, int_arg
 
-# EngineConfig / WorkloadConfig fields whose flag is not the field's name with dashes.
+# EngineConfig / CacheConfig / WorkloadConfig fields whose flag is not the field's name with dashes.
 _FLAG_OF = {"storage_url": "--storage", "prefill_budget": "--chunk-size", "shared_system": "--no-shared-system"}
 
 
@@ -132,7 +132,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def configs(args: argparse.Namespace, device: torch.device):
     """The workload and the two engine configurations; their own checks' errors name the flags."""
-    from tiered_cache.engine.scheduler import EngineConfig
+    from tiered_cache.engine.config import EngineConfig
     from tiered_cache.engine.workload import WorkloadConfig
 
     try:
@@ -141,15 +141,16 @@ def configs(args: argparse.Namespace, device: torch.device):
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
         # Phase timing synchronizes the device at every phase boundary: free on the CPU (nothing to
         # wait for), a cost in overlap on a GPU, so it says where the time goes only on the CPU.
-        common = dict(page_size=args.page_size, chunk_size=args.chunk_size, prefill_budget=max(256, args.chunk_size),
+        common = dict(chunk_size=args.chunk_size, prefill_budget=max(256, args.chunk_size),
                       max_running=args.max_running, decode_batch=args.decode_batch,
                       decode_graphs=args.decode_graphs, prefill_graphs=args.prefill_graphs,
                       phase_timing=device.type == "cpu")
-        cached = EngineConfig(use_cache=True, kv_pages=args.kv_pages, t0_states=args.t0_states,
-                              t1_states=args.t1_states, codec=args.codec, host_kv_pages=args.host_kv_pages,
-                              host_states=args.host_states, write_policy=args.write_policy,
-                              storage_url=args.storage, prefetch_policy=args.prefetch_policy, **common)
-        base = EngineConfig(use_cache=False, **common)
+        tiers = CacheConfig(page_size=args.page_size, kv_pages=args.kv_pages, t0_states=args.t0_states,
+                            t1_states=args.t1_states, codec=args.codec, host_kv_pages=args.host_kv_pages,
+                            host_states=args.host_states, write_policy=args.write_policy, storage_url=args.storage,
+                            prefetch_policy=args.prefetch_policy)
+        cached = EngineConfig(use_cache=True, cache=tiers, **common)
+        base = EngineConfig(use_cache=False, cache=CacheConfig(page_size=args.page_size), **common)
     except InvalidArgumentError as e:
         raise UsageError(flag_of(e.arg), e.expected, e.got) from None
     return wl, cached, base
@@ -227,7 +228,7 @@ def _run(model, cfg, wl, label: str, args: argparse.Namespace, forced=None) -> t
         stats = engine.stats_dict()
         if engine.cache is not None:
             engine.check_invariants()
-            stats["tree"] = dict(engine.cache.stats) if hasattr(engine.cache, "stats") else {}
+            stats["tree"] = dict(engine.cache.stats)
             after = engine.reset_cache()
             if after != engine.initial_free:
                 raise AssertionError(f"pools not back to their initial free sets: {after} != {engine.initial_free}")
@@ -245,13 +246,9 @@ def _run(model, cfg, wl, label: str, args: argparse.Namespace, forced=None) -> t
 
 def stress(args: argparse.Namespace) -> int:
     from tiered_cache.engine import stress_report as rep
-    from tiered_cache.engine.scheduler import HOST_TIER_AVAILABLE
     from tiered_cache.engine.workload import WorkloadConfig
 
     t_start = time.perf_counter()
-    if not HOST_TIER_AVAILABLE and args.host_kv_pages:
-        print("note: this radix cache has no host tier (T2) yet: running on T0 + T1")
-        args.host_kv_pages = args.host_states = 0
     check_args(args)
     device = dev.resolve(args.device)
     wl, cached_cfg, base_cfg = configs(args, device)
@@ -275,7 +272,8 @@ def stress(args: argparse.Namespace) -> int:
     # Warm up (first-call costs of the model and the kernels) so no run pays them; it also builds the
     # tiers once, so a budget that does not fit fails here, before the runs, naming the flags.
     try:
-        _run(model, dataclasses.replace(cached_cfg, max_running=1, storage_url=None),
+        _run(model, dataclasses.replace(cached_cfg, max_running=1,
+                                        cache=dataclasses.replace(cached_cfg.cache, storage_url=None)),
              WorkloadConfig(clients=1, rounds=2, question_len=8, system_len=8, max_new_tokens=2), "warm-up", quiet)
     except MemoryBudgetError as e:
         raise UsageError("--kv-pages, --t0-states, --t1-states, --host-kv-pages, --host-states",

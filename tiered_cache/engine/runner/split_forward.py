@@ -31,9 +31,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tiered_cache.engine.adapters import forward_chunk
-from tiered_cache.engine.graph_prefill import routed
 from tiered_cache.engine.models import LINEAR, layer_kinds
+from tiered_cache.engine.runner.forward import forward_chunk
+from tiered_cache.engine.runner.graph_prefill import routed
 from tiered_cache.errors import InvalidArgumentError
 
 _NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")

@@ -1,7 +1,7 @@
 """Batched decode over static buffers, replayed as CUDA graphs: one launch per step instead of the
 thousand-odd kernel launches of an eager forward.
 
-``adapters.decode_batch`` runs one eager forward per decode step; for a 24-layer hybrid that forward
+``forward.decode_batch`` runs one eager forward per decode step; for a 24-layer hybrid that forward
 is launch-bound (about 10 ms on the H200 whatever the batch: benchmarks/results/README.md). Here the
 step runs on buffers whose addresses never change, so on a GPU it is captured once per (batch size,
 context bucket) as a CUDA graph and replayed:
@@ -44,8 +44,8 @@ from typing import Any, Optional
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.engine.adapters import _cache_kwarg, _seen_tokens, store_decoded
 from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
+from tiered_cache.engine.runner.forward import cache_kwarg, seen_tokens, store_decoded
 from tiered_cache.errors import InvalidArgumentError
 
 GQA_ATTENTION = "tiered_cache_gqa_sdpa"
@@ -234,7 +234,7 @@ class GraphDecoder:
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
                              attention_mask={"full_attention": mask, "linear_attention": None},
-                             **{_cache_kwarg(self.model): cache})
+                             **{cache_kwarg(self.model): cache})
         finally:
             cfg._attn_implementation = impl
         return out.logits[:, -1]
@@ -242,14 +242,14 @@ class GraphDecoder:
     # -------------------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, caches: Sequence, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """As ``adapters.decode_batch``: ``caches[b]`` (batch 1) holds positions ``[0, positions[b])``;
+        """As ``forward.decode_batch``: ``caches[b]`` (batch 1) holds positions ``[0, positions[b])``;
         returns the logits ``[n, vocab]`` and each cache gains its token's key/value and new state."""
         n = len(caches)
         if n == 0 or n > self.max_batch or len(tokens) != n or len(positions) != n:
             raise InvalidArgumentError("caches, tokens, positions", f"1 to {self.max_batch} of each, as many",
                                        (n, len(tokens), len(positions)))
         for b, (c, p) in enumerate(zip(caches, positions)):
-            seen = _seen_tokens(c)
+            seen = seen_tokens(c)
             if not isinstance(p, int) or p < 1 or (seen is not None and seen != p):
                 raise InvalidArgumentError("positions", f"positions[{b}] = {seen}, the tokens cache {b} holds", p)
             for i, kind in enumerate(self.kinds):
