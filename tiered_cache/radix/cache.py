@@ -103,13 +103,13 @@ class HiMambaRadixCache(RadixCacheFacade):
         self.checkpoint_unit = unit
         self.placement = placement or CheckpointPlacement(unit, ps, unit, unit)
         check_args(host, transfer, host_config, storage)
-        self.rule = MambaRule(self.tree, self.states, ckpt_pool, unit)
-        self.tree.bind(self.rule)
+        self.rule = rule = MambaRule(self.tree, self.states, ckpt_pool, unit)
+        self.tree.bind(rule)
         self.host_tier = HostTier(self.tree, host, transfer, host_config)
         self.state_tier = MambaStates(self.tree, self.rule.flags, self.states, ckpt_pool, self.host_tier)
-        self._wire(self.rule, self.state_tier)
+        self._wire(rule, self.state_tier)
         self.state_tier.bind(self.eviction)
-        self.rule.bind(self.host_tier, self.state_tier)
+        rule.bind(self.host_tier, self.state_tier)
         if storage is not None and host is not None:
             from tiered_cache.radix.storage_hook import StorageHook
 

@@ -73,7 +73,7 @@ class Eviction:
     def _demote(self, x: TreeNode, f: Frees) -> None:
         """Free ``x``'s device KV; its complete host copy stays (the tree keeps the node)."""
         tree = self.tree
-        f.kv.append(x.value)
+        f.kv.append(x.value)  # type: ignore[arg-type]  # a "kv" candidate is on the device
         x.value = None
         self.rule.demoted(x, f)
         tree.full_evictable -= len(x.key)

@@ -74,7 +74,7 @@ class RadixCacheFacade:
         Meant for an idle engine: transfers in flight are waited for first, loads in flight end not
         ``ok``; nodes held by requests become stale (a later call with one raises).
         """
-        if self.tree.root is not None:
+        if self.tree.epochs:
             self.host_tier.drain()
         self.tree.clear()
         self.rule.clear()

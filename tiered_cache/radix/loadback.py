@@ -185,6 +185,7 @@ class Loads:
             elif failed is None:
                 failed = y
         best = op.lock
+        assert best is not None, "a load holds its own lock"
         if failed is not None:
             tree.stats["corrupt_host_kv_dropped"] += 1
             self._drop_dead(failed, f)

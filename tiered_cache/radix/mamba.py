@@ -136,7 +136,7 @@ class MambaRule:
 
     def check_slots(self, seen: Seen, request_states: Optional[torch.Tensor]) -> None:
         """``check_invariants``: every T0 state slot is a request's, every T1 slot cached or a load's scratch."""
-        live_states = set(self.states.allocator.live_virtual_ids())
+        live_states = set(self.states.live_virtual_ids())
         if request_states is not None:
             rs = ids(request_states)
             assert len(set(rs)) == len(rs), "a T0 state slot is held by two requests"
@@ -168,10 +168,11 @@ class MambaRule:
         if not isinstance(params, MatchPrefixParams):
             raise InvalidTypeError("params", "a MatchPrefixParams", type(params).__name__)
         toks, salt = parse_key(params.key)
-        req, cow = params.req, params.cow_mamba
+        req: Any = params.req
+        cow = params.cow_mamba
         if not isinstance(cow, bool):
             raise InvalidTypeError("cow_mamba", "a bool", cow)
-        dst = None
+        dst: Any = None
         if cow:
             if req is None or not hasattr(req, "mamba_pool_idx"):
                 raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
@@ -265,7 +266,8 @@ class MambaRule:
         """See ``HiMambaRadixCache.insert``."""
         tree = self.tree
         toks, salt, prev, aligned = insert_args(params, tree.page_size, tree.device, ("value",))
-        n, value = len(toks), params.value
+        n, value = len(toks), params.value  # a tensor: insert_args checked it
+        assert value is not None
         slot = None if params.mamba_value is None else state_slot(self.states, "mamba_value", params.mamba_value)
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
@@ -278,7 +280,8 @@ class MambaRule:
             self.host.settle("load")
             path, end_node, _, _ = tree.probe(toks, salt, aligned, prev, "the prefix whose load succeeded")
         mamba_exist = aligned == n and end_node is not None and end_node.payload.resumable
-        t1 = t1_id = None
+        t1: Optional[torch.Tensor] = None
+        t1_id: Optional[int] = None
         if slot is not None and aligned == n and not mamba_exist:
             got = self.ckpt.alloc_ids(1) or self.t1.alloc_ckpt_protected(path[-1] if path else None)
             if got is None:
@@ -292,7 +295,7 @@ class MambaRule:
         res = self._insert_walk(toks, salt, value, aligned, prev, t1, mamba_exist, slot is not None)
         node = res.last_device_node
         if res.mamba_stored:
-            self.flags.stored(node, t1_id)
+            self.flags.stored(node, t1_id)  # type: ignore[arg-type]  # stored: t1 and its id were taken
         self.host.after_insert(node)
         if self.host.t3 is not None and res.mamba_stored and node.alive and self.flags.verify(node):
             self.host.t3.on_state(node, demoted=False)  # T3 is shared: a NaN state never goes there

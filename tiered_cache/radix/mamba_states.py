@@ -37,7 +37,7 @@ class MambaStates:
                  host: HostTier) -> None:
         self.tree, self.flags, self.states, self.ckpt, self.host = tree, flags, states, ckpt, host
         tree.sinks["t1"] = ckpt
-        self.region = host.region(host.conf.state_region, ckpt.slot_bytes, "state_host") if host.enabled else None
+        self.region: Any = host.region(host.conf.state_region, ckpt.slot_bytes, "state_host") if host.enabled else None
         self.room: Any = None  # evict.Eviction
 
     def bind(self, room: Any) -> None:
@@ -184,6 +184,7 @@ class MambaStates:
         st = op.tickets.get("state")
         ok = st is None or all(st.ok)
         best = op.lock
+        assert best is not None, "a load holds its own lock"
         if not ok:
             self.tree.stats["corrupt_host_state_dropped"] += 1
             if best.alive and best.payload.state_host is not None:

@@ -41,7 +41,7 @@ class TreeNode:
                  payload: Any) -> None:
         self.id = next(_ids)
         self.owner = owner  # the (tree, epoch) that made it: a node of another cache or of a reset tree is refused
-        self.parent = parent
+        self.parent: TreeNode = parent  # type: ignore[assignment]  # None at the root only: walks stop there
         self.children: dict[Any, TreeNode] = {}
         self.ck: Any = None  # this node's key in parent.children (``RadixTree.child_key``)
         self.key = key

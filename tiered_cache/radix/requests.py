@@ -131,7 +131,8 @@ def swa_cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
     the tree's ids (sink ids where the tree holds an SWA tombstone), move its lock to the new end."""
     toks = req.token_ids.tolist() if isinstance(req.token_ids, torch.Tensor) else list(req.token_ids)
     n = len(toks)
-    kv, swa, prev = req.kv_indices, getattr(req, "swa_kv_indices", None), int(req.cache_protected_len)
+    kv, prev = req.kv_indices, int(req.cache_protected_len)
+    swa: Any = getattr(req, "swa_kv_indices", None)
     for arg, ids in (("req.kv_indices", kv), ("req.swa_kv_indices", swa)):
         if (not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64
                 or ids.device != cache.device or ids.numel() < n or ids.numel() % cache.page_size):

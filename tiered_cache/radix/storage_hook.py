@@ -126,7 +126,7 @@ class StorageHook:
             tmp = h = got[0]
             t = demote_states(c.engine, c.ckpt, [int(x.payload.mamba_value)], r, [h])
             c.engine.wait(t)
-            if not all(t.ok):
+            if t is None or not all(t.ok):
                 r.free([h])
                 return
         try:
@@ -262,6 +262,7 @@ class StorageHook:
             self._drop(f)
             return
         tree = self.tree
+        assert f.slots is not None, "a fetch past its lookup holds its T2 slots"
         key = f.toks[f.start:f.start + f.pages * c.page_size]
         x = tree.link(f.anchor, key, None, f.salt)
         x.host_kv, x.payload.state_host = list(f.slots), f.state_slot

@@ -58,16 +58,16 @@ class HiSWARadixCache(RadixCacheFacade):
         self.window = w
         self.checkpoint_unit = self.page_size
         check_args(host, transfer, host_config, None)
-        self.rule = SWARule(self.tree, self.swa, w)
-        self.tree.bind(self.rule)
+        self.rule = rule = SWARule(self.tree, self.swa, w)
+        self.tree.bind(rule)
         self.host_tier = HostTier(self.tree, host, transfer, host_config)
         self.swa_region = None
         if host is not None:
             self.swa_region = self.host_tier.region(self.host_tier.conf.swa_region, self.swa.entry_bytes, "swa_host")
             self.host_tier.add_stream(Stream("swa", _payload, "swa_value", "swa_pending", "swa_host",
                                              "swa_host_pending", self.swa, self.swa_region, "swa", "swa_host"))
-        self._wire(self.rule, self.rule)
-        self.rule.bind(self.host_tier)
+        self._wire(rule, rule)
+        rule.bind(self.host_tier)
         self.reset()
 
     def supports_mamba(self) -> bool:

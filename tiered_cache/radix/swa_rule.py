@@ -73,7 +73,7 @@ class SWAPayload:
 class SWARule:
     """Match and insert for a tree of full + SWA KV (``swa``: the T0 SWA side; ``window`` tokens)."""
 
-    path_resources = ("swa",)
+    path_resources: tuple[str, ...] = ("swa",)
 
     def __init__(self, tree: RadixTree, swa: KVSide, window: int) -> None:
         self.tree, self.swa, self.window = tree, swa, window
@@ -129,7 +129,7 @@ class SWARule:
         the requests' SWA ids)."""
         ps = self.tree.page_size
         swa_pages, inflight = seen.sets["swa"], seen.sets["swa_pending"]
-        live_swa = set(self.swa.allocator.live_virtual_ids())
+        live_swa = set(self.swa.live_virtual_ids())
         assert swa_pages | inflight <= live_swa, "cached SWA pages are free in T0"
         if request_states is not None:
             req_swa = {i // ps for i in ids(request_states)}
@@ -217,15 +217,16 @@ class SWARule:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
         pending = tree.probe(toks, salt, aligned, prev)[3]
         e = min(-(-ev // ps) * ps, aligned)  # SWA ids before e are gone
+        value, swa = params.value, params.swa_value  # tensors: insert_args checked them
+        assert value is not None and swa is not None
         if tree.validate and prev < aligned:
-            check_callers_kv(tree, params.value[prev:aligned])
+            check_callers_kv(tree, value[prev:aligned])
             lo = max(prev, e)
-            if lo < aligned and bool((self.swa.translate(params.swa_value[lo:aligned][::ps]) < 0).any()):
-                raise InvalidArgumentError("swa_value", "SWA ids the caller owns",
-                                           params.swa_value[lo:lo + 16].tolist())
+            if lo < aligned and bool((self.swa.translate(swa[lo:aligned][::ps]) < 0).any()):
+                raise InvalidArgumentError("swa_value", "SWA ids the caller owns", swa[lo:lo + 16].tolist())
         if pending:
             self.host.settle("load")
-        res = self._insert_walk(toks, salt, params.value, params.swa_value, aligned, prev, e)
+        res = self._insert_walk(toks, salt, value, swa, aligned, prev, e)
         self.host.after_insert(res.last_device_node)
         return res
 

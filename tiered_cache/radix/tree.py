@@ -60,7 +60,8 @@ class RadixTree:
         self.sinks: dict[str, Any] = {}
         self.host_on = False
         self.rule: KindHooks
-        self.root: Optional[TreeNode] = None
+        self.root: TreeNode  # set by clear()
+        self.epochs = 0  # clear() calls: the first has no old tree to free
         self._path_resources: tuple[str, ...] = ()
 
     def bind(self, rule: KindHooks) -> None:
@@ -70,7 +71,7 @@ class RadixTree:
 
     def clear(self) -> None:
         """Give every slot the nodes own back (callers wait for transfers first); a new, empty root."""
-        if self.root is not None:
+        if self.epochs:
             f = Frees(self)
             stack = list(self.root.children.values())
             while stack:
@@ -79,6 +80,7 @@ class RadixTree:
                 f.take(x)
                 x.alive = False
             f.flush()
+        self.epochs += 1
         self.token = object()  # new owner tag: nodes of the old tree are refused from now on
         self.root = TreeNode(self.token, None, [], self.empty, self.rule.payload())
         self.policy.clear()
@@ -114,7 +116,7 @@ class RadixTree:
 
     def path_values(self, node: TreeNode) -> torch.Tensor:
         """T0 KV ids from the root to the end of ``node`` (every node on the path on the device)."""
-        vals = []
+        vals: list[Any] = []
         while node is not self.root:
             vals.append(node.value)
             node = node.parent
@@ -199,8 +201,9 @@ class RadixTree:
                  fill: Any = None) -> TreeNode:
         """A device leaf taking a copy of the caller's ids ``value``; ``fill(leaf)`` gives it its payload."""
         ps = self.page_size
-        leaf = self.link(parent, key, value.clone(), salt)
-        self.owned[leaf.value[::ps] // ps] = True
+        ids = value.clone()
+        leaf = self.link(parent, key, ids, salt)
+        self.owned[ids[::ps] // ps] = True
         self.full_evictable += len(key)
         self.policy.touch("kv", leaf)
         if fill is not None:
@@ -211,7 +214,8 @@ class RadixTree:
 
     def own(self, x: TreeNode) -> None:
         """``x.value`` was just set (a reattach or a finished load): the tree owns and counts its pages."""
-        self.owned[x.value[::self.page_size] // self.page_size] = True
+        ids: Any = x.value
+        self.owned[ids[::self.page_size] // self.page_size] = True
         if x.full_lock_ref:
             self.full_protected += len(x.key)
         else:
