@@ -14,17 +14,9 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.support.host_tier import bad_entries, check_host_k, corrupt, start_load_back
 from tests.support.radix_util import SWA_OFFSET, check_kv, check_swa, insert_swa, make_swa_cache, prefix_hashes
-from tests.support.stateful import (
-    SALTS,
-    bad_entries,
-    check_host_k,
-    corrupt,
-    k0,
-    machine_settings,
-    start_load_back,
-    walk,
-)
+from tests.support.stateful import SALTS, k0, machine_settings, walk
 from tiered_cache.radix import EvictParams, MatchPrefixParams, RadixKey
 
 TOKENS = st.lists(st.integers(1, 3), min_size=0, max_size=8)  # one more than the Mamba machines: windows of 3

@@ -1,19 +1,19 @@
 """Shared pieces of the radix state machines (``tests/radix/test_radix*_stateful.py``): the strategies, the
-settings, a walk of the tree, the request rules that every Mamba machine runs, and the content checks of
-device and host pages.
+settings, a walk of the tree, the K of device pages, and the request rules that every Mamba machine runs
+(the host tier's pieces are in ``host_tier.py``).
 
 ``CacheMachine`` holds the rules the plain machine (T0 + T1) and the host-tier machine (T0 + T1 + T2)
 run alike: insert, start / finish / abort a request. Each machine brings its own model through the hooks
 ``expect_match`` (what a match must return), ``model_insert`` (check an insert and record it),
-``finish`` (hand a finished request to the cache and record it) and ``adopt`` (take what the tree holds
-after a step it cannot predict exactly, checked against what that step may change).
+``finish`` (hand a finished request to the cache and record it), ``adopt`` (take what the tree holds
+after a step it cannot predict exactly, checked against what that step may change) and ``drain`` (empty
+every tier at the end, after which every pool must be back to its ``free_sets()`` of the start).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple, Optional
+from collections.abc import Iterator
 
 import torch
 from hypothesis import HealthCheck, Phase, settings
@@ -22,8 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from tests.support.radix_util import check_kv, state_pattern, write_kv, write_state
 from tiered_cache.errors import InvalidArgumentError
-from tiered_cache.kernels.reference import row_checksums_reference
-from tiered_cache.radix import CacheReq, InitLoadBackParams, InsertParams, MatchPrefixParams, RadixKey
+from tiered_cache.radix import CacheReq, InsertParams, MatchPrefixParams, RadixKey
 
 TOKENS = st.lists(st.integers(1, 3), min_size=0, max_size=7)
 SALTS = st.sampled_from([None, None, "t"])
@@ -49,62 +48,11 @@ def walk(cache) -> Iterator[tuple]:
         stack.extend((c, salt, pre + tuple(x.key)) for c in x.children.values())
 
 
-def corrupt(region, slot: int) -> bool:
-    """The slot's bytes no longer match the checksum taken when they were written (a rule flipped a bit)."""
-    return int(row_checksums_reference(region.slot(slot)[None], torch.tensor([0]))[0]) != int(region.checksums[slot])
-
-
-def bad_entries(tickets: Mapping, regions: Mapping) -> list:
-    """(region, slot) of the host entries a load reads (``tickets`` by region name) that do not match their
-    checksums; ``regions``: the host regions by name."""
-    return [(region, s) for name, region in regions.items() if name in tickets
-            for s in tickets[name].host_slots if corrupt(region, s)]
-
-
-class LoadBack(NamedTuple):
-    """A load back a rule started: the match it came from, the request's tokens and salt, the request,
-    and what ``init_load_back`` returned (the ids being loaded, the node they end at)."""
-
-    match: Any
-    toks: list
-    salt: Optional[str]
-    req: CacheReq
-    ids: torch.Tensor
-    node: Any
-
-
-def start_load_back(machine, data, toks, salt, nodes: Mapping, extra: int) -> Optional[LoadBack]:
-    """Match ``toks`` and start loading back what the match found on the host; ``None`` when it found
-    nothing there. Half the time the tokens are a prefix that lives on the host (random keys rarely do:
-    ``nodes`` maps (salt, prefix) to its node), with ``extra`` of ``toks`` after it. The machine adopts
-    the tree after the match."""
-    c = machine.cache
-    on_host = sorted((k for k, x in nodes.items() if x.value is None), key=repr)
-    if on_host and data.draw(st.booleans()):
-        salt, full = data.draw(st.sampled_from(on_host))
-        toks = list(full) + toks[:extra]
-    m = c.match_prefix(MatchPrefixParams(key=RadixKey(toks, salt)))
-    machine.adopt()
-    if not m.host_hit_length:
-        return None
-    req = CacheReq(token_ids=toks, kv_indices=torch.empty(0, dtype=torch.int64))
-    ids, node = c.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
-    return LoadBack(m, toks, salt, req, ids, node)
-
-
 def k0(side, ids, ps: int) -> torch.Tensor:
     """K (layer 0, head 0, element 0) of each token at virtual KV ``ids`` of a T0 side: the pattern the
     test helpers write is the token's prefix hash there."""
     phys = side.translate(torch.tensor(ids))
     return side.k_view_all()[0, phys // ps, phys % ps, 0, 0]
-
-
-def check_host_k(region, slot: int, offsets, ps: int, want: torch.Tensor) -> None:
-    """K of every layer of the host page ``slot``: ``want`` (one value a token) + the layer."""
-    page = region.slot(slot)
-    for layer, (k, _) in enumerate(offsets):
-        got = page[k:k + ps * 16].view(torch.float32).view(ps, 4)
-        assert torch.equal(got, (want + layer)[:, None].expand(ps, 4)), "host page changed"
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -129,6 +77,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     def adopt(self, new=None) -> None:
         raise NotImplementedError
+
+    def drain(self) -> None:
+        """At the end, with every request aborted: empty every tier of the cache."""
+        raise NotImplementedError
+
+    def free_sets(self) -> tuple:
+        """What each pool has free (T0's free KV and state ids, T1's free count): the end equals the start."""
+        c = self.cache
+        return set(c.kv.allocator._free_vids), set(c.states.allocator._free_vids), c.ckpt.available_size()
 
     def t1_room(self, toks, salt) -> bool:
         """Whether an insert of ``toks`` finds T1 room for its state (or stores none)."""
@@ -176,6 +133,15 @@ class CacheMachine(RuleBasedStateMachine):
             assert torch.equal(got, state_pattern(toks[:hit], salt)[0])
             c.states.free(req.mamba_pool_idx)
         return m
+
+    def teardown(self):
+        if self.cache is None:
+            return
+        while self.reqs:
+            self.abort_request(0)
+        self.drain()
+        assert self.free_sets() == self.free0, "a slot leaked"
+        self.check_cache([])
 
     # ------------------------------------------------------------------ rules
     @rule(toks=TOKENS, salt=SALTS)
