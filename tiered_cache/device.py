@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -118,6 +118,21 @@ def use_stream(stream) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def cuda_graph() -> torch.cuda.CUDAGraph:
+    """An empty CUDA graph, to capture into with ``graph_capture`` and ``replay`` later (CUDA only)."""
+    return torch.cuda.CUDAGraph()
+
+
+def graph_pool() -> Any:
+    """A memory pool handle that several graphs' captures can share (CUDA only)."""
+    return torch.cuda.graph_pool_handle()
+
+
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> contextlib.AbstractContextManager:
+    """The block's work on the current device is captured into ``graph``, not run (CUDA only)."""
+    return torch.cuda.graph(graph, pool=pool)
 
 
 def synchronize(device: DeviceLike = None) -> None:

@@ -334,16 +334,16 @@ class GraphDecoder:
         saved = {k: {i: t.clone() for i, t in self.buf[k].items()}
                  for k in ("keys", "values", "conv", "rec", "ids", "pos")}
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
+            side = dev.new_stream(self.device)
+            side.wait_stream(dev.current_stream(self.device))
+            with dev.use_stream(side):
                 for _ in range(2):
                     self._restore(saved)
                     self._run(n, width)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            dev.current_stream(self.device).wait_stream(side)
             self._restore(saved)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            graph = dev.cuda_graph()
+            with dev.graph_capture(graph):
                 out = self._run(n, width)
             self.graphs[(n, width)] = (graph, out)
             self.stats["captures"] += 1

@@ -207,15 +207,15 @@ class GraphChunkRule:
     def _capture(self, e: _Entry) -> None:
         """Warm up on a side stream (autotuning, workspaces), then capture into the shared pool."""
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+            self._pool = dev.graph_pool()
+        side = dev.new_stream(self.device)
+        side.wait_stream(dev.current_stream(self.device))
+        with dev.use_stream(side):
             for _ in range(2):
                 e.run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        dev.current_stream(self.device).wait_stream(side)
+        graph = dev.cuda_graph()
+        with dev.graph_capture(graph, pool=self._pool):
             out = e.run()
         e.graph, e.out = graph, out
         self.stats["captures"] += 1
