@@ -90,11 +90,11 @@ class TieredCache:
         placement: the tree's mid-prefill checkpoint rule (state models; default from checkpoint_unit).
         Bad input raises a typed error naming the argument (or the ``cfg`` field) before anything is built.
         """
-        _check_build(cfg, kv, state, swa, model_id, storage, placement)
+        high = _check_build(cfg, kv, state, swa, model_id, storage, placement)
         device = dev.resolve(device)
         mem, backend = cfg.check_memory, cfg.backend
         swa_pages = cfg.kv_pages if cfg.swa_pages is None else cfg.swa_pages
-        high, high_slots = (state, cfg.t0_states) if state is not None else (swa, swa_pages)
+        high_slots = cfg.t0_states if state is not None else swa_pages
         pool = UnifiedPool(kv, high, low_slots=cfg.kv_pages, high_slots=high_slots, page_size=cfg.page_size,
                            device=device, lazy_compaction=cfg.lazy_compaction, backend=backend, check_memory=mem)
         t1 = None if state is None else Int8CheckpointPool(state, cfg.t1_states, device=device, codec=cfg.codec,
@@ -114,11 +114,11 @@ class TieredCache:
                               check_memory=mem)
             transfer = TransferEngine(device, backend=backend)
         policy = _POLICIES[cfg.eviction_policy]()
-        owns_storage = storage is None and cfg.storage_url is not None
-        if owns_storage:
+        owns_storage = False
+        if storage is None and cfg.storage_url is not None and model_id is not None:  # (a URL comes with an id)
             fp = StorageFingerprint.from_specs(model_id, kv_spec=kv, state_spec=state, codec=cfg.codec,
                                                page_size=cfg.page_size)
-            storage = StorageTier(open_backend(cfg.storage_url), fp)
+            storage, owns_storage = StorageTier(open_backend(cfg.storage_url), fp), True
         tree: Tree
         try:
             if t1 is not None:
@@ -129,7 +129,7 @@ class TieredCache:
                 tree = HiSWARadixCache(pool, policy=policy, validate=cfg.validate, host=host, transfer=transfer,
                                        host_config=hconf)
         except BaseException:
-            if owns_storage:
+            if owns_storage and storage is not None:
                 storage.close()
             raise
         return cls(cfg, pool, tree, policy, t1=t1, host=host, transfer=transfer, storage=storage,
@@ -246,8 +246,10 @@ class TieredCache:
         out = {"t0_kv": self._kv.available_size()}
         if self._swa is not None:
             out["t0_swa"] = self._swa.available_size()
-        else:
-            out.update(t0_states=self._states.available_size(), t1=self._t1.available_size())
+        if self._states is not None:
+            out["t0_states"] = self._states.available_size()
+        if self._t1 is not None:
+            out["t1"] = self._t1.available_size()
         if self._host is not None:
             out.update({f"t2_{name}": r.available_size() for name, r in self._host.regions.items()})
         return out
@@ -294,8 +296,10 @@ class TieredCache:
         self.close()
 
 
-def _check_build(cfg: Any, kv: Any, state: Any, swa: Any, model_id: Any, storage: Any, placement: Any) -> None:
-    """``TieredCache.build``'s arguments, and the config fields whose rule depends on the model's kind."""
+def _check_build(cfg: Any, kv: Any, state: Any, swa: Any, model_id: Any, storage: Any,
+                 placement: Any) -> Union[StateSpec, KVSpec]:
+    """``TieredCache.build``'s arguments, and the config fields whose rule depends on the model's kind.
+    Returns the spec of T0's high side (``state`` or ``swa``, exactly one of which is given)."""
     instance_arg("cfg", cfg, CacheConfig, "a CacheConfig")
     instance_arg("kv", kv, KVSpec, "a KVSpec")
     instance_arg("state", state, StateSpec, "a StateSpec", none_ok=True)
@@ -324,3 +328,4 @@ def _check_build(cfg: Any, kv: Any, state: Any, swa: Any, model_id: Any, storage
         str_arg("model_id", model_id)
     elif cfg.storage_url is not None:
         raise InvalidArgumentError("model_id", "a str naming the model (T3's fingerprint)", model_id)
+    return state if state is not None else swa
