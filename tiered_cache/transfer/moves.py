@@ -19,7 +19,7 @@ import torch
 from tiered_cache.errors import InvalidArgumentError, SlotStateError
 from tiered_cache.specs import KVSpec
 from tiered_cache.tiers.host_mirror import HostRegion
-from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide
+from tiered_cache.tiers.protocols import KVSide, StateSide
 from tiered_cache.tiers.slots import id_list
 from tiered_cache.transfer.engine import Ticket, TransferEngine
 from tiered_cache.validate import bool_arg, instance_arg
@@ -34,7 +34,7 @@ def _t1_ids(t1, arg: str, ids, unique: bool) -> list[int]:
 _UNSET = object()
 
 
-def _check_parts(engine, region, side=_UNSET, t1=_UNSET, kv: Optional[bool] = None) -> None:
+def _check_parts(engine, region, side=_UNSET, t1=_UNSET, kv: bool = False) -> None:
     """The objects a move works on, checked before any id: a wrong object is a typed error naming
     its argument, not an AttributeError from deep inside."""
     from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
@@ -44,8 +44,8 @@ def _check_parts(engine, region, side=_UNSET, t1=_UNSET, kv: Optional[bool] = No
     if t1 is not _UNSET:
         instance_arg("t1", t1, Int8CheckpointPool, "an Int8CheckpointPool")
     if side is not _UNSET:
-        instance_arg("side", side, ActiveSide, "a T0 side (tiers.protocols.KVSide or StateSide)")
-        if kv is not None and isinstance(side.spec, KVSpec) != kv:
+        instance_arg("side", side, KVSide if kv else StateSide, "a T0 side (tiers.protocols.KVSide or StateSide)")
+        if isinstance(side.spec, KVSpec) != kv:
             raise InvalidArgumentError("side", "a KV side" if kv else "a state side", side.name)
 
 
@@ -114,7 +114,7 @@ def demote_kv(engine: TransferEngine, side: KVSide, token_ids, region: HostRegio
 
 def kv_layer_ranges(side: KVSide) -> list[tuple[int, int]]:
     """``(offset, nbytes)`` of each layer's K and V inside one page envelope (they are adjacent)."""
-    instance_arg("side", side, ActiveSide, "a T0 side (tiers.protocols.KVSide)")
+    instance_arg("side", side, KVSide, "a T0 side (tiers.protocols.KVSide)")
     if not isinstance(side.spec, KVSpec):
         raise InvalidArgumentError("side", "a KV side", side.name)
     offs = side.spec.field_offsets(side.page_size)
