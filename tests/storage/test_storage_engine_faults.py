@@ -352,7 +352,7 @@ def test_without_write_through_nothing_evicted_means_nothing_in_t3(model, baseli
 
     def nothing_evicted_or_written(e):
         c = e.cache
-        assert c._n_dev_freed == 0 and not c.stats.get("state_demotes"), "evicted: the pools are too small"
+        assert c.tree.freed["kv"] == 0 and not c.stats.get("state_demotes"), "evicted: the pools are too small"
         assert not c.stats.get("t3_kv_pages_written") and not c.stats.get("t3_states_written"), dict(c.stats)
 
     a = run(model, storage_url=url, storage_write_through=False, on_step=nothing_evicted_or_written,
@@ -380,7 +380,7 @@ def test_without_write_through_t3_gets_what_eviction_demotes(model, baseline_evi
 
     def before_eviction_nothing_written(e):
         c = e.cache
-        seen["kv"], seen["states"] = c._n_dev_freed, c.stats.get("state_demotes", 0)  # read before the reset
+        seen["kv"], seen["states"] = c.tree.freed["kv"], c.stats.get("state_demotes", 0)  # read before the reset
         written = c.stats.get("t3_kv_pages_written", 0) + c.stats.get("t3_states_written", 0)
         assert seen["kv"] or seen["states"] or not written, f"T3 written before any eviction: {dict(c.stats)}"
 
