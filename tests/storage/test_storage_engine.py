@@ -18,7 +18,6 @@ pytest.importorskip("transformers")
 
 from tests.support.storage_util import redis_server  # noqa: E402,F401  (fixture)
 from tiered_cache.config import CacheConfig  # noqa: E402
-from tiered_cache.engine import tiny_qwen3_next  # noqa: E402
 from tiered_cache.engine.config import EngineConfig  # noqa: E402
 from tiered_cache.engine.scheduler import Engine  # noqa: E402
 from tiered_cache.engine.workload import WorkloadConfig, run_workload  # noqa: E402
@@ -34,14 +33,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_qwen3_next(seed=0, long_memory=True, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def baseline(model):
+def baseline(qwen_long):
     base = EngineConfig(use_cache=False, cache=CacheConfig(**TIERS), **COMMON)
-    return [t.output for t in run_workload(Engine(model, base), WL)]
+    return [t.output for t in run_workload(Engine(qwen_long, base), WL)]
 
 
 def run(model, url):
@@ -55,20 +49,20 @@ def run(model, url):
     return outs, stats["T3"]
 
 
-def test_restart_warm_start_from_file_store(model, baseline, tmp_path):
+def test_restart_warm_start_from_file_store(qwen_long, baseline, tmp_path):
     url = f"file://{tmp_path / 'store'}"
-    outs, t3 = run(model, url)
+    outs, t3 = run(qwen_long, url)
     assert outs == baseline
     assert t3.get("hits", 0) == 0 and t3["kv_pages_written"] > 0 and t3["states_written"] > 0
-    outs, t3 = run(model, url)  # a new engine, fresh pools, same directory
+    outs, t3 = run(qwen_long, url)  # a new engine, fresh pools, same directory
     assert outs == baseline
     assert t3["hits"] > 0 and t3["hit_tokens"] > 0 and t3["tier"]["hit"] > 0, t3
 
 
-def test_damaged_values_are_misses(model, baseline, tmp_path):
+def test_damaged_values_are_misses(qwen_long, baseline, tmp_path):
     store = tmp_path / "store"
     url = f"file://{store}"
-    outs, _ = run(model, url)
+    outs, _ = run(qwen_long, url)
     assert outs == baseline
     files = sorted(p for p in store.rglob("*") if p.is_file())
     assert files
@@ -79,7 +73,7 @@ def test_damaged_values_are_misses(model, baseline, tmp_path):
         else:
             b[-1] ^= 0xFF  # a flipped payload byte
             p.write_bytes(bytes(b))
-    outs, t3 = run(model, url)
+    outs, t3 = run(qwen_long, url)
     assert outs == baseline
     assert t3.get("hits", 0) == 0
     bad = {k: v for k, v in t3["tier"].items() if k.startswith("bad_")}
@@ -91,15 +85,16 @@ import json, sys, torch
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[2])
 import test_storage_engine as t
-m = t.tiny_qwen3_next(seed=0, long_memory=True, device="cpu")
+from tiered_cache.engine import tiny_qwen3_next
+m = tiny_qwen3_next(seed=0, long_memory=True, device="cpu")  # the qwen_long fixture's model
 outs, t3 = t.run(m, sys.argv[1])
 print(json.dumps({"outs": outs, "t3": t3}))
 """
 
 
-def test_two_processes_share_one_redis(model, baseline, redis_server):  # noqa: F811
+def test_two_processes_share_one_redis(qwen_long, baseline, redis_server):  # noqa: F811
     url = f"redis://127.0.0.1:{redis_server.port}"
-    outs, t3 = run(model, url)
+    outs, t3 = run(qwen_long, url)
     assert outs == baseline
     assert t3["kv_pages_written"] > 0
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
@@ -111,15 +106,15 @@ def test_two_processes_share_one_redis(model, baseline, redis_server):  # noqa: 
     assert got["t3"]["hits"] > 0 and got["t3"]["tier"]["hit"] > 0, got["t3"]
 
 
-def test_abort_cancels_prefetch(model, baseline, tmp_path):
+def test_abort_cancels_prefetch(qwen_long, baseline, tmp_path):
     """best_effort: the prefetch a request's match started is cancelled when the request is aborted;
     its T2 slots come back, and a later run still equals the no-cache run."""
     from tiered_cache.engine.request import Request
 
     url = f"file://{tmp_path / 'store'}"
-    run(model, url)  # fill the store
+    run(qwen_long, url)  # fill the store
     cfg = EngineConfig(cache=CacheConfig(storage_url=url, **dict(TIERS, prefetch_policy="best_effort")), **COMMON)
-    e = Engine(model, cfg)
+    e = Engine(qwen_long, cfg)
     try:
         prompt = list(range(3, 3 + 40))
         e.submit(Request("r", prompt, 4))

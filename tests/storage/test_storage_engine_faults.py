@@ -57,18 +57,13 @@ SETTLE_BOUND_S = 30.0
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_qwen3_next(seed=0, long_memory=True, device="cpu")
-
-
 def no_cache(model, wl):
     return run_workload(Engine(model, config(use_cache=False)), wl)
 
 
 @pytest.fixture(scope="module")
-def baseline_turns(model):
-    return no_cache(model, WL)
+def baseline_turns(qwen_long):
+    return no_cache(qwen_long, WL)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +72,8 @@ def baseline(baseline_turns):
 
 
 @pytest.fixture(scope="module")
-def baseline_evict(model):
-    return [t.output for t in no_cache(model, WL_EVICT)]
+def baseline_evict(qwen_long):
+    return [t.output for t in no_cache(qwen_long, WL_EVICT)]
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -183,14 +178,14 @@ def store_files(root: Path) -> list[Path]:
 # ------------------------------------------------------------------------------ (a) Redis killed mid-run
 @pytest.mark.parametrize("policy, kill_at", [("wait_complete", 2), ("wait_complete", 8), ("best_effort", 4)],
                          ids=["wait-during-first-fetch", "wait-after-a-hit", "best-effort-during-fetch"])
-def test_redis_killed_mid_run(model, baseline, own_redis, policy, kill_at):  # noqa: F811
+def test_redis_killed_mid_run(qwen_long, baseline, own_redis, policy, kill_at):  # noqa: F811
     """A second engine reads what a first one wrote to Redis; the server is SIGKILLed inside the
     engine's backend call number ``kill_at`` (2 / 4: the first prefetch's GET, after its lookup said
     the keys are there; 8: after one verified hit). From then on every lookup, fetch and write fails
     at the socket: each is a counted ``unavailable`` miss, the requests compute what they could not
     fetch, no step waits long, and ``close`` returns at once."""
     url = f"redis://127.0.0.1:{own_redis.port}"
-    first = run(model, storage_url=url)
+    first = run(qwen_long, storage_url=url)
     assert first.outs == baseline and first.t3["tier"].get("written", 0) > 0, first.t3
 
     def setup(e):
@@ -200,7 +195,7 @@ def test_redis_killed_mid_run(model, baseline, own_redis, policy, kill_at):  # n
         e.tiers.storage.retry_after_s = 0.05  # the breaker lets calls through often: many raw failures, not one
         e.tiers.storage.backend = WrapBackend(e.tiers.storage.backend, before=before)
 
-    r = run(model, setup=setup, storage_url=url, prefetch_policy=policy)
+    r = run(qwen_long, setup=setup, storage_url=url, prefetch_policy=policy)
     assert own_redis.proc.poll() is not None, "the server was not killed during the run"
     assert len(r.calls) > kill_at + 1, f"the engine stopped using T3 after the kill: {r.calls}"
     assert r.outs == baseline
@@ -232,34 +227,34 @@ FOREIGN = {
 
 
 @pytest.mark.parametrize("what", list(FOREIGN))
-def test_entries_of_another_fingerprint_give_zero_hits(model, baseline, tmp_path, what):
+def test_entries_of_another_fingerprint_give_zero_hits(qwen_long, baseline, tmp_path, what):
     """An engine that differs in one thing that changes the bytes (weights, model id, dtype, codec,
     page size) fills the store; ours asks for the same prompts and finds none of its keys there (the
     fingerprint seeds the key chain), computes everything, and equals the no-cache run. Control: a
     second run of ours does hit, on what the first one wrote."""
     make, writer_cfg, both = FOREIGN[what]
     url = f"file://{tmp_path / 'store'}"
-    other = run(make(model) if make else model, storage_url=url, **both, **writer_cfg)
+    other = run(make(qwen_long) if make else qwen_long, storage_url=url, **both, **writer_cfg)
     assert other.t3["tier"].get("written", 0) > 0, other.t3
     n_foreign = len(store_files(tmp_path / "store"))
     assert other.engine.tiers.storage is None  # closed
-    ours = run(model, storage_url=url, **both)
+    ours = run(qwen_long, storage_url=url, **both)
     assert ours.outs == baseline
     assert ours.t3["lookups"] > 0 and ours.t3.get("hits", 0) == 0, ours.t3
     assert ours.t3["tier"].get("lookup_hit", 0) == 0, f"a key of the other fingerprint matched: {ours.t3}"
     assert len(store_files(tmp_path / "store")) > n_foreign  # ours wrote its own entries next to them
-    again = run(model, storage_url=url, **both)
+    again = run(qwen_long, storage_url=url, **both)
     assert again.outs == baseline
     assert again.t3["hits"] > 0, again.t3
 
 
-def test_a_value_stamped_with_another_fingerprint_under_our_key_is_not_served(model, baseline, tmp_path):
+def test_a_value_stamped_with_another_fingerprint_under_our_key_is_not_served(qwen_long, baseline, tmp_path):
     """Every stored value is rewritten with a valid header carrying another fingerprint's tag, under
     our own key, with our own payload (so serving it would even give the right answer): the tag
     check must refuse it. Every lookup finds the key, every fetch is a counted ``bad_foreign`` miss."""
     store = tmp_path / "store"
     url = f"file://{store}"
-    first = run(model, storage_url=url)
+    first = run(qwen_long, storage_url=url)
     assert first.outs == baseline
     e = first.engine
     foreign_tag = dataclasses.replace(e.cache.t3.tier.fingerprint, model_id="someone/another-model").tag
@@ -271,7 +266,7 @@ def test_a_value_stamped_with_another_fingerprint_under_our_key_is_not_served(mo
         h = parse_header(b)
         payload = b[HEADER_SIZE:]
         p.write_bytes(pack_header(h.kind, payload, foreign_tag, h.key, h.t2_checksum) + payload)
-    r = run(model, storage_url=url)
+    r = run(qwen_long, storage_url=url)
     assert r.outs == baseline
     tier = r.t3["tier"]
     assert tier.get("lookup_hit", 0) > 0 and r.t3.get("hits", 0) == 0 and tier.get("hit", 0) == 0, r.t3
@@ -284,7 +279,7 @@ TIMEOUT_S = 0.05      # prefetch_timeout_s
 
 
 @pytest.mark.parametrize("policy", ["wait_complete", "timeout", "best_effort"])
-def test_prefetch_policies_with_a_slow_store(model, baseline_turns, baseline, tmp_path, policy):
+def test_prefetch_policies_with_a_slow_store(qwen_long, baseline_turns, baseline, tmp_path, policy):
     """A restarted engine over a store whose every GET takes ``GET_DELAY_S``; its first request's
     prefix is all in T3. ``wait_complete``: the match waits for the fetch and the request starts from
     it (loaded back from T2). ``timeout``: the match gives up after ``prefetch_timeout_s``, the request
@@ -293,11 +288,11 @@ def test_prefetch_policies_with_a_slow_store(model, baseline_turns, baseline, tm
     waits. Then the whole workload on the same engine (its tree, late fetches and all) still equals
     the no-cache run."""
     url = f"file://{tmp_path / 'store'}"
-    fill = run(model, storage_url=url)
+    fill = run(qwen_long, storage_url=url)
     assert fill.outs == baseline
 
     def go():
-        e = Engine(model, config(prefetch_policy=policy, storage_url=url, prefetch_timeout_s=TIMEOUT_S))
+        e = Engine(qwen_long, config(prefetch_policy=policy, storage_url=url, prefetch_timeout_s=TIMEOUT_S))
         try:
             assert e.cache.t3.policy == policy and e.cache.t3.timeout_s == TIMEOUT_S
             e.tiers.storage.backend = w = WrapBackend(e.tiers.storage.backend, delay_s=GET_DELAY_S, slow=("get",))
@@ -343,7 +338,7 @@ def test_prefetch_policies_with_a_slow_store(model, baseline_turns, baseline, tm
 NO_EVICTION = dict(kv_pages=400, t1_states=40)  # room for everything WL caches: nothing is ever evicted
 
 
-def test_without_write_through_nothing_evicted_means_nothing_in_t3(model, baseline, tmp_path):
+def test_without_write_through_nothing_evicted_means_nothing_in_t3(qwen_long, baseline, tmp_path):
     """``storage_write_through=False``: T3 gets only what eviction demotes to T2 (HostTierConfig),
     and ``close`` does not flush the tiers above. With room for everything nothing is evicted, so
     nothing is written, and a restart on the same directory starts cold (zero T3 hits)."""
@@ -355,18 +350,18 @@ def test_without_write_through_nothing_evicted_means_nothing_in_t3(model, baseli
         assert c.tree.freed["kv"] == 0 and not c.stats.get("state_demotes"), "evicted: the pools are too small"
         assert not c.stats.get("t3_kv_pages_written") and not c.stats.get("t3_states_written"), dict(c.stats)
 
-    a = run(model, storage_url=url, storage_write_through=False, on_step=nothing_evicted_or_written,
+    a = run(qwen_long, storage_url=url, storage_write_through=False, on_step=nothing_evicted_or_written,
             **NO_EVICTION)
     assert a.outs == baseline
     assert a.t3.get("kv_pages_written", 0) == a.t3.get("states_written", 0) == 0, a.t3
     assert store_files(store) == []
-    b = run(model, storage_url=url, storage_write_through=False, **NO_EVICTION)
+    b = run(qwen_long, storage_url=url, storage_write_through=False, **NO_EVICTION)
     assert b.outs == baseline
     assert b.t3["lookups"] > 0 and b.t3.get("hits", 0) == 0, b.t3
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
-def test_without_write_through_t3_gets_what_eviction_demotes(model, baseline_evict, tmp_path, write_policy):
+def test_without_write_through_t3_gets_what_eviction_demotes(qwen_long, baseline_evict, tmp_path, write_policy):
     """``storage_write_through=False`` under tight T0/T1: nothing reaches T3 before the first eviction;
     KV pages go when eviction demotes them T0 -> T2 (whatever the T2 write policy) and states when
     they are demoted T1 -> T2; fewer entries than with write-through; and a restart on the same
@@ -384,18 +379,18 @@ def test_without_write_through_t3_gets_what_eviction_demotes(model, baseline_evi
         written = c.stats.get("t3_kv_pages_written", 0) + c.stats.get("t3_states_written", 0)
         assert seen["kv"] or seen["states"] or not written, f"T3 written before any eviction: {dict(c.stats)}"
 
-    a = run(model, WL_EVICT, storage_url=url, storage_write_through=False,
+    a = run(qwen_long, WL_EVICT, storage_url=url, storage_write_through=False,
             on_step=before_eviction_nothing_written, **tight)
     assert a.outs == base
     assert seen["kv"] > 0 and seen["states"] > 0, f"the workload evicted too little to test anything: {seen}"
     assert a.t3.get("kv_pages_written", 0) > 0 and a.t3.get("states_written", 0) > 0, a.t3
-    wt = run(model, WL_EVICT, storage_url=f"file://{tmp_path / 'wt'}", **tight)
+    wt = run(qwen_long, WL_EVICT, storage_url=f"file://{tmp_path / 'wt'}", **tight)
     assert wt.outs == base
     # (write_back: KV reaches T2 only through eviction anyway, but a victim's ancestors copied along
     # with it go to T3 only when they are demoted themselves)
     assert a.t3["kv_pages_written"] <= wt.t3["kv_pages_written"], (a.t3, wt.t3)
     assert a.t3["states_written"] < wt.t3["states_written"], (a.t3, wt.t3)
     assert len(store_files(store)) < len(store_files(tmp_path / "wt"))
-    b = run(model, WL_EVICT, storage_url=url, storage_write_through=False, **tight)
+    b = run(qwen_long, WL_EVICT, storage_url=url, storage_write_through=False, **tight)
     assert b.outs == base
     assert b.t3["hits"] > 0 and b.t3["hit_tokens"] > 0, b.t3
