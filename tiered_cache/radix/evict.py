@@ -33,7 +33,7 @@ class Eviction:
         self.tree, self.rule, self.host = tree, rule, host
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """See ``HiMambaRadixCache.evict``."""
+        """See ``RadixCacheFacade.evict``."""
         if not isinstance(params, EvictParams):
             raise InvalidTypeError("params", "an EvictParams", type(params).__name__)
         for arg in ("num_tokens", "swa_num_tokens", "mamba_num", "host_num_tokens", "host_mamba_num"):

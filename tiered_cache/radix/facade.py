@@ -102,9 +102,11 @@ class RadixCacheFacade:
 
     # ----------------------------------------------------------------------------- the interface
     def match_prefix(self, params: P.MatchPrefixParams) -> P.MatchResult:
+        """The longest cached prefix of ``params.key`` the model can resume at (the rule's ``match``)."""
         return self.rule.match(params)
 
     def insert(self, params: P.InsertParams) -> P.InsertResult:
+        """Cache ``params.key`` and its ids (the rule's ``insert``; ownership in ``params``)."""
         return self.rule.insert(params)
 
     def inc_lock_ref(self, node: TreeNode) -> P.IncLockRefResult:

@@ -71,7 +71,7 @@ class Loads:
         self.tree, self.host, self.rule, self.room = tree, host, rule, room
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
-        """See ``HiMambaRadixCache.init_load_back``."""
+        """See ``RadixCacheFacade.init_load_back``."""
         tree, host = self.tree, self.host
         if not isinstance(params, InitLoadBackParams):
             raise InvalidTypeError("params", "an InitLoadBackParams", type(params).__name__)

@@ -163,7 +163,10 @@ class MambaRule:
 
     # ----------------------------------------------------------------------------- match
     def match(self, params: MatchPrefixParams) -> MatchResult:
-        """See ``HiMambaRadixCache.match_prefix``."""
+        """Longest cached prefix of ``params.key`` that ends at a state (see ``MatchResult``).
+
+        With ``cow_mamba`` and no T0 state slot for the request even after evicting KV, the device part
+        is a miss (a value, not an error: see ``HiMambaRadixCache``); a bad argument raises first."""
         tree, host = self.tree, self.host
         if not isinstance(params, MatchPrefixParams):
             raise InvalidTypeError("params", "a MatchPrefixParams", type(params).__name__)
@@ -263,7 +266,13 @@ class MambaRule:
 
     # ----------------------------------------------------------------------------- insert
     def insert(self, params: InsertParams) -> InsertResult:
-        """See ``HiMambaRadixCache.insert``."""
+        """Cache ``key`` -> ``value`` with the state ``mamba_value`` at its end (ownership: ``HiMambaRadixCache``).
+
+        Only whole pages are cached; a state is stored only when ``len(key)`` is page-aligned (it is
+        valid at that position alone). New KV is taken only together with a state (a leaf is never a
+        tombstone). With no T1 room even after evicting states, nothing is cached:
+        ``prefix_len == cached_len == prev_prefix_len`` and the caller keeps ``value[prev_prefix_len:]``.
+        """
         tree = self.tree
         toks, salt, prev, aligned = insert_args(params, tree.page_size, tree.device, ("value",))
         n, value = len(toks), params.value  # a tensor: insert_args checked it

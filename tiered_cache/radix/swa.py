@@ -10,8 +10,8 @@ hybrid needs to resume at a position is the SWA KV of the ``W`` tokens before it
     node:     [ tomb ][ SWA ][ SWA  ]      a match may end at p only if the SWA KV of
                       |<--- W ---->|       [max(0, p-W), p) is present (device, or host to load)
 
-- A node's SWA KV lives where its full KV lives: on the device with it (``swa_value``), on the host
-  with it (``swa_host``), or nowhere (tombstone). Backups, demotion and load back move both.
+- A node's SWA KV lives where its full KV lives: on the device with it (``payload.swa_value``), on
+  the host with it (``payload.swa_host``), or nowhere (tombstone). Backups, demotion and load back move both.
 - ``evict(swa_num_tokens=n)`` frees SWA KV, LRU first: an internal node becomes an SWA tombstone
   (its full KV stays, usable by longer matches), a leaf goes whole (a leaf is never a tombstone).
 - ``insert`` takes the caller's SWA ids (``InsertParams.swa_value``) as it takes full ids; SWA KV
