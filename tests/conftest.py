@@ -2,7 +2,8 @@
 before the package is imported, whenever CUDA is absent.
 
 Also the one NaN-poison fixture (``poison``): every test that fills an output before a kernel or a copy
-writes it takes its poison from there, so that "an element nobody wrote" looks the same in every test."""
+writes it takes its poison from there, so that "an element nobody wrote" looks the same in every test;
+and the model the engine-level tests share (``qwen_long``)."""
 
 from __future__ import annotations
 
