@@ -9,20 +9,28 @@ import dataclasses
 import pytest
 import torch
 
-from tests.support.radix_util import KV_SPEC, STATE_SPEC, SWA_SPEC, insert_fresh, insert_swa
+from tests.support.radix_util import KV_SPEC, STATE_SPEC, SWA_SPEC, check_kv, insert_fresh, insert_swa
 from tests.support.storage_util import settle
 from tiered_cache import CacheConfig, TieredCache
 from tiered_cache.config import BACKENDS, CODECS, EVICTION_POLICIES, PREFETCH_POLICIES, WRITE_POLICIES
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError
-from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, MatchPrefixParams, RadixKey
+from tiered_cache.radix import (
+    CacheReq,
+    EvictParams,
+    HiMambaRadixCache,
+    HiSWARadixCache,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    RadixKey,
+)
 
 BASE = dict(page_size=2, kv_pages=16, t0_states=4, t1_states=8, codec="lossless", check_memory=False, backend="torch")
 HOST = dict(host_kv_pages=16, host_states=8)
 
 
-def build(state=STATE_SPEC, swa=None, **kw) -> TieredCache:
-    cfg = CacheConfig(**{**BASE, **kw})
-    return TieredCache.build(cfg, kv=KV_SPEC, state=state, swa=swa, device="cpu", model_id="test-model")
+def build(state=STATE_SPEC, swa=None, device="cpu", **kw) -> TieredCache:
+    cfg = CacheConfig(**{**BASE, "backend": "torch" if device == "cpu" else "auto", **kw})
+    return TieredCache.build(cfg, kv=KV_SPEC, state=state, swa=swa, device=device, model_id="test-model")
 
 
 def match(stack: TieredCache, toks, **kw):
@@ -47,8 +55,9 @@ def test_state_model_t0_t1():
         assert c.free_sizes()["t1"] == 7 and c.free_sizes()["t0_kv"] == free0["t0_kv"] - 4
 
 
-def test_state_model_with_host_tier():
-    with build(**HOST) as c:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_state_model_with_host_tier_round_trip(device):
+    with build(device=device, **HOST) as c:
         assert c.host is not None and c.transfer is not None and c.storage is None
         assert c.tree.host is c.host and c.tree.engine is c.transfer
         assert {k for k in c.free_sizes() if k.startswith("t2_")} == {"t2_full", "t2_state"}
@@ -58,7 +67,16 @@ def test_state_model_with_host_tier():
         while c.tree.host_tier.busy:  # the write-through backup lands
             c.tree.check_hicache_events()
         assert c.stats()["transfer"]["d2h_bytes"] == 2 * c.kv.entry_bytes
-        c.check_invariants()
+        assert c.tree.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4  # device KV dropped, T2 keeps it
+        m = match(c, [1, 2, 3, 4, 5])
+        assert m.device_indices.numel() == 0 and m.host_hit_length == 4
+        req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64, device=c.kv.device))
+        ids, _ = c.tree.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+        while not req.load_back.done:
+            c.tree.check_hicache_events()
+        assert req.load_back.ok and c.stats()["transfer"]["h2d_bytes"] == 2 * c.kv.entry_bytes
+        check_kv(c.tree, ids, [1, 2, 3, 4])  # the KV came back from T2 byte for byte
+        c.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=req.mamba_pool_idx)
 
 
 def test_state_model_with_file_store_shares_prefixes_across_stacks(tmp_path):
