@@ -21,6 +21,14 @@ from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.tiers.unified_pool import UnifiedPool
 
 
+def _alloc(side, n: int) -> torch.Tensor:
+    """``side.alloc(n)``: the demo's pool is sized for everything the tour takes, so no room is a bug."""
+    ids = side.alloc(n)
+    if ids is None:
+        raise RuntimeError(f"the demo pool has no room for {n} on side {side.name!r}")
+    return ids
+
+
 def demo(args: argparse.Namespace) -> int:
     """A short tour of T0: one buffer, full KV pages growing up, recurrent states growing down."""
     device = dev.resolve(args.device)
@@ -37,7 +45,7 @@ def demo(args: argparse.Namespace) -> int:
     print(f"empty: full can take {full.available_size()} tokens, mamba {mamba.available_size()} states")
 
     t0 = time.perf_counter()
-    states = [mamba.alloc(1) for _ in range(args.states)]
+    states = [_alloc(mamba, 1) for _ in range(args.states)]
     views = mamba.temporal_view_all()
     for i, sid in enumerate(states):
         views[:, mamba.translate(sid)] = float(i + 1)  # each state filled with its own number
@@ -49,7 +57,7 @@ def demo(args: argparse.Namespace) -> int:
     print(f"freed every other state: {mamba.allocator.num_holes} holes, "
           f"{mamba.allocator.num_moves} slots moved by compaction so far; "
           f"full can schedule {full.schedulable_available_size()} tokens")
-    pages = full.alloc(full.schedulable_available_size())
+    pages = _alloc(full, full.schedulable_available_size())
     print(f"full took {pages.numel()} tokens; mamba slots moved in total: {mamba.allocator.num_moves}")
     ok = all(bool((mamba.temporal_view_all()[:, mamba.translate(sid)] == 2 * i + 2).all())
              for i, sid in enumerate(kept))

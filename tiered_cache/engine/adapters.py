@@ -245,9 +245,9 @@ class HybridCacheAdapter:
             raise InvalidArgumentError("swa_side, swa_token_ids", "SWA pages (the model has sliding layers)", None)
         cache = self.new_cache()
         self.import_kv(cache, kv_side, token_ids, n)
-        if self.specs.swa_layers:
+        if swa_side is not None and swa_token_ids is not None and self.specs.swa_layers:
             self.import_kv(cache, swa_side, swa_token_ids, n)
-        if self.specs.linear_layers:
+        if state_side is not None and slot is not None and self.specs.linear_layers:
             self.import_state(state_side, slot, cache)
         return cache
 

@@ -24,6 +24,8 @@ for a host hit, inc_lock_ref, the request's T0 room reserved), ``cache_prefix`` 
 
 from __future__ import annotations
 
+import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Optional
 
@@ -31,8 +33,15 @@ import torch
 
 from tiered_cache.engine.adapters import HybridCacheAdapter
 from tiered_cache.engine.request import Request
-from tiered_cache.errors import MemoryBudgetError
-from tiered_cache.radix import CacheReq, InitLoadBackParams, MatchPrefixParams, MatchResult, RadixKey
+from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError
+from tiered_cache.radix import (
+    CacheReq,
+    HiMambaRadixCache,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    MatchResult,
+    RadixKey,
+)
 from tiered_cache.stack import TieredCache
 
 
@@ -40,7 +49,16 @@ def _ceil(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-class _Kind:
+@dataclasses.dataclass
+class SWACacheReq(CacheReq):
+    """``CacheReq`` with what ``HiSWARadixCache`` also reads: the request's SWA KV ids beside its KV ids,
+    and how many leading positions' SWA KV it freed itself (none here: the engine keeps them all)."""
+
+    swa_kv_indices: Optional[torch.Tensor] = None
+    swa_evicted_seqlen: int = 0
+
+
+class Kind(ABC):
     """The part both kinds share: the full-attention KV in T0 and the request's side of the tree's
     protocol. ``phase``: the engine's phase clock (``EngineConfig.phase_timing``)."""
 
@@ -68,9 +86,8 @@ class _Kind:
             if len(ids):
                 prefix, loaded = torch.cat([prefix, ids]), True
                 # ``ids`` also covers path KV still on the device; what came from T2 is what moved.
-                tickets = req.load_back.tickets
-                host_hit = tickets["kv"].nbytes // self.kv_token_bytes if "kv" in tickets else 0
-                state_from_host = "state" in tickets
+                host_hit = req.load_back.host_kv_bytes // self.kv_token_bytes
+                state_from_host = req.load_back.loads_state
         tree.inc_lock_ref(node)
         p = len(prefix)
         req.last_node, req.cache_protected_len, req.prefix_indices = node, p, prefix
@@ -88,6 +105,11 @@ class _Kind:
         req.state_tier = ("T2" if state_from_host else "T1") if p else "miss"
         return True
 
+    def abort(self, req: Request) -> None:
+        """End a running request: its T3 prefetch cancelled, everything it holds released."""
+        self.tree.cancel_prefetch(req)
+        self.release(req)
+
     def too_large(self, req: Request) -> MemoryBudgetError:
         """The error for a request that does not fit in T0 even with nothing else running."""
         need, tb = _ceil(len(req.tokens) + req.max_new_tokens, self.page_size), self.kv_token_bytes
@@ -102,7 +124,7 @@ class _Kind:
         before = req.cache_protected_len
         view = self.view(req, pos)
         self.tree.cache_unfinished_req(view, chunked=True)
-        req.swa_kv_indices = getattr(view, "swa_kv_indices", None)
+        req.swa_kv_indices = view.swa_kv_indices if isinstance(view, SWACacheReq) else None
         req.kv_indices, req.last_node = view.kv_indices, view.last_node
         req.cache_protected_len, req.prefix_indices = view.cache_protected_len, view.prefix_indices
         return req.cache_protected_len > before
@@ -134,8 +156,40 @@ class _Kind:
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=self.kv.device)
         return cat(kv), cat(self.own_slots(running))
 
-    # ------------------------------------------------------------------------------ T0
+    # ------------------------------------------------------------------------------ per kind
+    @abstractmethod
+    def hold_prefix(self, req: Request, m: MatchResult, loaded: bool) -> None:
+        """Set the matched prefix's ids the kind holds beside its KV ids (``loaded``: a load back brings more)."""
 
+    @abstractmethod
+    def reserve(self, req: Request, n: int) -> Optional[torch.Tensor]:
+        """The request's own T0 room: ``n`` KV token ids and what its kind holds beside them; None: no room."""
+
+    @abstractmethod
+    def finished_len(self, req: Request) -> int:
+        """Tokens of a finished turn the tree caches."""
+
+    @abstractmethod
+    def own_slots(self, running: list[Request]) -> list[torch.Tensor]:
+        """What running requests own of the kind's own T0 side (for ``check_invariants``)."""
+
+    @abstractmethod
+    def cuts(self, req: Request, start: int, end: int) -> dict[int, str]:
+        """Where the chunk ``[start, end)`` caches its prefix: position -> why (``branch``, ``mid``, ``end``)."""
+
+    @abstractmethod
+    def resume(self, req: Request, n: int) -> tuple[object, int]:
+        """A model cache holding the request's first ``n`` tokens from T0; returns it and the state bytes read."""
+
+    @abstractmethod
+    def save_state(self, req: Request, states=None) -> int:
+        """Save what a resume at the model cache's end needs beyond its KV; returns bytes written."""
+
+    @abstractmethod
+    def keeps_decode_state(self, req: Request) -> bool:
+        """Whether the state after the decode token just run is kept (``save_state``)."""
+
+    # ------------------------------------------------------------------------------ T0
     def pieces(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
         """The forwards positions ``[start, end)`` run as, each followed by its ``export_kv``."""
         return ((start, end),)
@@ -145,23 +199,29 @@ class _Kind:
         self.adapter.export_kv(req.model_cache, self.kv, req.on_host("kv_indices"), start, end)
         return (end - start) * self.kv_token_bytes
 
-    def view(self, req: Request, n: int) -> CacheReq:
-        """The request as the tree's ``cache_*_req`` see it, with its first ``n`` tokens written."""
-        return CacheReq(token_ids=req.tokens[:n], kv_indices=req.kv_indices, mamba_pool_idx=req.mamba_pool_idx,
-                        last_node=req.last_node, cache_protected_len=req.cache_protected_len,
-                        prefix_indices=req.prefix_indices, extra_key=req.extra_key)
+    def view(self, req: Request, n: int, cls: type[CacheReq] = CacheReq, **extra) -> CacheReq:
+        """The request as the tree's ``cache_*_req`` see it, with its first ``n`` tokens written (a ``cls``,
+        with ``extra`` fields: what the kind's tree also reads)."""
+        return cls(token_ids=req.tokens[:n], kv_indices=req.held("kv_indices"), mamba_pool_idx=req.mamba_pool_idx,
+                   last_node=req.last_node, cache_protected_len=req.cache_protected_len,
+                   prefix_indices=req.prefix_indices, extra_key=req.extra_key, **extra)
 
 
-class StateKind(_Kind):
+class StateKind(Kind):
     """A model with linear-attention layers: KV + one recurrent state per request."""
+
+    tree: HiMambaRadixCache
 
     def __init__(self, tiers: TieredCache, adapter: HybridCacheAdapter, phase: Callable) -> None:
         super().__init__(tiers, adapter, phase)
-        self.states = tiers.states
+        states, tree = tiers.states, tiers.tree
+        if states is None or not isinstance(tree, HiMambaRadixCache):
+            raise InvalidArgumentError("tiers", "the TieredCache of a model with recurrent states", type(tree).__name__)
+        self.states, self.tree = states, tree
         self.unit = tiers.checkpoint_unit  # tokens between cached states
 
     def cuts(self, req: Request, start: int, end: int) -> dict[int, str]:
-        """Where a state is exported and cached during the chunk ``[start, end)``: position -> kind. The
+        """Where a state is exported and cached during the chunk ``[start, end)``: position -> why. The
         tree's rule says where a chunk may export one mid-way; an aligned chunk end is itself cacheable,
         so the mid-chunk positions are used only for the unaligned last chunk (where it matters: the next
         turn of a conversation resumes there)."""
@@ -218,13 +278,16 @@ class StateKind(_Kind):
         return [r.mamba_pool_idx.reshape(-1) for r in running if r.mamba_pool_idx is not None]
 
 
-class SWAKind(_Kind):
+class SWAKind(Kind):
     """A model with sliding-window layers: full KV + SWA KV per request, no state."""
 
     def __init__(self, tiers: TieredCache, adapter: HybridCacheAdapter, phase: Callable) -> None:
         super().__init__(tiers, adapter, phase)
-        self.swa = tiers.swa
-        self.window = self.swa.spec.window
+        swa = tiers.swa
+        if swa is None:
+            raise InvalidArgumentError("tiers", "the TieredCache of a model with sliding-window layers", None)
+        self.swa = swa
+        self.window = swa.spec.window
         self.unit = self.page_size
 
     def pieces(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
@@ -243,18 +306,21 @@ class SWAKind(_Kind):
     def hold_prefix(self, req: Request, m: MatchResult, loaded: bool) -> None:
         """The matched prefix's SWA KV ids beside its KV ids (``loaded``: with those the load back brings)."""
         ids = m.swa_device_indices
-        req.swa_kv_indices = torch.cat([ids, req.load_back.swa_indices]) if loaded else ids
+        if ids is not None and loaded:
+            ids = torch.cat([ids, req.load_back.swa_indices])
+        req.swa_kv_indices = ids
 
     def reserve(self, req: Request, n: int) -> Optional[torch.Tensor]:
         """``n`` SWA KV and ``n`` KV token ids of T0 for the request, evicting for both; None (and nothing
         taken) when there is no room."""
         new_swa = self.tiers.alloc_swa(n)
-        new = None if new_swa is None else self.tiers.alloc_kv(n)
-        if new is None:
-            if new_swa is not None:
-                self.swa.free(new_swa)
+        if new_swa is None:
             return None
-        req.swa_kv_indices = torch.cat([req.swa_kv_indices, new_swa])
+        new = self.tiers.alloc_kv(n)
+        if new is None:
+            self.swa.free(new_swa)
+            return None
+        req.swa_kv_indices = torch.cat([req.held("swa_kv_indices"), new_swa])
         return new
 
     def resume(self, req: Request, n: int) -> tuple[object, int]:
@@ -275,12 +341,10 @@ class SWAKind(_Kind):
         """The T0 SWA ids running requests own (they stand where a state model's slots do)."""
         return [r.swa_kv_indices[r.cache_protected_len:] for r in running if r.swa_kv_indices is not None]
 
-    def view(self, req: Request, n: int) -> CacheReq:
-        view = super().view(req, n)
-        view.swa_kv_indices, view.swa_evicted_seqlen = req.swa_kv_indices, 0  # none slid out
-        return view
+    def view(self, req: Request, n: int, cls: type[CacheReq] = SWACacheReq, **extra) -> CacheReq:
+        return super().view(req, n, cls, swa_kv_indices=req.swa_kv_indices, **extra)  # none slid out
 
 
-def kind_for(tiers: TieredCache, adapter: HybridCacheAdapter, phase: Callable) -> StateKind | SWAKind:
+def kind_for(tiers: TieredCache, adapter: HybridCacheAdapter, phase: Callable) -> Kind:
     """The kind of ``tiers``: a state model's stack has a state side, an SWA model's an SWA side."""
     return (StateKind if tiers.states is not None else SWAKind)(tiers, adapter, phase)

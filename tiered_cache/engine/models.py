@@ -15,6 +15,7 @@ them); ``weights_id`` names a model by its weights.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ def tiny_qwen3_next(seed: int = 0, long_memory: bool = False, dtype: torch.dtype
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     pattern = [LINEAR, LINEAR, LINEAR, FULL] * 2
-    kw = dict(
+    kw: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=len(pattern),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=32,
@@ -90,7 +91,7 @@ def tiny_swa_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: de
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     pattern = [SLIDING, SLIDING, FULL] * 2
-    kw = dict(
+    kw: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=len(pattern),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
         max_position_embeddings=1024, sliding_window=sliding_window, layer_types=pattern,

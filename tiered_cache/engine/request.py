@@ -96,14 +96,19 @@ class Request:
         """The tokens whose KV is written (what ``cache_*_req`` would cache)."""
         return self.tokens[:self.filled]
 
-    def on_host(self, name: str) -> Optional[torch.Tensor]:
-        """``self.<name>`` (``kv_indices``, ``swa_kv_indices``, ``mamba_pool_idx``) on the host, copied once
-        each time the tensor is replaced (admission, a checkpoint that hands pages to the tree): the
-        adapter then checks and translates those ids on the allocator's host table, with no wait for the
-        device."""
+    def held(self, name: str) -> torch.Tensor:
+        """``self.<name>`` (``kv_indices``, ``swa_kv_indices``, ``mamba_pool_idx``), which the caller knows
+        the request holds now (admitted, not yet finished)."""
         src = getattr(self, name)
         if src is None:
-            return None
+            raise InvalidArgumentError(name, "ids the request holds (an admitted request's)", None)
+        return src
+
+    def on_host(self, name: str) -> torch.Tensor:
+        """``held(name)`` on the host, copied once each time the tensor is replaced (admission, a checkpoint
+        that hands pages to the tree): the adapter then checks and translates those ids on the side's host
+        table, with no wait for the device."""
+        src = self.held(name)
         held = self.host_copies.get(name)
         if held is None or held[0] is not src:
             held = self.host_copies[name] = (src, src.cpu())

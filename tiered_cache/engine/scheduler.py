@@ -92,7 +92,7 @@ class Engine:
 
     def free_sizes(self) -> dict[str, int]:
         """Free room per pool (T0, T1, T2): the run must end where it began."""
-        return self.tiers.free_sizes()
+        return {} if self.tiers is None else self.tiers.free_sizes()
 
     # ----------------------------------------------------------------------------- requests
     def submit(self, req: Request, arrival: Optional[float] = None) -> None:
@@ -119,9 +119,8 @@ class Engine:
                 return True
         for req in self.running:
             if req.rid == rid:
-                if self.cache is not None:
-                    self.cache.cancel_prefetch(req)
-                    self.kind.release(req)
+                if self.kind is not None:
+                    self.kind.abort(req)
                 self._drop(req, Status.ABORTED)
                 self.stats.add("aborted")
                 self.stats.add("aborted_computed_tokens", req.computed_tokens)
@@ -139,8 +138,7 @@ class Engine:
     # --------------------------------------------------------------------------------- step
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that finished in it."""
-        if self.cache is not None:
-            self._poll_events()
+        self._poll_events()
         self._admit_waiting()
         finished: list[Request] = []
         budget, ps = self.cfg.prefill_budget, self.cfg.page_size
@@ -182,7 +180,7 @@ class Engine:
                 ok = self._admit(req)
             if not ok:
                 self.stats.add("admission_retries")
-                if not self.running:
+                if not self.running and self.kind is not None:  # (the no-cache baseline always admits)
                     raise self.kind.too_large(req)
                 return  # first come, first served: wait until running requests give room back
             self.waiting.popleft()
@@ -205,12 +203,12 @@ class Engine:
         """The request's prefix is on the device: build its model cache from the pools. False when the
         load back arrived corrupt (the tree dropped that host copy): the request is released."""
         handle, req.load_back = req.load_back, None
-        if handle is not None and not handle.ok:
+        if handle is not None and not handle.ok and self.kind is not None:
             self.stats.add("load_back_failures")
             self.kind.release(req)
             return False
         st, p = self.stats, req.cache_protected_len
-        if p:
+        if p and self.kind is not None:
             with self._phase("build_cache"):
                 req.model_cache, state_bytes = self.kind.resume(req, p)
             st.add("t0_kv_read_bytes", p * self.kind.kv_token_bytes)
@@ -226,6 +224,8 @@ class Engine:
         """Apply finished host transfers to the tree; requests whose load back landed start their prefill;
         a corrupt one goes back to the front of the queue and matches again (the bad host copy is gone:
         it recomputes that part)."""
+        if self.cache is None:
+            return
         with self._phase("events"):
             self.cache.check_hicache_events()
             for req in [r for r in self.running if r.status is Status.LOADING]:
@@ -244,7 +244,7 @@ class Engine:
         start = req.filled
         end = min(n_prompt, start + min(self.cfg.chunk_size, budget // ps * ps))
         cuts = {} if self.kind is None else self.kind.cuts(req, start, end)  # position -> what it is
-        pos, logits = start, None
+        pos = start
         inside = [c for c in cuts if start < c < end]
         if self.runner.split and len(inside) == 1:
             # one forward; the state at the cut is taken inside it
@@ -294,6 +294,7 @@ class Engine:
         """Export the state after ``pos`` tokens to the request's T0 slot and cache the prefix there.
         ``what``: why here (``branch``, ``mid``, ``end``: counted apart). ``states``: that state as a split
         forward took it (default: the model cache's, at its end)."""
+        assert self.kind is not None  # a chunk has cuts only in a cached run
         with self._phase("checkpoint"):
             self.stats.add("t0_state_write_bytes", self.kind.save_state(req, states))
             grew = self.kind.cache_prefix(req, pos)
@@ -351,8 +352,7 @@ class Engine:
             with self._phase("emit"):
                 am = int(row.argmax())
         if req.emit(am, row) == 0:
-            self.stats.ttft.append(req.ttft)
-            self.stats.ttft_admitted.append(req.ttft_admitted)
+            self.stats.first_token(req)
         if len(req.output) >= req.max_new_tokens:
             self._finish(req)
 
@@ -375,7 +375,7 @@ class Engine:
     # ------------------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
         """Every slot of every pool is free, cached by the tree or owned by a running request."""
-        if self.tiers is None:
+        if self.tiers is None or self.kind is None:
             return
         kv, st = self.kind.owned(self.running)
         self.tiers.check_invariants(request_kv=kv, request_states=st)

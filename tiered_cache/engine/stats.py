@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -80,6 +80,11 @@ class EngineStats:
         self.add("admitted", n)
         self.add("prompt_tokens", n * len(req.prompt))
 
+    def first_token(self, req) -> None:
+        """``req`` (an admitted ``Request``) emitted its first token: its TTFT from arrival and admission."""
+        self.ttft.append(req.t_first_token - req.t_arrival)
+        self.ttft_admitted.append(req.t_first_token - req.t_admitted)
+
     def resumed(self, req) -> None:
         """``req`` (an admitted ``Request``) starts its prefill: where its prefix and state came from."""
         p, host = req.cache_protected_len, req.reused_host_tokens
@@ -94,7 +99,7 @@ class EngineStats:
         bytes, evictions per tier and T3 counters join it."""
         c = self.c
         prompt = c["prompt_tokens"]
-        out = {
+        out: dict[str, Any] = {
             "requests": {"finished": c["finished"], "aborted": c["aborted"], "admitted": c["admitted"],
                          "admission_retries": c["admission_retries"]},
             "tokens": {"prompt": prompt, "computed": c["computed_tokens"], "reused": c["reused_tokens"],

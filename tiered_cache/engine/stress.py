@@ -189,7 +189,10 @@ def check_storage(url: str) -> None:
         raise UsageError("--storage", "a reachable store (one write and read back)", f"{url} ({e})") from None
     finally:
         backend.close()
-    data = b"".join(bytes(x) for x in got) if isinstance(got, list) else bytes(got or b"")
+    if isinstance(got, list):
+        data = b"".join(bytes(x) for x in got)
+    else:  # a WrongSize (a value of another size than written) reads as nothing
+        data = bytes(got) if isinstance(got, (bytes, bytearray, memoryview)) else b""
     if data != b"tiered-cache probe":
         raise UsageError("--storage", "a store that reads back what was written", url)
 
@@ -298,7 +301,7 @@ def stress(args: argparse.Namespace) -> int:
             ref = {(int(k[1:].split("r")[0]), int(k.split("r")[1])): v for k, v in base[0]["outputs"].items()}
             fturns = _run(model, cached_cfg, wl, "forced", quiet, forced=ref)[1]
             forced = rep.forced_agreement(fturns, base[0]["outputs"], wl.rounds)
-    reuse, reuse_info = rep.reuse_lines(cached[0], cturns, vars(args))
+    reuse, reuse_info = rep.reuse_lines(cached[0], cturns or [], vars(args))
     print()
     lines = rep.report_lines(cached, base)
     lines += [""] + rep.timing_lines(cached[0], base[0] if base else None)

@@ -101,7 +101,7 @@ class GraphChunkRule:
         self._inits: dict[tuple, torch.Tensor] = {}
         self.stats = {"calls": 0, "replays": 0, "captures": 0, "eager": 0, "padded_tokens": 0}
         self.capture_error: Optional[str] = None
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool (dev.graph_pool), made at the first capture
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

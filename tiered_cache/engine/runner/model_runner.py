@@ -72,8 +72,8 @@ class ModelRunner:
         many tokens (a ``split_forward.SplitStates``), or None where the model did not let it be taken
         (a warning said why; ``split`` is then off); without it, None."""
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
-        many = self.prefill_rule is not None and len(tokens) > 1
-        with self.prefill_rule.active() if many else contextlib.nullcontext():
+        rule = self.prefill_rule if len(tokens) > 1 else None
+        with rule.active() if rule is not None else contextlib.nullcontext():
             if split_at is None:
                 return forward_chunk(self.model, cache, ids, start)[0], None
             # through the module, so a test's stand-in for forward_chunk_split is the one called
