@@ -71,7 +71,7 @@ class HiMambaRadixCache(RadixCacheFacade):
         validate: check that inserted ids are the caller's (one device sync per insert).
         host: a ``HostMirror`` (T2) with a KV region of T0 page envelopes and a state region of T1
             envelopes (names in ``host_config``); ``None``: the GPU tiers alone.
-        transfer: the ``TransferEngine`` moving bytes to and from ``host`` (default: a new one).
+        transfer: the ``TransferEngine`` moving bytes to and from ``host`` (required with ``host``).
         host_config: ``HostTierConfig`` (write policy, thresholds, region names, T3 policies).
         storage: a ``StorageTier`` (T3) below ``host``, or ``None`` (``storage_hook.py``).
     """

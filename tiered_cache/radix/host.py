@@ -78,6 +78,8 @@ def check_args(host: Any, transfer: Any, config: Any, storage: Any) -> None:
     instance_arg("transfer", transfer, TransferEngine, "a TransferEngine", none_ok=True)
     instance_arg("host_config", config, HostTierConfig, "a HostTierConfig", none_ok=True)
     instance_arg("storage", storage, StorageTier, "a StorageTier", none_ok=True)
+    if host is not None and transfer is None:
+        raise InvalidArgumentError("transfer", "a TransferEngine beside host (TieredCache.build makes one)", None)
 
 
 class HostTier:
@@ -97,9 +99,7 @@ class HostTier:
         self.loads: Any = None
         if mirror is None:
             return
-        from tiered_cache.transfer.engine import TransferEngine
-
-        self.engine = transfer if transfer is not None else TransferEngine(tree.device)
+        self.engine = transfer
         self.kv_region = self.region(self.conf.kv_region, tree.kv.entry_bytes, "kv_host")
         self.add_stream(Stream("kv", _node, "value", "value_pending", "host_kv", "host_pending", tree.kv,
                                self.kv_region, "kv", "kv_host"))
