@@ -22,6 +22,7 @@ from tiered_cache.errors import (
     StorageUnavailableError,
     TieredCacheError,
     TransferTimeoutError,
+    UsageError,
 )
 from tiered_cache.radix import (
     CacheReq,
@@ -40,12 +41,14 @@ from tiered_cache.stack import TieredCache
 from tiered_cache.tiers.allocator import MultiEndedAllocator
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec
+from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide
 from tiered_cache.tiers.unified_pool import SubPool, UnifiedPool
 from tiered_cache.transfer.engine import Ticket, TransferEngine
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActiveSide",
     "CacheConfig",
     "CacheReq",
     "EvictParams",
@@ -65,12 +68,14 @@ __all__ = [
     "IntegrityError",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "KVSide",
     "KVSpec",
     "MemoryBudgetError",
     "MultiEndedAllocator",
     "OutOfRangeError",
     "SlotBusyError",
     "SlotStateError",
+    "StateSide",
     "StateSpec",
     "StorageError",
     "StorageFormatError",
@@ -81,4 +86,5 @@ __all__ = [
     "TieredCacheError",
     "TransferTimeoutError",
     "UnifiedPool",
+    "UsageError",
 ]

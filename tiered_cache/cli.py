@@ -82,7 +82,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _check_demo(args: argparse.Namespace) -> None:
-    from tiered_cache.engine.stress import UsageError
+    from tiered_cache.errors import UsageError
     from tiered_cache.validate import int_arg
 
     for flag, lo in (("--pages", 1), ("--states", 1), ("--page-size", 1)):
@@ -101,7 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("stress", help="the main job: a multi-turn workload, tiered cache vs no cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from tiered_cache.engine.stress import UsageError, add_arguments  # argparse only: imports no transformers
+    from tiered_cache.engine.stress import add_arguments  # argparse only: imports no transformers
+    from tiered_cache.errors import UsageError
 
     add_arguments(p)
     p.set_defaults(func=stress)

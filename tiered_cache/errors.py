@@ -33,6 +33,11 @@ class InvalidTypeError(InvalidArgumentError, TypeError):
     needed). Also a ``TypeError``, so callers that catch the builtin keep working."""
 
 
+class UsageError(InvalidArgumentError):
+    """A command-line flag is wrong; ``arg`` is the flag (``--kv-pages``). The CLI prints it as one line
+    and exits 2; it is raised before the run starts."""
+
+
 class OutOfRangeError(InvalidArgumentError, IndexError):
     """An index argument (a layer, a slot, a conv window, a byte of a slot) lies outside what exists.
     Also an ``IndexError``, what callers of an indexing API catch."""

@@ -26,16 +26,11 @@ import torch
 
 from tiered_cache import device as dev
 from tiered_cache.config import CODECS, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
-from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError
+from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError, UsageError
 from tiered_cache.validate import float_arg, int_arg
 
 # EngineConfig / CacheConfig / WorkloadConfig fields whose flag is not the field's name with dashes.
 _FLAG_OF = {"storage_url": "--storage", "prefill_budget": "--chunk-size", "shared_system": "--no-shared-system"}
-
-
-class UsageError(InvalidArgumentError):
-    """A command-line flag is wrong; ``arg`` is the flag (``--kv-pages``). The CLI prints it as one line and
-    exits 2; it is raised before the run starts."""
 
 
 def flag_of(field: str) -> str:
