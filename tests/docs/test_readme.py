@@ -49,13 +49,20 @@ def test_bash_blocks_name_files_that_exist():
 
 
 def test_layout_lists_every_part_of_the_package():
-    """Item 8: the layout left out storage/, cli.py and __main__.py."""
+    """Item 8: the layout left out storage/, cli.py and __main__.py. Now one line per module: every
+    folder of the package and every module file in it is named in the Layout section."""
     layout = _section("Layout")
     pkg = os.path.join(ROOT, "tiered_cache")
-    parts = [n + "/" if os.path.isdir(os.path.join(pkg, n)) else n for n in sorted(os.listdir(pkg))
-             if (n.endswith(".py") and n != "__init__.py") or (os.path.isdir(os.path.join(pkg, n))
-                                                                and not n.startswith("__"))]
-    assert [p for p in parts if p not in layout] == []
+    missing = []
+    for folder, dirs, files in os.walk(pkg):
+        dirs[:] = [d for d in dirs if not d.startswith("__")]
+        rel = os.path.relpath(folder, pkg)
+        if rel != "." and os.path.basename(folder) + "/" not in layout:
+            missing.append(rel + "/")
+        names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*\.py", layout)
+        missing += [os.path.join(rel, f) for f in files if f.endswith(".py") and f not in names
+                    and not (f == "__init__.py" and rel != ".")]
+    assert missing == []
 
 
 def test_dependencies_list_every_extra_and_redis_server():
