@@ -1,0 +1,222 @@
+"""``TieredRadixCache``: SGLang 0.5.23's ``BasePrefixCache`` over our radix tree.
+
+It translates, it holds no policy (STYLE 6): SGLang's param objects become ours, our results become
+SGLang's, and SGLang's ``Req`` is read where our flows read a ``CacheReq``. What differs between the
+two interfaces, field by field, is in ``docs/sglang.md``; in short:
+
+- ``match_prefix`` returns SGLang's ``MatchResult`` (``device_prefix_len``, ids through
+  ``path_device_indices``), from SGLang's ``RadixKey`` (``array('q')`` or any int sequence, cut at
+  ``limit``; ``extra_key`` and ``cache_salt`` together are the tree's salt);
+- ``checkpoint(req, up_to=)`` inserts the request's row up to ``up_to``, repoints the row at the
+  tree's ids, moves ``req.lock`` and ``req.last_node`` and advances ``req.kv.cache_protected_len``;
+  like SGLang's own, it frees nothing the request still owns (``release_kv_cache`` does), and the
+  request keeps its state slot (the tree stores a T1 copy);
+- ``evict`` takes SGLang's three-field ``EvictParams``; locks return SGLang's receipts;
+- ``init_load_back`` returns ``(tokens loaded, node)``.
+
+The tree's T0 must be the memory behind SGLang's pools for the ids to mean the same thing on both
+sides; the adapters that make SGLang's pools our T0 sides are not built yet (``factory`` says so).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache import base_prefix_cache as B
+
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.radix import params as P
+
+
+def tree_key(key: Any) -> P.RadixKey:
+    """SGLang's ``RadixKey`` (or a bare int sequence) as ours: tokens cut at ``limit``, salted by
+    ``extra_key`` and ``cache_salt`` (``salted``)."""
+    if not hasattr(key, "token_ids"):
+        return P.RadixKey(key)
+    if getattr(key, "is_bigram", False):
+        raise InvalidArgumentError("key.is_bigram", "False (EAGLE bigram keys are not supported)", True)
+    toks = key.token_ids
+    limit = getattr(key, "limit", None)
+    if limit is not None:
+        toks = toks[:limit]
+    return salted(toks, getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
+
+
+def salted(toks: Any, extra_key: Optional[str], cache_salt: Optional[str]) -> P.RadixKey:
+    """The tree's salt is ``extra_key``, or ``[extra_key, cache_salt]`` as JSON when a cache salt is set:
+    two requests share a prefix only when they agree on both."""
+    return P.RadixKey(toks, extra_key if cache_salt is None else json.dumps([extra_key, cache_salt]))
+
+
+class _ReqView:
+    """The attributes our match and load back write on a request, on SGLang's ``Req``:
+    ``mamba_pool_idx`` is ``req.kv.mamba_pool_idx``; ``load_back`` is kept beside it."""
+
+    def __init__(self, req: Any) -> None:
+        self._req = req
+
+    @property
+    def mamba_pool_idx(self) -> Any:
+        return self._req.kv.mamba_pool_idx
+
+    @mamba_pool_idx.setter
+    def mamba_pool_idx(self, v: Any) -> None:
+        self._req.kv.mamba_pool_idx = None if v is None else v.reshape(-1)[0]
+
+    @property
+    def load_back(self) -> Any:
+        return getattr(self._req, "tiered_load_back", None)
+
+    @load_back.setter
+    def load_back(self, v: Any) -> None:
+        self._req.tiered_load_back = v
+
+
+class TieredRadixCache(B.BasePrefixCache):
+    """SGLang's prefix cache, backed by ``tree`` (a ``HiMambaRadixCache``: T1, T2, T3 on top of T0).
+
+    Args:
+        tree: the radix cache (``TieredCache.tree``).
+        req_to_token_pool, token_to_kv_pool_allocator: SGLang's pools (``CacheInitParams``); SGLang's
+            helpers (``free_kv_row``, ``release_kv_cache``) read them from the cache.
+        page_size: tokens per KV page; must be the tree's.
+        disable: SGLang's ``--disable-radix-cache``.
+    """
+
+    def __init__(self, tree: Any, *, req_to_token_pool: Any, token_to_kv_pool_allocator: Any,
+                 page_size: int, disable: bool = False) -> None:
+        if not hasattr(tree, "match_prefix") or not hasattr(tree, "tree"):
+            raise InvalidTypeError("tree", "a radix cache of tiered_cache.radix", type(tree).__name__)
+        if page_size != tree.page_size:
+            raise InvalidArgumentError("page_size", f"the tree's page size {tree.page_size}", page_size)
+        if not isinstance(disable, bool):
+            raise InvalidTypeError("disable", "a bool", disable)
+        self.cache = tree
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.disable = disable
+
+    @property
+    def root_node(self) -> Any:
+        return self.cache.root
+
+    # ----------------------------------------------------------------------------- abstract methods
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def match_prefix(self, params: B.MatchPrefixParams) -> B.MatchResult:
+        root = self.cache.root
+        if self.disable:
+            return B.MatchResult(device_prefix_len=0, last_device_node=root, last_host_node=root,
+                                 best_match_node=root)
+        req = params.req
+        cow = bool(params.cow_mamba) and req is not None
+        r = self.cache.match_prefix(P.MatchPrefixParams(key=tree_key(params.key), cow_mamba=cow,
+                                                        req=_ReqView(req) if req is not None else None))
+        return B.MatchResult(
+            device_prefix_len=int(r.device_indices.numel()),
+            last_device_node=r.last_device_node,
+            last_host_node=r.last_host_node,
+            best_match_node=r.best_match_node,
+            host_hit_length=r.host_hit_length,
+            swa_host_hit_length=r.swa_host_hit_length,
+            swa_branching_seqlen=r.swa_branching_seqlen,
+            mamba_host_hit_length=r.mamba_host_hit_length,
+            mamba_branching_seqlen=r.mamba_branching_seqlen,
+            cache_protected_len=r.cache_protected_len,
+            full_kv_hit_length=r.kv_hit_length,
+            last_visited_node_id=None,  # not reported (the tree does not track rejected nodes)
+            full_device_match_len=None,  # not reported (no shorter scan length)
+        )
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        if self.disable:
+            return
+        if isinstance(up_to, bool) or not isinstance(up_to, int) or up_to < 0:
+            raise InvalidArgumentError("up_to", "a row position >= 0", up_to)
+        kv = req.kv
+        toks = req.full_untruncated_fill_ids[:up_to]
+        if len(toks) < up_to:
+            raise InvalidArgumentError("up_to", f"at most the request's {len(toks)} fill ids", up_to)
+        prev = int(kv.cache_protected_len)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :up_to].to(torch.int64)
+        slot = kv.mamba_pool_idx
+        res = self.cache.insert(P.InsertParams(
+            key=salted(toks, req.extra_key, getattr(req, "cache_salt", None)),
+            value=row, mamba_value=None if slot is None else slot.reshape(1),
+            prev_prefix_len=prev, priority=int(req.priority or 0)))
+        kv.cache_inserted_len = max(int(getattr(kv, "cache_inserted_len", 0)), res.cached_len)
+        if res.cached_len <= prev:
+            return
+        node = res.last_device_node
+        ids = self.cache.tree.path_values(node)
+        self.req_to_token_pool.write((kv.req_pool_idx, slice(prev, ids.numel())),
+                                     ids[prev:].to(self.req_to_token_pool.req_to_token.dtype))
+        old = req.lock
+        req.lock = self.lock(node)
+        self.unlock(old)
+        req.last_node = node
+        kv.cache_protected_len = int(ids.numel())
+
+    def evict(self, params: B.EvictParams) -> B.EvictResult:
+        r = self.cache.evict(P.EvictParams(num_tokens=params.num_tokens, swa_num_tokens=params.swa_num_tokens,
+                                           mamba_num=params.mamba_num))
+        return B.EvictResult(num_tokens_evicted=r.num_tokens_evicted,
+                             swa_num_tokens_evicted=r.swa_num_tokens_evicted,
+                             mamba_num_evicted=r.mamba_num_evicted)
+
+    def inc_lock_ref(self, node: Any) -> B.IncLockRefResult:
+        r = self.cache.inc_lock_ref(node)
+        return B.IncLockRefResult(delta=r.delta, node_id=r.node_id)
+
+    def dec_lock_ref(self, node: Any, params: Optional[B.DecLockRefParams] = None) -> B.DecLockRefResult:
+        if params is not None and params.node_id is not None and params.node_id != node.id:
+            raise InvalidArgumentError("params.node_id", f"the id of the node released ({node.id})", params.node_id)
+        return B.DecLockRefResult(delta=self.cache.dec_lock_ref(node).delta)
+
+    # ----------------------------------------------------------------------------- helpers SGLang calls
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        return self.cache.tree.path_values(node)
+
+    def init_load_back(self, params: B.InitLoadBackParams) -> Optional[tuple[int, Any]]:
+        req = params.req
+        ids, node = self.cache.init_load_back(P.InitLoadBackParams(
+            best_match_node=params.best_match_node, host_hit_length=params.host_hit_length,
+            mem_quota=params.mem_quota, req=_ReqView(req) if req is not None else None))
+        return int(ids.numel()), node
+
+    def check_hicache_events(self) -> None:
+        self.cache.check_hicache_events()
+
+    def supports_mamba(self) -> bool:
+        return bool(self.cache.supports_mamba())
+
+    def supports_prefix_sharing(self) -> bool:
+        return not self.disable
+
+    def evictable_size(self) -> int:
+        return self.cache.full_evictable_size()
+
+    def full_evictable_size(self) -> int:
+        return self.cache.full_evictable_size()
+
+    def protected_size(self) -> int:
+        return self.cache.full_protected_size()
+
+    def full_protected_size(self) -> int:
+        return self.cache.full_protected_size()
+
+    def mamba_evictable_size(self) -> int:
+        return self.cache.mamba_evictable_size()
+
+    def mamba_protected_size(self) -> int:
+        return self.cache.mamba_protected_size()
+
+    def total_size(self) -> Any:
+        return self.cache.total_size()
+
+    def check_invariants(self) -> None:
+        self.cache.check_invariants()
