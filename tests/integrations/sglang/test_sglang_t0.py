@@ -1,0 +1,106 @@
+"""``SGLangKVSide`` over SGLang's real paged allocator and MHA KV pool on CPU: the ids are SGLang's, the
+room is SGLang's (its allocator's free count moves with ours and comes back), misuse is a typed error
+with nothing freed, busy pages are refused, and what is not a view of SGLang's layout is not offered."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+allocator_mod = pytest.importorskip("sglang.srt.mem_cache.allocator")
+
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, SlotBusyError, SlotStateError  # noqa: E402
+from tiered_cache.integrations.sglang.t0 import SGLangKVSide  # noqa: E402
+from tiered_cache.tiers.protocols import ActiveSide, KVSide  # noqa: E402
+
+PAGE, TOKENS, LAYERS, HEADS, DIM = 16, 128, 3, 2, 8
+
+
+def _sglang():
+    pool = memory_pool.MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
+                                        head_dim=DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    alloc = allocator_mod.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.float32, "cpu", pool, need_sort=False)
+    return alloc, pool
+
+
+def test_the_side_is_sglangs_memory():
+    alloc, pool = _sglang()
+    side = SGLangKVSide(alloc)
+    # every member of the T0 protocol but the views that would span SGLang's per-layer buffers (t0.py)
+    members = {n for proto in (ActiveSide, KVSide) for n in vars(proto) if not n.startswith("_")}
+    assert {"alloc", "free", "rows_bytes", "k_view_all"} <= members
+    assert sorted(n for n in members if not hasattr(side, n)) == ["k_view_all", "rows_bytes", "v_view_all"]
+    assert not isinstance(side, ActiveSide)
+    assert (side.page_size, side.capacity, side.device) == (PAGE, TOKENS // PAGE + 1, torch.device("cpu"))
+    assert side.entry_bytes == LAYERS * 2 * PAGE * HEADS * DIM * 4
+    assert side.available_size() == alloc.available_size() == TOKENS
+    ids = side.alloc(48)
+    assert ids.dtype == torch.int64 and ids.numel() == 48 and alloc.available_size() == TOKENS - 48
+    assert ids.min().item() >= PAGE  # page 0 is SGLang's padding page, never handed out
+    pages = sorted(set((ids // PAGE).tolist()))
+    assert side.live_virtual_ids() == pages and side.physical_rows(pages) == pages
+    assert torch.equal(side.translate(ids), ids)
+    # what is written at a token id through SGLang's pool is what the id names on our side
+    pool.k_buffer[1][ids[5]] = 7.0
+    assert torch.equal(pool.get_key_buffer(1)[side.translate(ids[5:6])], torch.full((1, HEADS, DIM), 7.0))
+    host = side.translate_host(np.array([int(ids[0]), 0, 5 * PAGE + 100 * PAGE]))
+    assert host[0] == int(ids[0]) and host[1] == -1 and host[2] == -1
+    side.free(ids)
+    assert side.available_size() == alloc.available_size() == TOKENS and side.live_virtual_ids() == []
+
+
+def test_ids_sglangs_scheduler_allocated_are_live_here_too():
+    """The scheduler allocates a running request's KV from the allocator itself; the tree later frees
+    those pages (once inserted) through the side."""
+    alloc, _ = _sglang()
+    side = SGLangKVSide(alloc)
+    ids = alloc.alloc(32).to(torch.int64)
+    assert side.live_virtual_ids() == sorted(set((ids // PAGE).tolist()))
+    side.free(ids)
+    assert alloc.available_size() == TOKENS
+
+
+def test_misuse_is_a_typed_error_and_frees_nothing():
+    alloc, _ = _sglang()
+    side = SGLangKVSide(alloc)
+    ids = side.alloc(32)
+    before = alloc.available_size()
+    cases = [
+        (ids[:8], InvalidArgumentError, "ids"),                        # part of a page
+        (torch.cat([ids[:16], ids[:16]]), SlotStateError, "ids"),       # a page twice
+        (ids.float(), InvalidTypeError, "ids"),
+        (torch.arange(PAGE * 7, PAGE * 8), SlotStateError, "ids"),      # a free page
+        (torch.arange(0, PAGE), SlotStateError, "ids"),                 # the padding page
+    ]
+    for bad, err, arg in cases:
+        with pytest.raises(err) as e:
+            side.free(bad)
+        assert e.value.arg == arg
+        assert alloc.available_size() == before
+    with pytest.raises(InvalidArgumentError) as e:
+        side.alloc(10)
+    assert e.value.arg == "n"
+    assert side.alloc(TOKENS) is None and alloc.available_size() == before  # no room: None, nothing changed
+    with pytest.raises(InvalidTypeError):
+        SGLangKVSide(object())
+
+
+def test_busy_pages_are_refused_until_unmarked():
+    alloc, _ = _sglang()
+    side = SGLangKVSide(alloc)
+    ids = side.alloc(32)
+    page = int(ids[0]) // PAGE
+    side.mark_busy([page])
+    side.mark_busy([page])  # two transfers
+    with pytest.raises(SlotBusyError):
+        side.free(ids)
+    side.unmark_busy([page])
+    with pytest.raises(SlotBusyError):
+        side.free(ids)
+    side.unmark_busy([page])
+    with pytest.raises(SlotStateError):
+        side.unmark_busy([page])
+    side.free(ids)
+    assert alloc.available_size() == TOKENS
