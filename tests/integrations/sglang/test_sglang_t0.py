@@ -104,3 +104,86 @@ def test_busy_pages_are_refused_until_unmarked():
         side.unmark_busy([page])
     side.free(ids)
     assert alloc.available_size() == TOKENS
+
+
+# ----------------------------------------------------------------------------- the state side
+mamba_utils = pytest.importorskip("sglang.srt.configs.mamba_utils")
+mamba_alloc_mod = pytest.importorskip("sglang.srt.mem_cache.allocator.mamba")
+
+from tiered_cache.integrations.sglang.t0 import SGLangStateSide  # noqa: E402
+from tiered_cache.kernels._ref_quant import dequantize_reference, quantize_reference  # noqa: E402
+from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool  # noqa: E402
+from tiered_cache.tiers.protocols import StateSide  # noqa: E402
+
+SLOTS = 4
+
+
+def _mamba(envelope: bool):
+    shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
+                                                head_dim=4, state_size=8, conv_kernel=4)
+    params = mamba_utils.Mamba2CacheParams(shape=shape, layers=[0, 2],
+                                           dtype=mamba_utils.Mamba2StateDType(conv=torch.float32,
+                                                                              temporal=torch.float32))
+    pool = memory_pool.MambaPool(size=SLOTS, spec_state_size=0, cache_params=params, mamba_layer_ids=[0, 2],
+                                 device="cpu", envelope_layout=envelope)
+    return pool, mamba_alloc_mod.MambaSlotAllocator(SLOTS, "cpu")
+
+
+@pytest.mark.parametrize("envelope", [True, False])
+def test_the_state_side_is_sglangs_mamba_pool(envelope):
+    pool, alloc = _mamba(envelope)
+    side = SGLangStateSide(pool, alloc)
+    assert isinstance(side, StateSide)
+    assert side.spec.temporal_shape == (2, 4, 8) and side.spec.conv_shapes == ((32, 3),)
+    assert side.capacity == SLOTS + 1 and side.available_size() == alloc.available_size() == SLOTS
+    assert side.temporal_view_all().data_ptr() == pool.mamba_cache.temporal.data_ptr()  # SGLang's memory itself
+    if envelope:
+        rows = side.rows_bytes()
+        assert rows.shape == (SLOTS + 1, side.entry_bytes)
+    else:
+        with pytest.raises(InvalidArgumentError) as e:
+            side.rows_bytes()
+        assert e.value.arg == "pool"
+    slots = side.alloc(2)
+    assert alloc.available_size() == SLOTS - 2 and side.live_virtual_ids() == sorted(slots.tolist())
+    for bad, err in ((torch.tensor([0]), SlotStateError), (torch.tensor([int(slots[0])] * 2), SlotStateError),
+                     (slots.float(), InvalidTypeError)):
+        with pytest.raises(err):
+            side.free(bad)
+    side.mark_busy([int(slots[0])])
+    with pytest.raises(SlotBusyError):
+        side.free(slots)
+    side.unmark_busy([int(slots[0])])
+    assert alloc.available_size() == SLOTS - 2
+    side.free(slots)
+    assert alloc.available_size() == SLOTS and side.live_virtual_ids() == []
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int8"])
+def test_a_state_in_sglangs_slot_goes_through_t1_and_comes_back(codec, poison):
+    """T1 quantizes straight out of SGLang's slot and dequantizes straight into another: lossless is
+    bit-exact, int8 is one rounding (the reference math); the conv windows are copies."""
+    pool, alloc = _mamba(envelope=True)
+    side = SGLangStateSide(pool, alloc)
+    t1 = Int8CheckpointPool(side.spec, 2, device="cpu", codec=codec, check_memory=False)
+    src, dst = side.alloc(1), side.alloc(1)
+    g = torch.Generator().manual_seed(3)
+    temporal = torch.randn((2, *side.spec.temporal_shape), generator=g)
+    conv = torch.randn((2, *side.spec.conv_shapes[0]), generator=g)
+    pool.mamba_cache.temporal[:, int(src)] = temporal
+    pool.mamba_cache.conv[0][:, int(src)] = conv
+    pool.mamba_cache.temporal[:, int(dst)] = poison.value(torch.float32)  # an element the load misses shows
+    pool.mamba_cache.conv[0][:, int(dst)] = poison.value(torch.float32)
+    slot = t1.alloc(1)
+    t1.store_from_active(side, src, slot)
+    t1.load_to_active(slot, side, dst)
+    got = pool.mamba_cache.temporal[:, int(dst)]
+    if codec == "lossless":
+        assert torch.equal(got, temporal)
+    else:
+        q, scale = quantize_reference(temporal)
+        assert torch.equal(got, dequantize_reference(q, scale, torch.float32)) and not torch.equal(got, temporal)
+    assert torch.equal(pool.mamba_cache.conv[0][:, int(dst)], conv)
+    side.free(torch.cat([src, dst]))
+    t1.free(slot)
+    assert alloc.available_size() == SLOTS and t1.available_size() == 2

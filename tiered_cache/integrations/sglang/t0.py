@@ -1,5 +1,6 @@
-"""T0 over SGLang's own memory: ``SGLangKVSide``, SGLang's paged token-to-KV allocator and its MHA KV
-pool seen through the members of ``tiered_cache.tiers.protocols.ActiveSide`` that the radix tree uses.
+"""T0 over SGLang's own memory: ``SGLangKVSide`` (SGLang's paged token-to-KV allocator and its MHA KV
+pool, seen through the members of ``tiered_cache.tiers.protocols.ActiveSide`` that the radix tree uses)
+and ``SGLangStateSide`` (SGLang's mamba pool and slot allocator as a ``StateSide``).
 
 Ids. SGLang's token ids are physical (``page * page_size + offset``, page 0 reserved for padded
 writes, like our sink), so ``translate`` is the identity and a page id is its row. The allocator
@@ -12,7 +13,13 @@ Not here (and why this is not a ``KVSide`` yet): ``k_view_all`` / ``v_view_all``
 SGLang's ``MHATokenToKVPool`` keeps one ``[size + page_size, heads, head_dim]`` tensor per layer, so a
 page's bytes lie in ``num_layers`` places and neither a ``[L, pages, ...]`` tensor nor a
 ``[pages, entry_bytes]`` row view of them exists; the T2 moves, which copy ``rows_bytes`` rows, need a
-per-layer gather/scatter for this layout first. SGLang's mamba pool (the state side) is not adapted.
+per-layer gather/scatter for this layout first.
+
+The state side is whole: SGLang's ``MambaPool`` keeps ``temporal`` ``[L, size + 1, HV, V, K]`` and
+each ``conv[i]`` ``[L, size + 1, ...]`` (slot 0 its padding slot, our sink), which are exactly the
+views T1's quantize and dequantize read and write; with ``envelope_layout=True`` its bytes are one
+envelope per slot, so ``rows_bytes`` is a view too (without it there is none, and ``rows_bytes``
+raises; the T2 moves copy T1's envelopes for states, never T0 rows, so a state side is not asked).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import numpy as np
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, SlotBusyError, SlotStateError
-from tiered_cache.specs import KVSpec
+from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.validate import int_arg
 
 
@@ -156,5 +163,138 @@ class SGLangKVSide:
     def add_fence(self, fence: Callable[[], None]) -> None:
         """Kept for the protocol: SGLang's KV pool never moves a page (no compaction), so no fence is
         ever called."""
+        if fence not in self._fences:
+            self._fences.append(fence)
+
+
+class SGLangStateSide:
+    """SGLang's recurrent states of running requests (``pool``: a ``MambaPool``; ``allocator``: its
+    ``MambaSlotAllocator``, ``HybridReqToTokenPool.mamba_allocator``) as a T0 state side."""
+
+    def __init__(self, pool: Any, allocator: Any, name: str = "mamba") -> None:
+        cache = getattr(pool, "mamba_cache", None)
+        if cache is None or not hasattr(cache, "temporal") or not hasattr(cache, "conv"):
+            raise InvalidTypeError("pool", "SGLang's MambaPool", type(pool).__name__)
+        if not hasattr(allocator, "free_slots") or not hasattr(allocator, "alloc"):
+            raise InvalidTypeError("allocator", "SGLang's MambaSlotAllocator", type(allocator).__name__)
+        t, convs = cache.temporal, list(cache.conv)
+        if int(allocator.size) + 1 != int(t.shape[1]):
+            raise InvalidArgumentError("allocator", f"the slot allocator of this pool ({t.shape[1] - 1} slots)",
+                                       allocator.size)
+        self._pool, self._alloc, self._name = pool, allocator, name
+        self._spec = StateSpec(num_layers=int(t.shape[0]), temporal_shape=tuple(t.shape[2:]), temporal_dtype=t.dtype,
+                               conv_shapes=tuple(tuple(c.shape[2:]) for c in convs), conv_dtype=convs[0].dtype,
+                               value_axis=1)  # SGLang's temporal is (HV, V, K): V is axis 1
+        self._capacity = int(t.shape[1])
+        self._busy: Counter = Counter()
+        self._fences: list[Callable[[], None]] = []
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def device(self) -> torch.device:
+        return self._pool.mamba_cache.temporal.device
+
+    @property
+    def page_size(self) -> int:
+        return 1
+
+    @property
+    def spec(self) -> StateSpec:
+        return self._spec
+
+    @property
+    def capacity(self) -> int:
+        """Slots of SGLang's buffers, slot 0 (its padding slot, our sink) included."""
+        return self._capacity
+
+    @property
+    def entry_bytes(self) -> int:
+        """One request's state over every layer, as SGLang's buffers hold it (no padding)."""
+        c = self._pool.mamba_cache
+        per = [x[0, 0].numel() * x.element_size() for x in (c.temporal, *c.conv)]
+        return self._spec.num_layers * sum(per)
+
+    def available_size(self) -> int:
+        return int(self._alloc.available_size())
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        n = int_arg("n", n, lo=0)
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        ids = self._alloc.alloc(n)
+        return None if ids is None else ids.to(torch.int64)
+
+    def free(self, ids: torch.Tensor) -> None:
+        """Give slots back to SGLang's allocator; a free, unknown, repeated or busy slot raises first."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+            raise InvalidTypeError("ids", "an int tensor of state slots", type(ids).__name__)
+        slots = self.physical_rows(ids.reshape(-1).tolist(), "ids")
+        busy = [x for x in slots if self._busy[x]]
+        if busy:
+            raise SlotBusyError(f"side {self._name!r}: slots {busy[:16]} are read or written by a transfer in flight")
+        if slots:
+            self._alloc.free(torch.tensor(slots, dtype=torch.int64, device=self._alloc.free_slots.device))
+
+    def translate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Identity: SGLang's slot ids are rows of its buffers."""
+        return ids
+
+    def translate_host(self, ids: np.ndarray) -> np.ndarray:
+        out = np.asarray(ids, dtype=np.int64).copy()
+        free = self._free()
+        mask = np.isin(out, np.fromiter(free, dtype=np.int64, count=len(free)))
+        out[mask | (out <= 0) | (out >= self._capacity)] = -1
+        return out
+
+    def physical_rows(self, vids: Sequence[int], arg: str = "vids") -> list[int]:
+        rows = [int(v) for v in vids]
+        free = self._free()
+        bad = [v for v in rows if v <= 0 or v >= self._capacity or v in free]
+        if bad:
+            raise SlotStateError(arg, f"allocated {self._name} slots in [1, {self._capacity})", bad[:16])
+        if len(set(rows)) != len(rows):
+            raise SlotStateError(arg, "distinct slots", rows[:16])
+        return rows
+
+    def live_virtual_ids(self) -> list[int]:
+        free = self._free()
+        return [x for x in range(1, self._capacity) if x not in free]
+
+    def _free(self) -> set[int]:
+        return set(self._alloc.free_slots.tolist())
+
+    def temporal_view_all(self) -> torch.Tensor:
+        """SGLang's own temporal buffer: ``[L, capacity, HV, V, K]``."""
+        return self._pool.mamba_cache.temporal
+
+    def conv_view_all(self, i: int = 0) -> torch.Tensor:
+        convs = self._pool.mamba_cache.conv
+        i = int_arg("i", i, lo=0, hi=len(convs) - 1)
+        return convs[i]
+
+    def rows_bytes(self) -> torch.Tensor:
+        raw = getattr(self._pool, "_raw", None)
+        if raw is None:
+            raise InvalidArgumentError("pool", "a MambaPool built with envelope_layout=True (one envelope per "
+                                       "slot); this one keeps per-layer buffers", type(self._pool).__name__)
+        return raw.view(self._capacity, -1)
+
+    def mark_busy(self, ids: Iterable[int]) -> None:
+        for x in self.physical_rows(list(ids), "ids"):
+            self._busy[x] += 1
+
+    def unmark_busy(self, ids: Iterable[int]) -> None:
+        lst = [int(x) for x in ids]
+        unmarked = [x for x in lst if not self._busy[x]]
+        if unmarked:
+            raise SlotStateError("ids", "slots marked busy", unmarked[:16])
+        for x in lst:
+            self._busy[x] -= 1
+
+    def add_fence(self, fence: Callable[[], None]) -> None:
+        """Kept for the protocol: SGLang's mamba pool never moves a slot, so no fence is ever called."""
         if fence not in self._fences:
             self._fences.append(fence)
