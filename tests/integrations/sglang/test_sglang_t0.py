@@ -18,22 +18,26 @@ from tiered_cache.tiers.protocols import ActiveSide, KVSide  # noqa: E402
 PAGE, TOKENS, LAYERS, HEADS, DIM = 16, 128, 3, 2, 8
 
 
-def _sglang():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _sglang(device: str = "cpu"):
     pool = memory_pool.MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
-                                        head_dim=DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    alloc = allocator_mod.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.float32, "cpu", pool, need_sort=False)
+                                        head_dim=DIM, layer_num=LAYERS, device=device, enable_memory_saver=False)
+    alloc = allocator_mod.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.float32, device, pool, need_sort=False)
     return alloc, pool
 
 
-def test_the_side_is_sglangs_memory():
-    alloc, pool = _sglang()
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_side_is_sglangs_memory(device):
+    alloc, pool = _sglang(device)
     side = SGLangKVSide(alloc)
     # every member of the T0 protocol but the views that would span SGLang's per-layer buffers (t0.py)
     members = {n for proto in (ActiveSide, KVSide) for n in vars(proto) if not n.startswith("_")}
     assert {"alloc", "free", "rows_bytes", "k_view_all"} <= members
     assert sorted(n for n in members if not hasattr(side, n)) == ["k_view_all", "rows_bytes", "v_view_all"]
     assert not isinstance(side, ActiveSide)
-    assert (side.page_size, side.capacity, side.device) == (PAGE, TOKENS // PAGE + 1, torch.device("cpu"))
+    assert (side.page_size, side.capacity, side.device.type) == (PAGE, TOKENS // PAGE + 1, device)
     assert side.entry_bytes == LAYERS * 2 * PAGE * HEADS * DIM * 4
     assert side.available_size() == alloc.available_size() == TOKENS
     ids = side.alloc(48)
@@ -44,7 +48,7 @@ def test_the_side_is_sglangs_memory():
     assert torch.equal(side.translate(ids), ids)
     # what is written at a token id through SGLang's pool is what the id names on our side
     pool.k_buffer[1][ids[5]] = 7.0
-    assert torch.equal(pool.get_key_buffer(1)[side.translate(ids[5:6])], torch.full((1, HEADS, DIM), 7.0))
+    assert torch.equal(pool.get_key_buffer(1)[side.translate(ids[5:6])].cpu(), torch.full((1, HEADS, DIM), 7.0))
     host = side.translate_host(np.array([int(ids[0]), 0, 5 * PAGE + 100 * PAGE]))
     assert host[0] == int(ids[0]) and host[1] == -1 and host[2] == -1
     side.free(ids)
@@ -118,15 +122,15 @@ from tiered_cache.tiers.protocols import StateSide  # noqa: E402
 SLOTS = 4
 
 
-def _mamba(envelope: bool):
+def _mamba(envelope: bool, device: str = "cpu"):
     shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
                                                 head_dim=4, state_size=8, conv_kernel=4)
     params = mamba_utils.Mamba2CacheParams(shape=shape, layers=[0, 2],
                                            dtype=mamba_utils.Mamba2StateDType(conv=torch.float32,
                                                                               temporal=torch.float32))
     pool = memory_pool.MambaPool(size=SLOTS, spec_state_size=0, cache_params=params, mamba_layer_ids=[0, 2],
-                                 device="cpu", envelope_layout=envelope)
-    return pool, mamba_alloc_mod.MambaSlotAllocator(SLOTS, "cpu")
+                                 device=device, envelope_layout=envelope)
+    return pool, mamba_alloc_mod.MambaSlotAllocator(SLOTS, device)
 
 
 @pytest.mark.parametrize("envelope", [True, False])
@@ -159,17 +163,18 @@ def test_the_state_side_is_sglangs_mamba_pool(envelope):
     assert alloc.available_size() == SLOTS and side.live_virtual_ids() == []
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", ["lossless", "int8"])
-def test_a_state_in_sglangs_slot_goes_through_t1_and_comes_back(codec, poison):
+def test_a_state_in_sglangs_slot_goes_through_t1_and_comes_back(codec, device, poison):
     """T1 quantizes straight out of SGLang's slot and dequantizes straight into another: lossless is
     bit-exact, int8 is one rounding (the reference math); the conv windows are copies."""
-    pool, alloc = _mamba(envelope=True)
+    pool, alloc = _mamba(envelope=True, device=device)
     side = SGLangStateSide(pool, alloc)
-    t1 = Int8CheckpointPool(side.spec, 2, device="cpu", codec=codec, check_memory=False)
+    t1 = Int8CheckpointPool(side.spec, 2, device=device, codec=codec, check_memory=False)
     src, dst = side.alloc(1), side.alloc(1)
     g = torch.Generator().manual_seed(3)
-    temporal = torch.randn((2, *side.spec.temporal_shape), generator=g)
-    conv = torch.randn((2, *side.spec.conv_shapes[0]), generator=g)
+    temporal = torch.randn((2, *side.spec.temporal_shape), generator=g).to(device)
+    conv = torch.randn((2, *side.spec.conv_shapes[0]), generator=g).to(device)
     pool.mamba_cache.temporal[:, int(src)] = temporal
     pool.mamba_cache.conv[0][:, int(src)] = conv
     pool.mamba_cache.temporal[:, int(dst)] = poison.value(torch.float32)  # an element the load misses shows
