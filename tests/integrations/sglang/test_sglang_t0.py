@@ -192,3 +192,25 @@ def test_a_state_in_sglangs_slot_goes_through_t1_and_comes_back(codec, device, p
     side.free(torch.cat([src, dst]))
     t1.free(slot)
     assert alloc.available_size() == SLOTS and t1.available_size() == 2
+
+
+def test_sglang_t0_hands_out_the_sides_by_name():
+    from tiered_cache.integrations.sglang.t0 import SGLangT0
+
+    alloc, _ = _sglang()
+    pool, mamba_alloc = _mamba(envelope=True)
+    kv, st = SGLangKVSide(alloc), SGLangStateSide(pool, mamba_alloc)
+    t0 = SGLangT0(kv, st)
+    assert t0.side("full") is kv and t0.side("mamba") is st
+    with pytest.raises(InvalidArgumentError) as e:
+        t0.side("swa")
+    assert e.value.arg == "name"
+    with pytest.raises(InvalidTypeError) as e:
+        SGLangT0(st, kv)
+    assert e.value.arg == "kv"
+    ids = kv.alloc(16)
+    kv.mark_busy([int(ids[0]) // PAGE])
+    t0.check_invariants()
+    kv._busy[int(ids[0]) // PAGE + 1] += 1  # a busy mark on a free page: the check must see it
+    with pytest.raises(AssertionError):
+        t0.check_invariants()

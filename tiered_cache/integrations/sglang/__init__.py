@@ -8,9 +8,13 @@
 - ``register()``: registers ``factory`` under ``BACKEND_NAME`` (``--radix-cache-backend tiered``); once
   per process, a second call does nothing.
 
-Built so far: the translation, the config, the factory's refusals. Not built: the T0 adapters that make
-SGLang's KV pool + allocator and its mamba pool our ``KVSide`` / ``StateSide``; until they exist the
-factory stops after its checks with an error saying so (it never builds a second copy of T0).
+- ``t0.py``: ``SGLangKVSide`` (SGLang's paged allocator + MHA KV pool: ids and room, no layer-spanning
+  views), ``SGLangStateSide`` (SGLang's mamba pool + slot allocator: a whole ``StateSide``), ``SGLangT0``.
+
+Built so far: the translation, the config, the factory's refusals, the T0 sides. Not built: the tree over
+``SGLangT0`` inside the factory (the radix facade accepts only a ``UnifiedPool``), T2 for SGLang's
+per-layer KV layout, and the parity items of issue 19; until then the factory stops after its checks
+with an error saying so (it never builds a second copy of T0).
 """
 
 from __future__ import annotations
@@ -47,12 +51,12 @@ def check_context(ctx: Any) -> BackendConfig:
 def factory(ctx: Any) -> TieredRadixCache:
     """SGLang's ``RadixCacheFactory``: checks ``ctx`` and the backend config (``check_context``).
 
-    Not finished: building the tree over SGLang's own pools needs the T0 adapters (see the module
+    Not finished: the tree cannot yet be built over SGLang's own pools (``SGLangT0``; see the module
     docstring), so after the checks this raises ``NotImplementedError`` naming what is missing."""
     check_context(ctx)
     raise NotImplementedError(
-        "tiered-cache's SGLang backend: the T0 adapters over SGLang's KV pool and mamba pool are not built "
-        "yet (issue 19); the backend cannot run inside SGLang's scheduler in this version")
+        "tiered-cache's SGLang backend: the radix tree is not yet built over SGLang's own KV and mamba pools "
+        "(issue 19); the backend cannot run inside SGLang's scheduler in this version")
 
 
 def register() -> None:

@@ -15,7 +15,7 @@ two interfaces, field by field, is in ``docs/sglang.md``; in short:
 - ``init_load_back`` returns ``(tokens loaded, node)``.
 
 The tree's T0 must be the memory behind SGLang's pools for the ids to mean the same thing on both
-sides; the adapters that make SGLang's pools our T0 sides are not built yet (``factory`` says so).
+sides: ``t0.py`` has those sides; ``factory`` does not build the tree over them yet (see its docstring).
 """
 
 from __future__ import annotations

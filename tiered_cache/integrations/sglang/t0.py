@@ -1,6 +1,12 @@
 """T0 over SGLang's own memory: ``SGLangKVSide`` (SGLang's paged token-to-KV allocator and its MHA KV
 pool, seen through the members of ``tiered_cache.tiers.protocols.ActiveSide`` that the radix tree uses)
-and ``SGLangStateSide`` (SGLang's mamba pool and slot allocator as a ``StateSide``).
+and ``SGLangStateSide`` (SGLang's mamba pool and slot allocator as a ``StateSide``), handed to the
+tree by name through ``SGLangT0``.
+
+Checked on CPU (scratch run, 2026-12-01): a ``HiMambaRadixCache`` over ``SGLangT0`` with a T1 and no
+T2 inserts, matches and evicts on SGLang's pools, which come back to their free counts, once the
+facade's ``isinstance(pool, UnifiedPool)`` gate (``radix/facade.py``) admits a pool-like object; that
+gate is the one change the radix needs for it (not made here: issue 18 owns those files).
 
 Ids. SGLang's token ids are physical (``page * page_size + offset``, page 0 reserved for padded
 writes, like our sink), so ``translate`` is the identity and a page id is its row. The allocator
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -298,3 +304,33 @@ class SGLangStateSide:
         """Kept for the protocol: SGLang's mamba pool never moves a slot, so no fence is ever called."""
         if fence not in self._fences:
             self._fences.append(fence)
+
+
+class SGLangT0:
+    """The two sides as the radix tree asks for them (``side(name)``, ``check_invariants()``): SGLang's
+    KV memory under ``kv_name`` and its mamba memory under ``state_name``. Unlike ``UnifiedPool`` the two
+    share no bytes: evicting KV frees no state slot."""
+
+    def __init__(self, kv: SGLangKVSide, states: SGLangStateSide, kv_name: str = "full",
+                 state_name: str = "mamba") -> None:
+        if not isinstance(kv, SGLangKVSide):
+            raise InvalidTypeError("kv", "an SGLangKVSide", type(kv).__name__)
+        if not isinstance(states, SGLangStateSide):
+            raise InvalidTypeError("states", "an SGLangStateSide", type(states).__name__)
+        if kv.device != states.device:
+            raise InvalidArgumentError("states", f"a side on {kv.device}", states.device)
+        self._sides: dict[str, Union[SGLangKVSide, SGLangStateSide]] = {kv_name: kv, state_name: states}
+
+    def side(self, name: str) -> Any:
+        if not isinstance(name, str):
+            raise InvalidTypeError("name", f"one of {sorted(self._sides)}", name)
+        if name not in self._sides:
+            raise InvalidArgumentError("name", f"one of {sorted(self._sides)}", name)
+        return self._sides[name]
+
+    def check_invariants(self) -> None:
+        """Busy marks only on allocated ids (a transfer reads or writes a live row). Raises AssertionError."""
+        for name, side in self._sides.items():
+            live = set(side.live_virtual_ids())
+            busy = {i for i, n in side._busy.items() if n}
+            assert busy <= live, f"side {name!r}: busy ids that are free: {sorted(busy - live)[:8]}"
