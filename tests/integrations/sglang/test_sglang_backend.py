@@ -85,11 +85,15 @@ def test_chunked_prefill_checkpoints_then_a_second_request_resumes_from_the_tree
         row = rows.req_to_token[req.kv.req_pool_idx, :48].to(torch.int64)
         assert torch.equal(row, backend.path_device_indices(req.last_node)) and torch.equal(row, ids)
         cache.check_invariants(request_states=req.kv.mamba_pool_idx.reshape(1))
-        # release (what release_kv_cache does after the final checkpoint): nothing past 48 to free, unlock
+        # the request finishes: release_kv_cache's order (the final checkpoint, free the row past the
+        # protected prefix: nothing here, unlock, on_release, free the row)
+        req.finished_reason = schedule_batch.FINISH_LENGTH(length=1)
+        states_free = cache.states.available_size()
+        backend.checkpoint(req, up_to=48)
+        assert req.kv.mamba_pool_idx is None and cache.states.available_size() == states_free + 1
         backend.unlock(req.lock)
         req.lock = None
-        cache.states.free(req.kv.mamba_pool_idx.reshape(1))
-        req.kv.mamba_pool_idx = None
+        backend.on_release(req, checkpointed=True)
         rows.free(req)
         assert backend.full_protected_size() == 0 and backend.full_evictable_size() == 48
 
@@ -117,6 +121,22 @@ def test_chunked_prefill_checkpoints_then_a_second_request_resumes_from_the_tree
         assert res.num_tokens_evicted == 48
         backend.reset()
         cache.check_invariants()
+        assert cache.free_sizes() == free0
+
+
+def test_an_aborted_request_gives_its_state_slot_back_on_release():
+    with _cache() as cache:
+        rows = memory_pool.ReqToTokenPool(size=2, max_context_len=64, device="cpu", enable_memory_saver=False)
+        backend = TieredRadixCache(cache.tree, req_to_token_pool=rows, token_to_kv_pool_allocator=None,
+                                   page_size=PAGE)
+        free0 = cache.free_sizes()
+        req = _req("a", list(range(32)))
+        rows.alloc([req])
+        req.kv.mamba_pool_idx = cache.alloc_states(1)[0]
+        req.finished_reason = schedule_batch.FINISH_ABORT()
+        backend.on_release(req, checkpointed=False)
+        assert req.kv.mamba_pool_idx is None and cache.free_sizes() == free0
+        backend.on_release(req, checkpointed=False)  # nothing held: nothing freed twice
         assert cache.free_sizes() == free0
 
 

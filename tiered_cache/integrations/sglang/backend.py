@@ -9,8 +9,10 @@ two interfaces, field by field, is in ``docs/sglang.md``; in short:
   ``limit``; ``extra_key`` and ``cache_salt`` together are the tree's salt);
 - ``checkpoint(req, up_to=)`` inserts the request's row up to ``up_to``, repoints the row at the
   tree's ids, moves ``req.lock`` and ``req.last_node`` and advances ``req.kv.cache_protected_len``;
-  like SGLang's own, it frees nothing the request still owns (``release_kv_cache`` does), and the
-  request keeps its state slot (the tree stores a T1 copy);
+  like SGLang's own, it frees no KV the request still owns (``release_kv_cache`` does). The tree
+  stores a T1 copy of the request's state, so the request's T0 state slot stays the request's until
+  it finishes: the final checkpoint (``req.finished()``) frees it, and so does ``on_release`` of a
+  request released without one (an abort), as SGLang's mamba component does;
 - ``evict`` takes SGLang's three-field ``EvictParams``; locks return SGLang's receipts;
 - ``init_load_back`` returns ``(tokens loaded, node)``.
 
@@ -133,6 +135,23 @@ class TieredRadixCache(B.BasePrefixCache):
         )
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        try:
+            self._checkpoint(req, up_to)
+        finally:
+            if req.finished():  # the tree holds its own copy: the request's state slot goes back
+                self._free_state(req)
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        if not checkpointed:
+            self._free_state(req)
+
+    def _free_state(self, req: Any) -> None:
+        slot = req.kv.mamba_pool_idx
+        if slot is not None:
+            self.cache.states.free(slot.reshape(1))
+            req.kv.mamba_pool_idx = None
+
+    def _checkpoint(self, req: Any, up_to: Any) -> None:
         if self.disable:
             return
         if isinstance(up_to, bool) or not isinstance(up_to, int) or up_to < 0:
