@@ -102,6 +102,72 @@ def tiny_swa_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: de
     return model.to(device=dev.resolve(device), dtype=dtype)
 
 
+# ------------------------------------------------------------------------------ more families
+# Tiny configs of the other hybrids transformers ships (hidden 64, a few layers), for the per-family
+# end-to-end test (tests/families). Each entry: (config class, model class, config keywords).
+_COMMON: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1,
+               mamba_chunk_size=16)
+_GDN = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # Mamba2 + attention, dense MLPs
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(num_hidden_layers=4, attn_layer_indices=[1, 3], **_MAMBA2)),
+    # Mamba2 + attention, MoE MLPs
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         dict(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+                              num_local_experts=4, num_experts_per_tok=2, **_MAMBA2)),
+    # Kimi delta attention (d_k = d_v, three conv windows packed as one) + MLA attention, MoE MLPs
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    dict(num_hidden_layers=4, layer_types=[LINEAR, FULL, LINEAR, FULL], linear_attn_config=dict(
+                        head_dim=16, num_heads=4, short_conv_kernel_size=4), kv_lora_rank=32, q_lora_rank=None,
+                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_local_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                         num_key_value_heads=4)),
+    # gated delta-net + gated attention (Qwen3-Next's successor)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(num_hidden_layers=4, layer_types=[LINEAR, LINEAR, LINEAR, FULL], **_GDN)),
+    # gated delta-net + attention
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM",
+                    dict(num_hidden_layers=4, layer_types=[LINEAR, LINEAR, LINEAR, FULL], **_GDN)),
+    # sliding window + full attention, MoE MLPs with attention sinks (no SDPA in transformers: eager)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(num_hidden_layers=4, layer_types=[SLIDING, FULL] * 2, sliding_window=8, head_dim=16,
+                     num_local_experts=4, num_experts_per_tok=2, rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 10000.0})),
+    # sliding window + full attention (3:1), dense
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
+                dict(num_hidden_layers=4, layer_types=[SLIDING, SLIDING, SLIDING, FULL], sliding_window=8)),
+}
+_EAGER_ONLY = {"gpt_oss"}
+
+
+def tiny_family(name: str, seed: int = 0, long_memory: bool = False, dtype: torch.dtype = torch.float32,
+                device: dev.DeviceLike = None, **overrides):
+    """A tiny seeded model of family ``name`` (a key of ``FAMILIES``); ``overrides`` go to its config.
+
+    ``long_memory``: the family's recipe for a state that matters (``_make_long_memory``); an SWA model
+    has no state and ignores nothing here: it is refused for one (a window already carries its context).
+    """
+    if name not in FAMILIES:
+        raise InvalidArgumentError("name", f"one of {sorted(FAMILIES)}", name)
+    import transformers
+
+    cfg_name, model_name, kw = FAMILIES[name]
+    kw = dict(_COMMON, **kw)
+    kw.update(overrides)
+    config = getattr(transformers, cfg_name)(**kw)
+    impl = "eager" if name in _EAGER_ONLY else "sdpa"
+    model = _build(getattr(transformers, model_name), config, seed, torch.float32, "cpu", impl)
+    if long_memory:
+        if LINEAR not in layer_kinds(model.config):
+            raise InvalidArgumentError("long_memory", "False for a model without recurrent states", name)
+        _make_long_memory(model, seed)
+    return model.to(device=dev.resolve(device), dtype=dtype)
+
+
 def weights_id(model) -> str:
     """The model class and a SHA-256 of its weights: T3's default model id, so another model's (or another
     seed's) entries are never served."""

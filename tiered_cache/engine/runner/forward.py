@@ -95,7 +95,7 @@ def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequ
             raise InvalidArgumentError("positions", f"positions[{b}] = {seen}, the tokens cache {b} holds", p)
     dev = model.device
     width = max(positions)
-    k_conv = model.config.get_text_config(decoder=True).linear_conv_kernel_dim if LINEAR in kinds else 0
+    k_conv = conv_width(caches[0], kinds)
     batch = new_cache(model)
     for i, kind in enumerate(kinds):
         layers = [c.layers[i] for c in caches]
@@ -158,6 +158,26 @@ def store_decoded(caches: Sequence, kinds: Sequence[str], k_conv: int, keys: dic
         torch._foreach_copy_(dst, src)
 
 
+def conv_width(cache, kinds: Sequence[str]) -> int:
+    """Columns of the conv window the linear layers of ``cache`` keep (0 without linear layers): read off
+    the cache's own layers, not a config field (Qwen3-Next calls it ``linear_conv_kernel_dim``, Mamba2
+    hybrids ``mamba_d_conv``, others another name). A layer records its kernel width when its conv state
+    is first written (``conv_kernel_size``, 5.24); where it does not (5.17), the window is the state's
+    last axis, the whole of it unless the layer records its past."""
+    widths = set()
+    for i, kind in enumerate(kinds):
+        if kind != LINEAR:
+            continue
+        lay = cache.layers[i]
+        k = getattr(lay, "conv_kernel_size", {}).get(0)
+        if k is None and not getattr(lay, "record_past", False) and isinstance(lay.conv_states[0], torch.Tensor):
+            k = lay.conv_states[0].shape[-1]
+        widths.add(k)
+    if None in widths or len(widths) > 1:
+        raise InvalidArgumentError("cache", "one conv kernel width in every linear layer (a state in each)", widths)
+    return widths.pop() if widths else 0
+
+
 def seen_tokens(cache) -> Optional[int]:
     """The positions ``cache`` holds; None for a cache of linear layers only (it tracks no length)."""
     try:
@@ -166,4 +186,4 @@ def seen_tokens(cache) -> Optional[int]:
         return None
 
 
-__all__ = ["cache_kwarg", "decode_batch", "forward_chunk", "new_cache", "seen_tokens", "store_decoded"]
+__all__ = ["cache_kwarg", "conv_width", "decode_batch", "forward_chunk", "new_cache", "seen_tokens", "store_decoded"]

@@ -45,7 +45,7 @@ import torch
 
 from tiered_cache import device as dev
 from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
-from tiered_cache.engine.runner.forward import cache_kwarg, seen_tokens, store_decoded
+from tiered_cache.engine.runner.forward import cache_kwarg, conv_width, seen_tokens, store_decoded
 from tiered_cache.errors import InvalidArgumentError
 
 GQA_ATTENTION = "tiered_cache_gqa_sdpa"
@@ -116,10 +116,10 @@ class _StaticCache:
     # full attention (both versions)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        idx = self.write_pos.view(-1, 1, 1, 1).expand(key_states.shape[0], key_states.shape[1], 1,
-                                                      key_states.shape[3])
-        k.scatter_(2, idx, key_states.to(k.dtype))
-        v.scatter_(2, idx, value_states.to(v.dtype))
+        # keys and values index apart: their head sizes differ in some models (Kimi Linear's MLA)
+        pos = self.write_pos.view(-1, 1, 1, 1)
+        k.scatter_(2, pos.expand(*key_states.shape[:2], 1, key_states.shape[3]), key_states.to(k.dtype))
+        v.scatter_(2, pos.expand(*value_states.shape[:2], 1, value_states.shape[3]), value_states.to(v.dtype))
         return k, v
 
     # linear attention, 5.17
@@ -180,8 +180,7 @@ class GraphDecoder:
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
             raise InvalidArgumentError("use_graphs", "False on a device without CUDA", use_graphs)
-        cfg = model.config.get_text_config(decoder=True)
-        self.k_conv = cfg.linear_conv_kernel_dim if LINEAR in kinds else 0
+        self.k_conv = 0  # conv window columns: read off the first caches the buffers are shaped after
         self.capacity = 0  # tokens the key/value buffers hold per request
         self.buf: dict[str, dict[int, torch.Tensor]] = {}
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
@@ -198,6 +197,7 @@ class GraphDecoder:
             return
         cap = -(-need // self.len_bucket) * self.len_bucket
         c0, b = caches[0], self.max_batch
+        self.k_conv = conv_width(c0, self.kinds)
         keys, values, conv, rec = {}, {}, {}, {}
         for i, kind in enumerate(self.kinds):
             lay = c0.layers[i]

@@ -143,9 +143,8 @@ def forward_chunk_split(model, cache, input_ids: torch.Tensor, start_pos: int, s
     if not isinstance(split_pos, int) or not start_pos < split_pos < start_pos + t:
         raise InvalidArgumentError("split_pos", f"an int in ({start_pos}, {start_pos + t})", split_pos)
     install(model)
-    cfg = model.config.get_text_config(decoder=True)
     n_linear = sum(k == LINEAR for k in layer_kinds(model.config))
-    sp = SplitStates(tokens=t, offset=split_pos - start_pos, kernel=cfg.linear_conv_kernel_dim)
+    sp = SplitStates(tokens=t, offset=split_pos - start_pos, kernel=_linear_layer(model).conv_kernel_size)
     token = _ACTIVE.set(sp)
     try:
         logits, cache = forward_chunk(model, cache, input_ids, start_pos)
