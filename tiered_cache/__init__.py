@@ -41,7 +41,7 @@ from tiered_cache.stack import TieredCache
 from tiered_cache.tiers.allocator import MultiEndedAllocator
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.tiers.host_mirror import HostMirror, RegionSpec
-from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide
+from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide, T0Pool
 from tiered_cache.tiers.unified_pool import SubPool, UnifiedPool
 from tiered_cache.transfer.engine import Ticket, TransferEngine
 
@@ -82,6 +82,7 @@ __all__ = [
     "StorageTimeoutError",
     "StorageUnavailableError",
     "SubPool",
+    "T0Pool",
     "TieredCache",
     "TieredCacheError",
     "TransferTimeoutError",

@@ -24,6 +24,7 @@ from tiered_cache.radix.loadback import Loads
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.policy import EvictionPolicy
 from tiered_cache.radix.tree import RadixTree
+from tiered_cache.tiers.protocols import ActiveSide, T0Pool
 
 
 def _of(component: str, attr: str, doc: str) -> property:
@@ -40,10 +41,9 @@ class RadixCacheFacade:
     eviction: Eviction
 
     def _build_tree(self, pool: Any, kv_side: Any, policy: Optional[EvictionPolicy], validate: bool) -> None:
-        from tiered_cache.tiers.unified_pool import UnifiedPool
-
-        if not isinstance(pool, UnifiedPool):
-            raise InvalidTypeError("pool", "a UnifiedPool", type(pool).__name__)
+        if not isinstance(pool, T0Pool):
+            raise InvalidTypeError("pool", "a T0 pool (tiers.protocols.T0Pool: a UnifiedPool, or an engine's "
+                                   "pools offering side(name) and check_invariants())", type(pool).__name__)
         self.pool = pool
         self.kv = side_of(pool, kv_side, "kv_side")
         self.tree = RadixTree(self.kv, policy, validate)
@@ -163,10 +163,14 @@ class RadixCacheFacade:
 
 
 def side_of(pool: Any, name: Any, arg: str) -> Any:
-    """``pool.side(name)``, with a bad name reported under the tree's own argument name."""
+    """``pool.side(name)``, with a bad name reported under the tree's own argument name; the side must
+    offer what the tree asks of every side (``ActiveSide``)."""
     try:
-        return pool.side(name)
+        side = pool.side(name)
     except InvalidTypeError as e:
         raise InvalidTypeError(arg, e.expected, name) from None
     except InvalidArgumentError as e:
         raise InvalidArgumentError(arg, e.expected, name) from None
+    if not isinstance(side, ActiveSide):
+        raise InvalidTypeError(arg, "the name of a side offering tiers.protocols.ActiveSide", type(side).__name__)
+    return side

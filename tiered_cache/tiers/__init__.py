@@ -15,8 +15,8 @@ from __future__ import annotations
 from tiered_cache.tiers.allocator import MultiEndedAllocator
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
 from tiered_cache.tiers.host_mirror import HostMirror, HostRegion, RegionSpec
-from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide
+from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide, T0Pool
 from tiered_cache.tiers.unified_pool import SubPool, UnifiedPool
 
 __all__ = ["ActiveSide", "HostMirror", "HostRegion", "Int8CheckpointPool", "KVSide", "MultiEndedAllocator",
-           "RegionSpec", "StateSide", "SubPool", "UnifiedPool"]
+           "RegionSpec", "StateSide", "SubPool", "T0Pool", "UnifiedPool"]

@@ -1,4 +1,5 @@
-"""What the radix tree, T1 and the T2 moves need of a T0 side: ``KVSide`` and ``StateSide``.
+"""What the radix tree, T1 and the T2 moves need of T0: ``T0Pool`` and its sides, ``KVSide`` and
+``StateSide``.
 
 T0 is the engine's active memory: the KV pages of cached and running tokens, and the recurrent
 states of running requests. ``UnifiedPool``'s sides (``SubPool``) are one implementation; an
@@ -25,7 +26,11 @@ things: ``free`` refuses an id marked busy (a transfer still reads or writes its
 it moves any row (compaction) it calls every fence registered with ``add_fence`` (the transfer
 engine makes compute wait for its copies there).
 
-Both protocols are ``runtime_checkable``: ``isinstance`` checks that the members exist, not their
+The radix trees take a ``T0Pool``: an object that hands out its sides by name (``side(name)``) and
+checks its own invariants. ``UnifiedPool`` is one (its two sides share one buffer); an engine's pools
+are another, whose sides may share nothing (then evicting KV frees no state slot).
+
+The protocols are ``runtime_checkable``: ``isinstance`` checks that the members exist, not their
 types, so a ``SubPool`` of either kind passes both checks; ``spec``'s type says which kind a side is.
 """
 
@@ -144,4 +149,17 @@ class StateSide(ActiveSide, Protocol):
 
     def conv_view_all(self, i: int = 0) -> torch.Tensor:
         """Conv window ``i`` of every layer: ``[L, capacity, *spec.conv_shapes[i]]``."""
+        ...
+
+
+@runtime_checkable
+class T0Pool(Protocol):
+    """T0 as the radix trees take it: its sides by name, and its own invariants."""
+
+    def side(self, name: str) -> ActiveSide:
+        """The side called ``name`` (a typed error naming ``name`` for one it does not have)."""
+        ...
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's own bookkeeping is inconsistent."""
         ...
