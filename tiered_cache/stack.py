@@ -28,7 +28,7 @@ import torch
 
 from tiered_cache import device as dev
 from tiered_cache.config import CacheConfig
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, HostTierConfig, LRUPolicy
 from tiered_cache.radix.params import EvictParams
 from tiered_cache.radix.placement import CheckpointPlacement
@@ -66,15 +66,18 @@ class TieredCache:
     """The tiers of one model's cache and the radix tree over them. Build with ``TieredCache.build``;
     ``close()`` (or a ``with`` block) stops T3's workers and closes its backend."""
 
-    def __init__(self, cfg: CacheConfig, pool: UnifiedPool, tree: Tree, policy: CountingLRUPolicy, *,
+    def __init__(self, cfg: CacheConfig, pool: Any, tree: Tree, policy: CountingLRUPolicy, *,
                  t1: Optional[Int8CheckpointPool], host: Optional[HostMirror], transfer: Optional[TransferEngine],
-                 storage: Optional[StorageTier], owns_storage: bool) -> None:
+                 storage: Optional[StorageTier], owns_storage: bool, kv_side: str = "full",
+                 state_side: str = "mamba") -> None:
         self._cfg, self._pool, self._tree, self._policy = cfg, pool, tree, policy
         self._t1, self._host, self._transfer, self._storage = t1, host, transfer, storage
         self._owns_storage = owns_storage
-        self._kv = pool.side("full")
-        self._states = pool.side("mamba") if t1 is not None else None
+        self._kv = pool.side(kv_side)
+        self._states = pool.side(state_side) if t1 is not None else None
         self._swa = pool.side("swa") if t1 is None else None
+        # UnifiedPool's sides share one buffer (evicting KV makes state room); a given T0's may not.
+        self._shared = isinstance(pool, UnifiedPool) or bool(getattr(pool, "sides_share_bytes", False))
         self._closed = False
 
     @classmethod
@@ -97,6 +100,40 @@ class TieredCache:
         high_slots = cfg.t0_states if state is not None else swa_pages
         pool = UnifiedPool(kv, high, low_slots=cfg.kv_pages, high_slots=high_slots, page_size=cfg.page_size,
                            device=device, lazy_compaction=cfg.lazy_compaction, backend=backend, check_memory=mem)
+        return cls._assemble(cfg, pool, kv, state, device, model_id, storage, placement, "full", "mamba")
+
+    @classmethod
+    def build_on(cls, cfg: CacheConfig, t0: Any, *, kv_side: str = "full", state_side: str = "mamba",
+                 model_id: Optional[str] = None, storage: Optional[StorageTier] = None,
+                 placement: Optional[CheckpointPlacement] = None) -> TieredCache:
+        """The tiers above a T0 the caller owns (an engine's own pools, ``tiers.protocols.T0Pool``): T1,
+        T2 and T3 as ``cfg`` asks, and a ``HiMambaRadixCache`` over ``t0``'s sides ``kv_side`` (full KV)
+        and ``state_side`` (recurrent states). Nothing of T0 is built or copied: ``cfg``'s T0 sizes
+        (``kv_pages``, ``t0_states``, ``lazy_compaction``) are not read, the specs and the device are the
+        sides'. State models only. Bad input raises a typed error naming the argument."""
+        from tiered_cache.radix.facade import side_of
+        from tiered_cache.tiers.protocols import T0Pool
+
+        instance_arg("cfg", cfg, CacheConfig, "a CacheConfig")
+        if not isinstance(t0, T0Pool):
+            raise InvalidTypeError("t0", "a T0 pool (tiers.protocols.T0Pool)", type(t0).__name__)
+        kv, st = side_of(t0, str_arg("kv_side", kv_side), "kv_side"), side_of(t0, str_arg("state_side", state_side),
+                                                                           "state_side")
+        if not isinstance(getattr(kv, "spec", None), KVSpec):
+            raise InvalidTypeError("kv_side", "the name of a full-KV side (a KVSpec)", kv_side)
+        if not isinstance(getattr(st, "spec", None), StateSpec):
+            raise InvalidTypeError("state_side", "the name of a state side (a StateSpec)", state_side)
+        if kv.page_size != cfg.page_size:
+            raise InvalidArgumentError("page_size", f"the KV side's page size {kv.page_size}", cfg.page_size)
+        _check_build(cfg, kv.spec, st.spec, None, model_id, storage, placement)
+        return cls._assemble(cfg, t0, kv.spec, st.spec, kv.device, model_id, storage, placement, kv_side, state_side)
+
+    @classmethod
+    def _assemble(cls, cfg: CacheConfig, pool: Any, kv: KVSpec, state: Optional[StateSpec], device: torch.device,
+                  model_id: Optional[str], storage: Optional[StorageTier], placement: Optional[CheckpointPlacement],
+                  kv_side: str, state_side: str) -> TieredCache:
+        """T1, T2, T3 and the tree over ``pool`` (T0, built or given)."""
+        mem, backend = cfg.check_memory, cfg.backend
         t1 = None if state is None else Int8CheckpointPool(state, cfg.t1_states, device=device, codec=cfg.codec,
                                                            check_memory=mem, backend=backend)
         hconf = HostTierConfig(write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
@@ -110,7 +147,7 @@ class TieredCache:
             else:
                 host_swa = cfg.host_kv_pages if cfg.host_swa_pages is None else cfg.host_swa_pages
                 second = RegionSpec(hconf.swa_region, pool.side("swa").entry_bytes, host_swa)
-            host = HostMirror([RegionSpec(hconf.kv_region, pool.side("full").entry_bytes, cfg.host_kv_pages), second],
+            host = HostMirror([RegionSpec(hconf.kv_region, pool.side(kv_side).entry_bytes, cfg.host_kv_pages), second],
                               check_memory=mem)
             transfer = TransferEngine(device, backend=backend)
         policy = _POLICIES[cfg.eviction_policy]()
@@ -124,7 +161,7 @@ class TieredCache:
             if t1 is not None:
                 tree = HiMambaRadixCache(pool, t1, checkpoint_unit=cfg.checkpoint_unit, placement=placement,
                                          policy=policy, validate=cfg.validate, host=host, transfer=transfer,
-                                         host_config=hconf, storage=storage)
+                                         host_config=hconf, storage=storage, kv_side=kv_side, state_side=state_side)
             else:
                 tree = HiSWARadixCache(pool, policy=policy, validate=cfg.validate, host=host, transfer=transfer,
                                        host_config=hconf)
@@ -133,7 +170,7 @@ class TieredCache:
                 storage.close()
             raise
         return cls(cfg, pool, tree, policy, t1=t1, host=host, transfer=transfer, storage=storage,
-                   owns_storage=owns_storage)
+                   owns_storage=owns_storage, kv_side=kv_side, state_side=state_side)
 
     # ------------------------------------------------------------------------------- the parts
     @property
@@ -146,17 +183,17 @@ class TieredCache:
         return self._tree
 
     @property
-    def pool(self) -> UnifiedPool:
-        """T0: the one device buffer both sides share."""
+    def pool(self) -> Any:
+        """T0: the one device buffer both sides share (a ``UnifiedPool``), or the T0 given to ``build_on``."""
         return self._pool
 
     @property
-    def kv(self) -> SubPool:
-        """T0's full-KV side (ids are virtual token ids, whole pages)."""
+    def kv(self) -> Any:
+        """T0's full-KV side (ids are virtual token ids, whole pages; a ``SubPool`` of a built T0)."""
         return self._kv
 
     @property
-    def states(self) -> Optional[SubPool]:
+    def states(self) -> Optional[Any]:
         """T0's state side (running requests' recurrent states); None for an SWA model."""
         return self._states
 
@@ -215,6 +252,8 @@ class TieredCache:
         n = int_arg("n", n, lo=1)
         side, kv = self._states, self._kv
         slots = side.alloc(n)
+        if not self._shared:  # the tree holds no T0 state slot and KV bytes are not state room: nothing to evict
+            return slots
         pages = max(1, -(-n * side.entry_bytes // kv.entry_bytes))
         while slots is None:
             if self._tree.evict(EvictParams(num_tokens=pages * self.page_size)).num_tokens_evicted == 0:

@@ -109,6 +109,9 @@ class HiMambaRadixCache(RadixCacheFacade):
         self.state_tier = MambaStates(self.tree, self.rule.flags, self.states, ckpt_pool, self.host_tier)
         self._wire(rule, self.state_tier)
         self.state_tier.bind(self.eviction)
+        from tiered_cache.tiers.unified_pool import UnifiedPool
+
+        self.state_tier.shared_t0 = isinstance(pool, UnifiedPool) or bool(getattr(pool, "sides_share_bytes", False))
         rule.bind(self.host_tier, self.state_tier)
         if storage is not None and host is not None:
             from tiered_cache.radix.storage_hook import StorageHook

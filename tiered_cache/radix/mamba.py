@@ -204,9 +204,11 @@ class MambaRule:
             dst = self.t1.alloc_active_state(dev)  # evicts KV (dev's path locked meanwhile)
             if dst is None:  # no room for the request's state: the device part is unusable, a miss
                 unserved, dev, dev_k, dev_len = dev, root, 0, 0
+                if best.payload.mamba_value is not None:  # best's state is on the device too: no host hit
+                    best, best_len = root, 0
             else:
                 req.mamba_pool_idx = dst
-        if best is not unserved:  # a state not served is not a hit
+        if best is not unserved and best is not root:  # a state not served is not a hit
             touch("state", best)
             best.hit_count += 1
         if dev is not best and dev is not root:

@@ -39,6 +39,7 @@ class MambaStates:
         tree.sinks["t1"] = ckpt
         self.region: Any = host.region(host.conf.state_region, ckpt.slot_bytes, "state_host") if host.enabled else None
         self.room: Any = None  # evict.Eviction
+        self.shared_t0 = True  # T0's KV and state sides share bytes (set by the cache from its pool)
 
     def bind(self, room: Any) -> None:
         self.room = room
@@ -109,7 +110,12 @@ class MambaStates:
         return t1
 
     def alloc_active_state(self, protect: TreeNode) -> Optional[torch.Tensor]:
-        """A T0 state slot for a request; KV pages are evicted (LRU) until the state side has room."""
+        """A T0 state slot for a request; KV pages are evicted (LRU) until the state side has room when
+        the two sides share bytes (``UnifiedPool``, or a T0 with ``sides_share_bytes`` true). Over sides
+        that share nothing (an engine's own pools) evicting KV frees no slot, and the tree holds no T0
+        state to evict (its states are T1's): then only a free slot serves, else None."""
+        if not self.shared_t0:
+            return self.states.alloc(1)
         return self.room.alloc_protected(self.states, 1, protect)
 
     def _alloc_host_state(self) -> Optional[int]:

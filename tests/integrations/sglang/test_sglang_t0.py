@@ -32,11 +32,15 @@ def _sglang(device: str = "cpu"):
 def test_the_side_is_sglangs_memory(device):
     alloc, pool = _sglang(device)
     side = SGLangKVSide(alloc)
-    # every member of the T0 protocol but the views that would span SGLang's per-layer buffers (t0.py)
+    # every member of the T0 protocol but the views that would span SGLang's per-layer buffers (t0.py);
+    # rows_bytes is there (an ActiveSide, as the tree requires) but only as a typed error
     members = {n for proto in (ActiveSide, KVSide) for n in vars(proto) if not n.startswith("_")}
     assert {"alloc", "free", "rows_bytes", "k_view_all"} <= members
-    assert sorted(n for n in members if not hasattr(side, n)) == ["k_view_all", "rows_bytes", "v_view_all"]
-    assert not isinstance(side, ActiveSide)
+    assert sorted(n for n in members if not hasattr(side, n)) == ["k_view_all", "v_view_all"]
+    assert isinstance(side, ActiveSide) and not isinstance(side, KVSide)
+    with pytest.raises(InvalidArgumentError) as e:
+        side.rows_bytes()
+    assert e.value.arg == "allocator"
     assert (side.page_size, side.capacity, side.device.type) == (PAGE, TOKENS // PAGE + 1, device)
     assert side.entry_bytes == LAYERS * 2 * PAGE * HEADS * DIM * 4
     assert side.available_size() == alloc.available_size() == TOKENS

@@ -11,10 +11,9 @@
 - ``t0.py``: ``SGLangKVSide`` (SGLang's paged allocator + MHA KV pool: ids and room, no layer-spanning
   views), ``SGLangStateSide`` (SGLang's mamba pool + slot allocator: a whole ``StateSide``), ``SGLangT0``.
 
-Built so far: the translation, the config, the factory's refusals, the T0 sides. Not built: the tree over
-``SGLangT0`` inside the factory (the radix facade accepts only a ``UnifiedPool``), T2 for SGLang's
-per-layer KV layout, and the parity items of issue 19; until then the factory stops after its checks
-with an error saying so (it never builds a second copy of T0).
+Built: the factory builds T1 and the tree over SGLang's own pools (``SGLangT0``, no second T0) through
+``TieredCache.build_on``. Not built: T2 over SGLang's per-layer KV layout (a ``host_kv_pages`` key is
+refused), the extra mamba buffer, SWA hybrids, tensor parallelism (``docs/sglang.md``, "Left").
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.integrations.sglang.backend import TieredRadixCache, salted, tree_key
 from tiered_cache.integrations.sglang.config import KEYS, BackendConfig, parse_backend_config
 
@@ -49,14 +48,33 @@ def check_context(ctx: Any) -> BackendConfig:
 
 
 def factory(ctx: Any) -> TieredRadixCache:
-    """SGLang's ``RadixCacheFactory``: checks ``ctx`` and the backend config (``check_context``).
+    """SGLang's ``RadixCacheFactory``: checks ``ctx`` and the backend config (``check_context``), adapts
+    SGLang's pools in ``ctx.params`` to T0 (``SGLangT0``: SGLang's memory, no copy) and builds T1 and the
+    tree above it with ``TieredCache.build_on``. Refusals are typed errors naming the field or key."""
+    from tiered_cache.integrations.sglang.t0 import SGLangKVSide, SGLangStateSide, SGLangT0
+    from tiered_cache.stack import TieredCache
 
-    Not finished: the tree cannot yet be built over SGLang's own pools (``SGLangT0``; see the module
-    docstring), so after the checks this raises ``NotImplementedError`` naming what is missing."""
-    check_context(ctx)
-    raise NotImplementedError(
-        "tiered-cache's SGLang backend: the radix tree is not yet built over SGLang's own KV and mamba pools "
-        "(issue 19); the backend cannot run inside SGLang's scheduler in this version")
+    conf = check_context(ctx)
+    params = ctx.params
+    if int(conf.tiers.get("host_kv_pages", 0)) > 0:
+        raise InvalidArgumentError("host_kv_pages", "0 (T2 over SGLang's per-layer KV pool is not built yet)",
+                                   conf.tiers["host_kv_pages"])
+    if getattr(params, "enable_mamba_extra_buffer", False):
+        raise InvalidArgumentError("ctx.params.enable_mamba_extra_buffer",
+                                   "False (the ping-pong track buffers are not read yet)", True)
+    rows, allocator = params.req_to_token_pool, params.token_to_kv_pool_allocator
+    if getattr(rows, "mamba_pool", None) is None or getattr(rows, "mamba_allocator", None) is None:
+        raise InvalidTypeError("ctx.params.req_to_token_pool", "SGLang's HybridReqToTokenPool (a mamba pool)",
+                               type(rows).__name__)
+    kv = SGLangKVSide(allocator)
+    states = SGLangStateSide(rows.mamba_pool, rows.mamba_allocator)
+    if int(params.page_size) != kv.page_size:
+        raise InvalidArgumentError("ctx.params.page_size", f"the KV allocator's page size {kv.page_size}",
+                                   params.page_size)
+    cfg = conf.cache_config(page_size=kv.page_size, kv_pages=kv.capacity - 1, t0_states=states.capacity - 1)
+    stack = TieredCache.build_on(cfg, SGLangT0(kv, states), model_id=conf.model_id)
+    return TieredRadixCache(stack.tree, req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
+                            page_size=kv.page_size, disable=bool(params.disable), stack=stack)
 
 
 def register() -> None:

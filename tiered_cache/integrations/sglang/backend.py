@@ -16,8 +16,8 @@ two interfaces, field by field, is in ``docs/sglang.md``; in short:
 - ``evict`` takes SGLang's three-field ``EvictParams``; locks return SGLang's receipts;
 - ``init_load_back`` returns ``(tokens loaded, node)``.
 
-The tree's T0 must be the memory behind SGLang's pools for the ids to mean the same thing on both
-sides: ``t0.py`` has those sides; ``factory`` does not build the tree over them yet (see its docstring).
+The tree's T0 is the memory behind SGLang's pools (``t0.py``; ``factory`` builds the tree over it), so the
+ids mean the same thing on both sides.
 """
 
 from __future__ import annotations
@@ -85,10 +85,11 @@ class TieredRadixCache(B.BasePrefixCache):
             helpers (``free_kv_row``, ``release_kv_cache``) read them from the cache.
         page_size: tokens per KV page; must be the tree's.
         disable: SGLang's ``--disable-radix-cache``.
+        stack: the ``TieredCache`` that owns ``tree`` (``factory`` passes it; ``close()`` closes it).
     """
 
     def __init__(self, tree: Any, *, req_to_token_pool: Any, token_to_kv_pool_allocator: Any,
-                 page_size: int, disable: bool = False) -> None:
+                 page_size: int, disable: bool = False, stack: Any = None) -> None:
         if not hasattr(tree, "match_prefix") or not hasattr(tree, "tree"):
             raise InvalidTypeError("tree", "a radix cache of tiered_cache.radix", type(tree).__name__)
         if page_size != tree.page_size:
@@ -100,6 +101,12 @@ class TieredRadixCache(B.BasePrefixCache):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.disable = disable
+        self.stack = stack
+
+    def close(self) -> None:
+        """Close the stack the factory built (T3's workers and backend); idempotent."""
+        if self.stack is not None:
+            self.stack.close()
 
     @property
     def root_node(self) -> Any:
@@ -181,8 +188,10 @@ class TieredRadixCache(B.BasePrefixCache):
         kv.cache_protected_len = int(ids.numel())
 
     def evict(self, params: B.EvictParams) -> B.EvictResult:
+        # SGLang's mamba_num asks for free slots of its mamba pool; the tree holds none there (its states
+        # are T1's, copied in and out), so evicting T1 states would free none: it is not passed on.
         r = self.cache.evict(P.EvictParams(num_tokens=params.num_tokens, swa_num_tokens=params.swa_num_tokens,
-                                           mamba_num=params.mamba_num))
+                                           mamba_num=0))
         return B.EvictResult(num_tokens_evicted=r.num_tokens_evicted,
                              swa_num_tokens_evicted=r.swa_num_tokens_evicted,
                              mamba_num_evicted=r.mamba_num_evicted)

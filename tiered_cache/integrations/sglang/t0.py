@@ -3,10 +3,9 @@ pool, seen through the members of ``tiered_cache.tiers.protocols.ActiveSide`` th
 and ``SGLangStateSide`` (SGLang's mamba pool and slot allocator as a ``StateSide``), handed to the
 tree by name through ``SGLangT0``.
 
-Checked on CPU (scratch run, 2026-12-01): a ``HiMambaRadixCache`` over ``SGLangT0`` with a T1 and no
-T2 inserts, matches and evicts on SGLang's pools, which come back to their free counts, once the
-facade's ``isinstance(pool, UnifiedPool)`` gate (``radix/facade.py``) admits a pool-like object; that
-gate is the one change the radix needs for it (not made here: issue 18 owns those files).
+The radix tree takes ``SGLangT0`` (``tiers.protocols.T0Pool``) and ``factory`` builds the tiers above
+it through ``TieredCache.build_on``: T1 and the tree, no T2 (see below);
+``tests/integrations/sglang/test_sglang_factory.py`` runs it on SGLang's real pools on CPU.
 
 Ids. SGLang's token ids are physical (``page * page_size + offset``, page 0 reserved for padded
 writes, like our sink), so ``translate`` is the identity and a page id is its row. The allocator
@@ -15,7 +14,8 @@ allocated, by the scheduler for a running request or by a request for what the t
 side adds what SGLang's allocator does not check: freeing a free, unknown or repeated page (typed
 errors, nothing freed) and busy marks (a T2 transfer in flight), so the tree's contract holds.
 
-Not here (and why this is not a ``KVSide`` yet): ``k_view_all`` / ``v_view_all`` and ``rows_bytes``.
+Not here (and why this is not a ``KVSide`` yet): ``k_view_all`` / ``v_view_all``, and ``rows_bytes``
+only as a typed error (so that the side is an ``ActiveSide``, which the tree requires).
 SGLang's ``MHATokenToKVPool`` keeps one ``[size + page_size, heads, head_dim]`` tensor per layer, so a
 page's bytes lie in ``num_layers`` places and neither a ``[L, pages, ...]`` tensor nor a
 ``[pages, entry_bytes]`` row view of them exists; the T2 moves, which copy ``rows_bytes`` rows, need a
@@ -152,6 +152,12 @@ class SGLangKVSide:
 
     def _free_pages(self) -> set[int]:
         return set(self._alloc.get_all_free_pages().tolist())
+
+    def rows_bytes(self) -> torch.Tensor:
+        """Not a view of SGLang's layout (a page's bytes lie in one buffer per layer): a typed error.
+        The radix tree asks for it only for T2 moves, which ``factory`` does not build over this side."""
+        raise InvalidArgumentError("allocator", "a KV pool with one envelope per page (SGLang's MHA pool keeps "
+                                   "one buffer per layer; T2 over it is not built)", type(self._pool).__name__)
 
     # ----------------------------------------------------------------------------- transfers
     def mark_busy(self, ids: Iterable[int]) -> None:
@@ -309,7 +315,9 @@ class SGLangStateSide:
 class SGLangT0:
     """The two sides as the radix tree asks for them (``side(name)``, ``check_invariants()``): SGLang's
     KV memory under ``kv_name`` and its mamba memory under ``state_name``. Unlike ``UnifiedPool`` the two
-    share no bytes: evicting KV frees no state slot."""
+    share no bytes: evicting KV frees no state slot (``sides_share_bytes`` False tells the tree so)."""
+
+    sides_share_bytes = False
 
     def __init__(self, kv: SGLangKVSide, states: SGLangStateSide, kv_name: str = "full",
                  state_name: str = "mamba") -> None:
