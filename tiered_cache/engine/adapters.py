@@ -7,10 +7,14 @@ holds no policy: which tokens, slots and positions to move is the caller's decis
 Per kind of layer (``config.layer_types``), the cache layer and the pool side that holds it::
 
     linear_attention   LinearAttentionLayer       conv_states[0] [1, conv_dim, K]   -> state side conv_view_all(0)
-                                                   recurrent_states[0] [1, H, dk, dv] -> state side temporal_view_all()
+                                                   recurrent_states[0] [1, H, a, b]  -> state side temporal_view_all()
+                                                   ([H, d_k, d_v] for a delta rule, [H, head_dim, d_state] Mamba2)
     full_attention     DynamicLayer               keys/values [1, kv_heads, T, D]   -> full KV side, every token
     sliding_attention  DynamicSlidingWindowLayer  keys/values, only the last ``sliding_window - 1`` tokens
                                                    after a forward (``cumulative_length`` counts all) -> swa KV side
+    hybrid             LinearAttentionAnd-        both: its keys/values to the full KV side, its conv window
+                       FullAttentionLayer         and state to the state side (FalconH1, Zamba2)
+    mlp, moe           DummyLayer                 nothing (NemotronH's MLP / MoE layers)
 
 Token ids are virtual ids of a KV side, one per position: ``token_ids[p]`` holds position ``p``.
 A state slot holds the state after a fixed number of tokens; the caller knows which.

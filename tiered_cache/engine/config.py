@@ -35,7 +35,7 @@ class EngineConfig:
     request at a time.
     decode_graphs: run the step's decode tokens through ``runner.graph_decode.GraphDecoder``: static
     buffers and, on a GPU, one CUDA-graph replay per step instead of an eager forward (batched as with
-    ``decode_batch``; full + linear attention models, SDPA). Its buffers (keys and values of
+    ``decode_batch``; models without sliding layers, SDPA). Its buffers (keys and values of
     ``max_running`` requests at the longest context, in buckets of 4,096 tokens) are outside the tier
     budgets.
     split_checkpoints: a prefill chunk that must cache the state at a position inside it (the last

@@ -102,7 +102,7 @@ class Kind(ABC):
         b = m.mamba_branching_seqlen
         req.branching = b if b is not None and b > p else None
         req.reused_tokens, req.reused_host_tokens = p, host_hit
-        req.state_tier = ("T2" if state_from_host else "T1") if p else "miss"
+        req.state_tier = self.hit_tier(state_from_host, loaded) if p else "miss"
         return True
 
     def abort(self, req: Request) -> None:
@@ -157,6 +157,11 @@ class Kind(ABC):
         return cat(kv), cat(self.own_slots(running))
 
     # ------------------------------------------------------------------------------ per kind
+    @abstractmethod
+    def hit_tier(self, state_from_host: bool, loaded: bool) -> str:
+        """Where a hit's resume point came from (``Request.state_tier``): ``state_from_host``: the load back
+        brought the state; ``loaded``: a load back brought part of the prefix."""
+
     @abstractmethod
     def hold_prefix(self, req: Request, m: MatchResult, loaded: bool) -> None:
         """Set the matched prefix's ids the kind holds beside its KV ids (``loaded``: a load back brings more)."""
@@ -236,6 +241,10 @@ class StateKind(Kind):
             cuts.setdefault(end, "end")
         return cuts
 
+    def hit_tier(self, state_from_host: bool, loaded: bool) -> str:
+        """The state the request resumes from: copied from T1, or loaded back from T2."""
+        return "T2" if state_from_host else "T1"
+
     def hold_prefix(self, req: Request, m: MatchResult, loaded: bool) -> None:
         """The matched prefix's ids beside its KV ids: a state model has none (the state is in its slot)."""
 
@@ -302,6 +311,11 @@ class SWAKind(Kind):
     def cuts(self, req: Request, start: int, end: int) -> dict[int, str]:
         """Every written position's KV is in T0: the chunk's aligned part is cached at its end."""
         return {end: "end"}
+
+    def hit_tier(self, state_from_host: bool, loaded: bool) -> str:
+        """No state: the resume needs the last ``window`` tokens' SWA KV, at the end of the match, which is
+        the part a load back brings from T2 when there is one, and in T0 otherwise."""
+        return "T2_swa" if loaded else "T0_swa"
 
     def hold_prefix(self, req: Request, m: MatchResult, loaded: bool) -> None:
         """The matched prefix's SWA KV ids beside its KV ids (``loaded``: with those the load back brings)."""

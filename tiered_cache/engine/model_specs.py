@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
+from tiered_cache.engine.models import KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
 from tiered_cache.engine.runner.forward import forward_chunk, new_cache
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec, StateSpec
@@ -42,17 +42,22 @@ class ModelSpecs:
 def spec_for(model, page_size: int = 16) -> ModelSpecs:
     """Specs of the pools for ``model``, read from one probe token through its own cache.
 
-    State ``value_axis`` is 2: Qwen3-Next keeps ``[B, H_v, d_k, d_v]``; the int8 scale reduces over d_v.
+    A hybrid layer (attention and Mamba2 in one) is both a full-attention and a linear layer: its KV
+    goes to the full side, its state to the state side. Layers that cache nothing are in no list.
+    The state's ``value_axis`` comes from the layer's mixer (``_value_axis``).
     """
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise InvalidArgumentError("page_size", "an int >= 1", page_size)
     kinds = layer_kinds(model.config)
+    idx = {k: tuple(i for i, t in enumerate(kinds) if t in ks)
+           for k, ks in (("linear", STATE_KINDS), ("full", KV_KINDS), ("sliding", (SLIDING,)))}
+    if not idx["full"]:
+        raise InvalidArgumentError("model", "at least one full-attention layer (the tree keys every cached prefix "
+                                   "on full KV; a model with sliding windows on every layer, as Mistral's "
+                                   "sliding_window gives, has none)", kinds)
     cache = new_cache(model)
     probe = torch.ones(1, 1, dtype=torch.long, device=model.device)
     forward_chunk(model, cache, probe, 0)
-    idx = {k: tuple(i for i, t in enumerate(kinds) if t == k) for k in (LINEAR, FULL, SLIDING)}
-    if not idx[FULL]:
-        raise InvalidArgumentError("model", "at least one full-attention layer", kinds)
 
     def kv_spec(layers: tuple[int, ...], window: int) -> KVSpec:
         shapes = {(tuple(cache.layers[i].keys.shape), tuple(cache.layers[i].values.shape),
@@ -64,14 +69,14 @@ def spec_for(model, page_size: int = 16) -> ModelSpecs:
                       v_head_dim=v_shape[3], window=window)
 
     swa = None
-    if idx[SLIDING]:
-        windows = {int(cache.layers[i].sliding_window) for i in idx[SLIDING]}
+    if idx["sliding"]:
+        windows = {int(cache.layers[i].sliding_window) for i in idx["sliding"]}
         if len(windows) != 1:
             raise InvalidArgumentError("model", "one sliding window for all sliding layers", windows)
-        swa = kv_spec(idx[SLIDING], windows.pop() - 1)
+        swa = kv_spec(idx["sliding"], windows.pop() - 1)
     state = None
-    if idx[LINEAR]:
-        layers = [cache.layers[i] for i in idx[LINEAR]]
+    if idx["linear"]:
+        layers = [cache.layers[i] for i in idx["linear"]]
         if any(lay.number_of_states != 1 for lay in layers):
             raise InvalidArgumentError("model", "one conv/recurrent state per linear layer",
                                        [lay.number_of_states for lay in layers])
@@ -81,8 +86,36 @@ def spec_for(model, page_size: int = 16) -> ModelSpecs:
             raise InvalidArgumentError("model", "the same state shapes in every linear layer", (rec, conv))
         (r_shape, r_dtype), = rec
         (c_shape, c_dtype), = conv
+        if len(r_shape) != 4:
+            # Jamba's Mamba1 keeps [B, d_inner, d_state]; and transformers' Mamba1 prefill (the slow path
+            # without mamba_ssm) starts every forward of several tokens from a zero state, so no cache can
+            # resume it: a prompt run in two chunks differs from one run whole
+            raise InvalidArgumentError("model", "a recurrent state [H, a, b] per linear layer (Mamba2, a delta "
+                                       "rule); Mamba1 (Jamba) keeps [d_inner, d_state] and its prefill in this "
+                                       "transformers does not resume from a cached state", r_shape[1:])
         state = StateSpec(num_layers=len(layers), temporal_shape=r_shape[1:], temporal_dtype=r_dtype,
-                          conv_shapes=(c_shape[1:],), conv_dtype=c_dtype, value_axis=2)
-    return ModelSpecs(full=kv_spec(idx[FULL], 0), state=state, swa=swa, full_layers=idx[FULL],
-                      linear_layers=idx[LINEAR], swa_layers=idx[SLIDING], page_size=page_size)
+                          conv_shapes=(c_shape[1:],), conv_dtype=c_dtype,
+                          value_axis=_value_axis(model, idx["linear"], r_shape[1:]))
+    return ModelSpecs(full=kv_spec(idx["full"], 0), state=state, swa=swa, full_layers=idx["full"],
+                      linear_layers=idx["linear"], swa_layers=idx["sliding"], page_size=page_size)
 
+
+def _value_axis(model, layers: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """Which axis of the state ``[H, a, b]`` the values run along (the int8 scale reduces over it), read
+    from the mixer of each linear layer: a Mamba2 mixer (it has ``ssm_state_size``) keeps
+    ``[H, head_dim, d_state]``, its head_dim playing d_v -> 1; a delta rule (gated delta-net, Kimi's KDA)
+    keeps ``[H, d_k, d_v]`` -> 2 (its k is summed over axis -2 of the state)."""
+    axes: dict[int, set[int]] = {}
+    for m in model.modules():
+        i = getattr(m, "layer_idx", None)
+        if i not in layers:
+            continue
+        if hasattr(m, "ssm_state_size") and shape[2] == m.ssm_state_size:
+            axes.setdefault(i, set()).add(1)
+        elif "Delta" in type(m).__name__:
+            axes.setdefault(i, set()).add(2)
+    found = set().union(*axes.values()) if axes else set()
+    if set(axes) != set(layers) or len(found) != 1:
+        raise InvalidArgumentError("model", "a Mamba2 mixer or a delta rule in every linear layer (to know the "
+                                   "state's value axis)", {i: sorted(axes.get(i, ())) for i in layers})
+    return found.pop()

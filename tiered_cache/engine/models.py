@@ -1,12 +1,15 @@
 """Tiny seeded random-weight hybrid models from ``transformers`` configs, and what their layers are.
 
-Two families, both built from a config (no download), on the CPU or the GPU:
+Built from a config (no download), on the CPU or the GPU:
 
 - ``tiny_qwen3_next``: Qwen3-Next, gated delta-net (linear attention) + full attention; a recurrent
   state ``[H_v, d_k, d_v]`` (fp32) and a conv window ``[conv_dim, kernel]`` per linear layer.
   ``long_memory=True`` makes the state matter (docs/platform.md): random-init models forget within a few
   tokens, so an all-zero state would pass a naive test.
 - ``tiny_swa_model``: Gemma3 text, sliding-window + full attention (layer pattern S,S,F,S,S,F).
+- ``tiny_family(name)``: the other families of ``FAMILIES`` (Mamba2 hybrids, Kimi Linear, Qwen3.5, OLMo
+  hybrid, NemotronH, FalconH1, Zamba2, gpt-oss, Cohere2; Lfm2, Mistral and Jamba, which the tiers refuse),
+  for tests/families.
 
 ``layer_kinds`` reads which kind each layer is (``model_specs.spec_for`` derives the pools' specs from
 them); ``weights_id`` names a model by its weights.
@@ -22,8 +25,13 @@ import torch
 from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError
 
-# Layer kinds, as ``config.layer_types`` names them (both 5.17 and 5.24).
-LINEAR, FULL, SLIDING = "linear_attention", "full_attention", "sliding_attention"
+# Layer kinds, as ``config.layer_types`` names them (both 5.17 and 5.24). HYBRID: attention and a
+# Mamba2 mixer in one layer (FalconH1, Zamba2), whose cache layer holds KV and a state; NO_CACHE: a
+# layer with an MLP or MoE only (NemotronH), which caches nothing.
+LINEAR, FULL, SLIDING, HYBRID = "linear_attention", "full_attention", "sliding_attention", "hybrid"
+NO_CACHE = ("mlp", "moe")
+CONV = "conv"  # Lfm2's short-conv layers: a conv window and no recurrent state
+KV_KINDS, STATE_KINDS = (FULL, HYBRID), (LINEAR, HYBRID)  # the kinds whose layers hold full KV / a state
 
 
 def _build(model_cls, config, seed: int, dtype: torch.dtype, device: dev.DeviceLike, attn_implementation: str):
@@ -69,11 +77,13 @@ def tiny_qwen3_next(seed: int = 0, long_memory: bool = False, dtype: torch.dtype
     return model.to(device=dev.resolve(device), dtype=dtype)
 
 
-def _make_long_memory(model, seed: int) -> None:
+def _make_long_memory(model, seed: int, conv_scale: float = 1.0) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("A_log"):
+            if name.endswith("conv1d.weight") and conv_scale != 1.0:
+                p.mul_(conv_scale)
+            elif name.endswith("A_log"):
                 p.copy_(torch.log(torch.empty(p.shape).uniform_(0.02, 0.1, generator=gen)))
             elif name.endswith("dt_bias"):
                 p.fill_(-2.0)
@@ -140,16 +150,42 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # sliding window + full attention (3:1), dense
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
                 dict(num_hidden_layers=4, layer_types=[SLIDING, SLIDING, SLIDING, FULL], sliding_window=8)),
+    # Mamba2, attention, MoE and MLP layers apart (the last two cache nothing)
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "attention"],
+                        num_hidden_layers=6, head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
+                        ssm_state_size=16, conv_kernel=4, expand=1, chunk_size=16, n_routed_experts=4,
+                        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)),
+    # attention and Mamba2 side by side in every layer
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",
+                  dict(num_hidden_layers=3, head_dim=16, mamba_d_ssm=64, **_MAMBA2)),
+    # Mamba2 layers, and hybrid layers (a shared attention block + Mamba2)
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM",
+               dict(num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_headdim=16,
+                    n_mamba_heads=4, mamba_ngroups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1,
+                    chunk_size=16)),
+    # refused (a typed error at Engine construction, tests/families say why): Lfm2's conv-only layers,
+    # Mistral's sliding window on every layer, Jamba's Mamba1
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_hidden_layers=4, layer_types=["conv", FULL, "conv", FULL])),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=8, head_dim=16)),
+    "jamba": ("JambaConfig", "JambaForCausalLM",
+              dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1)),
 }
 _EAGER_ONLY = {"gpt_oss"}
+# A Mamba2 mixer's conv weights are 3-D (the x4 of the 2-D ones leaves them) and small: x, B and C come
+# out of the conv so small that the state hardly moves the logits (zeroed on resume, 12 tokens later:
+# 0.08 in Bamba, 0.015 in FalconH1, no token flipped); scaled x16 they move them by 0.9-2.2 and flip
+# 17-56% of the tokens (measured at 32 and 64 tokens, seed 0)
+MAMBA2_CONV_SCALE = 16.0
 
 
 def tiny_family(name: str, seed: int = 0, long_memory: bool = False, dtype: torch.dtype = torch.float32,
                 device: dev.DeviceLike = None, **overrides):
     """A tiny seeded model of family ``name`` (a key of ``FAMILIES``); ``overrides`` go to its config.
 
-    ``long_memory``: the family's recipe for a state that matters (``_make_long_memory``); an SWA model
-    has no state and ignores nothing here: it is refused for one (a window already carries its context).
+    ``long_memory``: the recipe for a state that matters (``_make_long_memory``: Qwen3-Next's, and for a
+    Mamba2 mixer its conv weights x ``MAMBA2_CONV_SCALE``); refused for a model without states.
     """
     if name not in FAMILIES:
         raise InvalidArgumentError("name", f"one of {sorted(FAMILIES)}", name)
@@ -162,9 +198,10 @@ def tiny_family(name: str, seed: int = 0, long_memory: bool = False, dtype: torc
     impl = "eager" if name in _EAGER_ONLY else "sdpa"
     model = _build(getattr(transformers, model_name), config, seed, torch.float32, "cpu", impl)
     if long_memory:
-        if LINEAR not in layer_kinds(model.config):
+        if not set(STATE_KINDS) & set(getattr(model.config, "layer_types", None) or ()):
             raise InvalidArgumentError("long_memory", "False for a model without recurrent states", name)
-        _make_long_memory(model, seed)
+        mamba2 = any(hasattr(m, "ssm_state_size") for m in model.modules())
+        _make_long_memory(model, seed, conv_scale=MAMBA2_CONV_SCALE if mamba2 else 1.0)
     return model.to(device=dev.resolve(device), dtype=dtype)
 
 
@@ -179,12 +216,25 @@ def weights_id(model) -> str:
 
 
 def layer_kinds(config) -> tuple[str, ...]:
-    """``config.layer_types`` of the decoder, checked to be kinds the adapters move."""
+    """The decoder's kind per layer, checked to be kinds the adapters move.
+
+    ``config.layer_types`` where the config has them; otherwise as transformers' own cache infers them
+    (``cache_utils.get_layer_types_and_kwargs``): every layer sliding when the config sets a
+    ``sliding_window`` (Mistral), full otherwise. ``mlp`` / ``moe`` layers hold no cache (``NO_CACHE``).
+    """
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    kinds = tuple(getattr(cfg, "layer_types", None) or ())
-    if len(kinds) != cfg.num_hidden_layers:
+    n = cfg.num_hidden_layers
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds is None:
+        kinds = [SLIDING if getattr(cfg, "sliding_window", None) is not None else FULL] * n
+    kinds = tuple(kinds)
+    if len(kinds) != n:
         raise InvalidArgumentError("model", "a config with layer_types (one per layer)", kinds)
-    bad = sorted(set(kinds) - {LINEAR, FULL, SLIDING})
+    if CONV in kinds:
+        raise InvalidArgumentError("model", "no conv-only layers: a Lfm2 short-conv layer keeps a conv window "
+                                   "and no recurrent state, which StateSpec (a temporal state per layer) cannot "
+                                   "hold yet", kinds)
+    bad = sorted(set(kinds) - {LINEAR, FULL, SLIDING, HYBRID, *NO_CACHE})
     if bad:
-        raise InvalidArgumentError("model", f"layer types in {(LINEAR, FULL, SLIDING)}", bad)
+        raise InvalidArgumentError("model", f"layer types in {(LINEAR, FULL, SLIDING, HYBRID, *NO_CACHE)}", bad)
     return kinds

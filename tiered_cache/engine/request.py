@@ -73,7 +73,8 @@ class Request:
     # --- stats
     reused_tokens: int = 0  # prompt tokens taken from the cache (not computed)
     reused_host_tokens: int = 0  # of those, loaded back from T2
-    state_tier: str = "miss"  # where the resumed state came from: "T1", "T2" or "miss"
+    # where the resume point came from: "T1"/"T2" (a state), "T0_swa"/"T2_swa" (an SWA window), or "miss"
+    state_tier: str = "miss"
     computed_tokens: int = 0  # prompt tokens run through the model
     t_arrival: float = field(default_factory=time.perf_counter)
     t_admitted: Optional[float] = None

@@ -69,8 +69,9 @@ class Engine:
         self.model = model
         self.cfg = cfg = config or EngineConfig()
         self.device = model.device
-        self.specs = spec_for(model, cfg.page_size)
-        self.adapter = HybridCacheAdapter(model, self.specs)
+        # The no-cache baseline needs no pools, so no specs: a family the tiers refuse still runs it.
+        self.specs = spec_for(model, cfg.page_size) if cfg.use_cache else None
+        self.adapter = HybridCacheAdapter(model, self.specs) if self.specs is not None else None
         self.runner = ModelRunner(model, self.specs, cfg)
         self.stats = EngineStats()
         self._phase = PhaseClock(self.stats.phase_s, self.device, on=cfg.phase_timing)
@@ -78,7 +79,7 @@ class Engine:
         self.running: list[Request] = []
         self.tiers: Optional[TieredCache] = None
         self.cache = self.kind = None
-        if cfg.use_cache:
+        if self.specs is not None and self.adapter is not None:  # use_cache
             model_id = None if cfg.cache.storage_url is None else cfg.storage_model_id or weights_id(model)
             self.tiers = TieredCache.build(cfg.cache, kv=self.specs.full, state=self.specs.state, swa=self.specs.swa,
                                            device=self.device, model_id=model_id)

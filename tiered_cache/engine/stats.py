@@ -88,7 +88,8 @@ class EngineStats:
     def resumed(self, req) -> None:
         """``req`` (an admitted ``Request``) starts its prefill: where its prefix and state came from."""
         p, host = req.cache_protected_len, req.reused_host_tokens
-        self.add({"T1": "hit_t1_states", "T2": "hit_t2_states"}.get(req.state_tier, "misses"))
+        self.add({"T1": "hit_t1_states", "T2": "hit_t2_states", "T0_swa": "hit_t0_swa_windows",
+                  "T2_swa": "hit_t2_swa_windows"}.get(req.state_tier, "misses"))
         self.add("hit_t0_kv_tokens", p - host)
         self.add("hit_t2_kv_tokens", host)
         self.add("reused_tokens", p)
@@ -109,6 +110,8 @@ class EngineStats:
                        "recomputed_after_abort": c["aborted_computed_tokens"]},
             "hits": {"T0_kv_tokens": c["hit_t0_kv_tokens"], "T1_states": c["hit_t1_states"],
                      "T2_kv_tokens": c["hit_t2_kv_tokens"], "T2_states": c["hit_t2_states"],
+                     # an SWA model's hits: the window's SWA KV from T0, or loaded back from T2
+                     "T0_swa_windows": c["hit_t0_swa_windows"], "T2_swa_windows": c["hit_t2_swa_windows"],
                      "misses": c["misses"], "state_hit_rate": self._rate()},
             "checkpoints": {"inserted": c["checkpoints"], "chunk_ends": c["end_checkpoints"],
                             "mid_chunk": c["mid_checkpoints"], "branch_points": c["branch_checkpoints"],

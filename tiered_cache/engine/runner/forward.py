@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
+from tiered_cache.engine.models import KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
 from tiered_cache.errors import InvalidArgumentError
 
 
@@ -99,7 +99,7 @@ def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequ
     batch = new_cache(model)
     for i, kind in enumerate(kinds):
         layers = [c.layers[i] for c in caches]
-        if kind == FULL:
+        if kind in KV_KINDS:
             k0, v0 = layers[0].keys, layers[0].values
             keys = k0.new_zeros((n, k0.shape[1], width, k0.shape[3]))
             values = v0.new_zeros((n, v0.shape[1], width, v0.shape[3]))
@@ -107,7 +107,7 @@ def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequ
                 keys[b, :, width - p:] = lay.keys[0]
                 values[b, :, width - p:] = lay.values[0]
             batch.layers[i].update(keys, values)
-        else:
+        if kind in STATE_KINDS:  # a hybrid layer is both
             for b, lay in enumerate(layers):
                 if not all(lay.has_previous_state.values()):
                     raise InvalidArgumentError("caches", f"a state in linear layer {i} of cache {b}", "none")
@@ -124,8 +124,8 @@ def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequ
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=dev).view(n, 1)
     pos = torch.as_tensor(list(positions), dtype=torch.long, device=dev).view(n, 1)
     out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **{cache_kwarg(model): batch})
-    full = [i for i, k in enumerate(kinds) if k == FULL]
-    linear = [i for i, k in enumerate(kinds) if k == LINEAR]
+    full = [i for i, k in enumerate(kinds) if k in KV_KINDS]
+    linear = [i for i, k in enumerate(kinds) if k in STATE_KINDS]
     store_decoded(caches, kinds, k_conv, {i: batch.layers[i].keys[:, :, -1:] for i in full},
                   {i: batch.layers[i].values[:, :, -1:] for i in full},
                   {i: batch.layers[i].conv_states[0] for i in linear},
@@ -143,8 +143,9 @@ def store_decoded(caches: Sequence, kinds: Sequence[str], k_conv: int, keys: dic
     for i, kind in enumerate(kinds):
         for b, c in enumerate(caches):
             lay = c.layers[i]
-            if kind == FULL:
+            if kind in KV_KINDS:
                 lay.update(keys[i][b:b + 1], values[i][b:b + 1])
+            if kind not in STATE_KINDS:
                 continue
             cv = conv[i][b:b + 1, ..., -k_conv:]
             if lay.conv_states[0].shape == cv.shape:
@@ -164,9 +165,9 @@ def conv_width(cache, kinds: Sequence[str]) -> int:
     hybrids ``mamba_d_conv``, others another name). A layer records its kernel width when its conv state
     is first written (``conv_kernel_size``, 5.24); where it does not (5.17), the window is the state's
     last axis, the whole of it unless the layer records its past."""
-    widths = set()
+    widths: set[Optional[int]] = set()
     for i, kind in enumerate(kinds):
-        if kind != LINEAR:
+        if kind not in STATE_KINDS:
             continue
         lay = cache.layers[i]
         k = getattr(lay, "conv_kernel_size", {}).get(0)
@@ -175,7 +176,8 @@ def conv_width(cache, kinds: Sequence[str]) -> int:
         widths.add(k)
     if None in widths or len(widths) > 1:
         raise InvalidArgumentError("cache", "one conv kernel width in every linear layer (a state in each)", widths)
-    return widths.pop() if widths else 0
+    width = widths.pop() if widths else 0
+    return int(width or 0)
 
 
 def seen_tokens(cache) -> Optional[int]:

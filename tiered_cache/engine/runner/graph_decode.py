@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.engine.models import FULL, LINEAR, SLIDING, layer_kinds
+from tiered_cache.engine.models import KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
 from tiered_cache.engine.runner.forward import cache_kwarg, conv_width, seen_tokens, store_decoded
 from tiered_cache.errors import InvalidArgumentError
 
@@ -151,7 +151,7 @@ class GraphDecoder:
     """One decode token for each of up to ``max_batch`` requests per ``step``.
 
     Args:
-        model: a Qwen3-Next-like causal LM from ``engine.models`` (full + linear attention layers,
+        model: a hybrid causal LM from ``engine.models`` (full, linear, hybrid and cache-less layers,
             ``attn_implementation="sdpa"``).
         max_batch: most requests per step (the engine's ``max_running``).
         len_bucket: context lengths are rounded up to a multiple of this (one graph per bucket and
@@ -165,7 +165,7 @@ class GraphDecoder:
             raise InvalidArgumentError("model", "a model without sliding-window layers (static decode)",
                                        "sliding layers")
         impl = getattr(model.config, "_attn_implementation", None)
-        if FULL in kinds and impl != "sdpa":
+        if set(KV_KINDS) & set(kinds) and impl != "sdpa":
             raise InvalidArgumentError("model", "attn_implementation 'sdpa' (static decode)", impl)
         for name, v in (("max_batch", max_batch), ("len_bucket", len_bucket)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -201,11 +201,11 @@ class GraphDecoder:
         keys, values, conv, rec = {}, {}, {}, {}
         for i, kind in enumerate(self.kinds):
             lay = c0.layers[i]
-            if kind == FULL:
+            if kind in KV_KINDS:
                 k, v = lay.keys, lay.values
                 keys[i] = k.new_zeros((b, k.shape[1], cap, k.shape[3]))
                 values[i] = v.new_zeros((b, v.shape[1], cap, v.shape[3]))
-            else:
+            if kind in STATE_KINDS:  # a hybrid layer has both
                 cs, rs = lay.conv_states[0], lay.recurrent_states[0]
                 conv[i] = cs.new_zeros((b, cs.shape[1], self.k_conv))
                 rec[i] = rs.new_zeros((b, *rs.shape[1:]))
@@ -253,7 +253,7 @@ class GraphDecoder:
             if not isinstance(p, int) or p < 1 or (seen is not None and seen != p):
                 raise InvalidArgumentError("positions", f"positions[{b}] = {seen}, the tokens cache {b} holds", p)
             for i, kind in enumerate(self.kinds):
-                if kind == LINEAR and not all(c.layers[i].has_previous_state.values()):
+                if kind in STATE_KINDS and not all(c.layers[i].has_previous_state.values()):
                     raise InvalidArgumentError("caches", f"a state in linear layer {i} of cache {b}", "none")
         self._ensure(caches, max(positions) + 1)
         width = min(self.capacity, -(-(max(positions) + 1) // self.len_bucket) * self.len_bucket)
@@ -286,11 +286,11 @@ class GraphDecoder:
             for b in copy:
                 c = caches[b]
                 lay = c.layers[i]
-                if kind == FULL:
+                if kind in KV_KINDS:
                     p = positions[b]
                     dst += [bf["keys"][i][b, :, :p], bf["values"][i][b, :, :p]]
                     src += [lay.keys[0], lay.values[0]]
-                else:
+                if kind in STATE_KINDS:
                     dst += [bf["conv"][i][b], bf["rec"][i][b]]
                     src += [lay.conv_states[0][0, :, -self.k_conv:], lay.recurrent_states[0][0]]
         if dst:

@@ -38,9 +38,11 @@ class ModelRunner:
     model does not let it (the scheduler then runs two forwards).
     """
 
-    def __init__(self, model, specs: ModelSpecs, cfg: EngineConfig) -> None:
+    def __init__(self, model, specs: Optional[ModelSpecs], cfg: EngineConfig) -> None:
         self.model, self.device = model, model.device
-        sliding = bool(specs.swa_layers)
+        # specs None: the no-cache baseline (no pools); the model's own cache says if it has sliding layers
+        sliding = bool(specs.swa_layers) if specs is not None else any(
+            getattr(lay, "sliding_window", None) for lay in new_cache(model).layers)
         self.graph_decoder: Optional[GraphDecoder] = None
         if cfg.decode_graphs:
             if sliding:
@@ -55,6 +57,14 @@ class ModelRunner:
             split_forward.install(model)
             self.prefill_rule = GraphChunkRule(self.device)
         self.split = False
+        if specs is None:  # no cache: nothing is checkpointed, a split forward has nothing to take
+            if cfg.split_checkpoints:
+                raise InvalidArgumentError("split_checkpoints", "None or False without the cache (use_cache=False "
+                                           "caches no state to split a forward for)", True)
+            return
+        if cfg.split_checkpoints and specs.state is None:
+            raise InvalidArgumentError("split_checkpoints", "None or False for a model without recurrent states "
+                                       "(a split forward takes a state; there is none to take)", True)
         if cfg.split_checkpoints is not False and specs.state is not None:
             self.split = split_forward.split_supported(model)
             if cfg.split_checkpoints and not self.split:

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tiered_cache.engine.models import LINEAR, layer_kinds
+from tiered_cache.engine.models import STATE_KINDS, layer_kinds
 from tiered_cache.engine.runner.forward import forward_chunk
 from tiered_cache.engine.runner.graph_prefill import routed
 from tiered_cache.errors import InvalidArgumentError
@@ -143,7 +143,7 @@ def forward_chunk_split(model, cache, input_ids: torch.Tensor, start_pos: int, s
     if not isinstance(split_pos, int) or not start_pos < split_pos < start_pos + t:
         raise InvalidArgumentError("split_pos", f"an int in ({start_pos}, {start_pos + t})", split_pos)
     install(model)
-    n_linear = sum(k == LINEAR for k in layer_kinds(model.config))
+    n_linear = sum(k in STATE_KINDS for k in layer_kinds(model.config))
     sp = SplitStates(tokens=t, offset=split_pos - start_pos, kernel=_linear_layer(model).conv_kernel_size)
     token = _ACTIVE.set(sp)
     try:
