@@ -230,3 +230,17 @@ def test_factory_refuses_pools_without_a_mamba_pool(monkeypatch):
     with pytest.raises(InvalidTypeError) as e:
         backend_pkg.factory(_ctx(plain, alloc))
     assert e.value.arg == "ctx.params.req_to_token_pool"
+
+
+def test_factory_refuses_sglangs_int8_checkpoint_pool(monkeypatch):
+    """--enable-int8-mamba-checkpoint gives the HybridReqToTokenPool SGLang's own int8 pool for cached
+    states; ours is T1, so the factory refuses it, naming the field."""
+    ckpt_mod = pytest.importorskip("sglang.srt.mem_cache.mamba_checkpoint_pool")
+    flags = types.SimpleNamespace(mamba=types.SimpleNamespace(enable_int8_mamba_checkpoint=True,
+                                                              int8_mamba_ckpt_size=4))
+    monkeypatch.setattr(ckpt_mod, "get_exec", lambda: flags)
+    rows, alloc, _ = _pools()
+    assert rows.mamba_ckpt_pool is not None
+    with pytest.raises(InvalidArgumentError) as e:
+        _build(monkeypatch, rows, alloc, {})
+    assert e.value.arg == "ctx.params.req_to_token_pool.mamba_ckpt_pool"

@@ -13,7 +13,8 @@
 
 Built: the factory builds T1 and the tree over SGLang's own pools (``SGLangT0``, no second T0) through
 ``TieredCache.build_on``. Not built: T2 over SGLang's per-layer KV layout (a ``host_kv_pages`` key is
-refused), the extra mamba buffer, SWA hybrids, tensor parallelism (``docs/sglang.md``, "Left").
+refused), the extra mamba buffer and SGLang's int8 checkpoint pool (refused), SWA hybrids, tensor
+parallelism (``docs/sglang.md``, "Left").
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def factory(ctx: Any) -> TieredRadixCache:
     if getattr(rows, "mamba_pool", None) is None or getattr(rows, "mamba_allocator", None) is None:
         raise InvalidTypeError("ctx.params.req_to_token_pool", "SGLang's HybridReqToTokenPool (a mamba pool)",
                                type(rows).__name__)
+    if getattr(rows, "mamba_ckpt_pool", None) is not None:  # --enable-int8-mamba-checkpoint
+        raise InvalidArgumentError("ctx.params.req_to_token_pool.mamba_ckpt_pool",
+                                   "None (SGLang's int8 checkpoint pool: our T1 is the int8 tier)", "a pool")
     kv = SGLangKVSide(allocator)
     states = SGLangStateSide(rows.mamba_pool, rows.mamba_allocator)
     if int(params.page_size) != kv.page_size:
