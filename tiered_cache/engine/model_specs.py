@@ -87,9 +87,10 @@ def spec_for(model, page_size: int = 16) -> ModelSpecs:
         (r_shape, r_dtype), = rec
         (c_shape, c_dtype), = conv
         if len(r_shape) != 4:
-            # Jamba's Mamba1 keeps [B, d_inner, d_state]; and transformers' Mamba1 prefill (the slow path
-            # without mamba_ssm) starts every forward of several tokens from a zero state, so no cache can
-            # resume it: a prompt run in two chunks differs from one run whole
+            # Jamba's Mamba1 keeps [B, d_inner, d_state]; and transformers' Mamba1 prefill runs its
+            # full-sequence scan (mamba_selective_scan) with no initial state, so every forward of several
+            # tokens starts from zero and no cache can resume it: a prompt run in two chunks differs from
+            # one run whole (tests/families). Resuming would mean a prefill one token at a time.
             raise InvalidArgumentError("model", "a recurrent state [H, a, b] per linear layer (Mamba2, a delta "
                                        "rule); Mamba1 (Jamba) keeps [d_inner, d_state] and its prefill in this "
                                        "transformers does not resume from a cached state", r_shape[1:])
