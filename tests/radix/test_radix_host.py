@@ -89,12 +89,28 @@ def test_tiered_match_and_load_back(codec):
     assert n34.host_kv is not None and n56.host_kv is not None and n56.payload.state_host is not None
     assert n56.full_lock_ref == 0 and n12.full_lock_ref == 0 and not n56.tickets  # locks released
     cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=req.mamba_pool_idx)
+    # the state at 6 came back to T1 (promoted from the load's scratch slot); its T2 copy stays
+    assert n56.payload.mamba_value is not None and cache.stats["state_promotes"] == 1
     m2 = match(cache, [1, 2, 3, 4, 5, 6, 99])
-    # KV all on the device now; the state at 6 still lives in T2 only, so it is still a (state) host hit
-    assert m2.kv_hit_length == 6 and m2.host_hit_length == 4 and m2.mamba_host_hit_length == 1
+    # KV and state all on the device now: a device hit, no host part (was: a state host hit every time)
+    assert m2.kv_hit_length == 6 and m2.host_hit_length == 0 and m2.mamba_host_hit_length == 0
+    assert m2.last_device_node is n56 and len(m2.device_indices) == 6
     full = torch.cat([m.device_indices, ids])
     check_kv(cache, full, [1, 2, 3, 4, 5, 6])
+    req2 = req_for([1, 2, 3, 4, 5, 6, 99])
+    m3 = match(cache, [1, 2, 3, 4, 5, 6, 99], cow_mamba=True, req=req2)  # the promoted state, from T1
+    assert m3.host_hit_length == 0 and torch.equal(
+        cache.states.temporal_view_all()[:, cache.states.translate(req2.mamba_pool_idx)[0]], state[0])
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64),
+                           request_states=torch.cat([req.mamba_pool_idx, req2.mamba_pool_idx]))
     cache.states.free(req.mamba_pool_idx)
+    cache.states.free(req2.mamba_pool_idx)
+    # T1 evicting the promoted state keeps the node on its T2 copy: nothing is copied down again
+    demotes, h56 = cache.stats["state_demotes"], n56.payload.state_host
+    n = cache.evict(EvictParams(mamba_num=8)).mamba_num_evicted  # every T1 state, n56's among them
+    assert n56.payload.mamba_value is None and n56.payload.state_host == h56
+    assert cache.stats["state_demotes"] == demotes + n - 1  # the others go down; n56's is already there
+    cache.check_invariants(request_states=torch.empty(0))
 
 
 def test_load_back_then_lock_and_cache_the_request():

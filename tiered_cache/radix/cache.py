@@ -108,7 +108,7 @@ class HiMambaRadixCache(RadixCacheFacade):
         self.host_tier = HostTier(self.tree, host, transfer, host_config)
         self.state_tier = MambaStates(self.tree, self.rule.flags, self.states, ckpt_pool, self.host_tier)
         self._wire(rule, self.state_tier)
-        self.state_tier.bind(self.eviction)
+        self.state_tier.bind(self.eviction, rule)
         from tiered_cache.tiers.unified_pool import UnifiedPool
 
         self.state_tier.shared_t0 = isinstance(pool, UnifiedPool) or bool(getattr(pool, "sides_share_bytes", False))

@@ -2,7 +2,9 @@
 
     T1 state  --evict: demote to T2 when it has room (evicting T2 states LRU), else drop
     T2 state  --evict: drop
-    load back: T2 slot --> T1 scratch --dequantize--> the request's T0 slot (T1: dequantized directly)
+    load back: T2 slot --> T1 scratch --dequantize--> the request's T0 slot (T1: dequantized directly);
+               the scratch slot then stays as the node's T1 state (promoted, ``stats["state_promotes"]``;
+               its T2 copy stays too), unless the load failed or the node got a T1 state meanwhile
 
 Eviction-driven demotion (T1 -> T2) waits for its ticket right away: ``evict`` must hand back room now.
 It is the Mamba kind's side of eviction (``evict.EvictHooks``) and of load back (``loadback.LoadHooks``).
@@ -39,10 +41,11 @@ class MambaStates:
         tree.sinks["t1"] = ckpt
         self.region: Any = host.region(host.conf.state_region, ckpt.slot_bytes, "state_host") if host.enabled else None
         self.room: Any = None  # evict.Eviction
+        self.rule: Any = None  # mamba.MambaRule (set_state, for a state promoted back to T1)
         self.shared_t0 = True  # T0's KV and state sides share bytes (set by the cache from its pool)
 
-    def bind(self, room: Any) -> None:
-        self.room = room
+    def bind(self, room: Any, rule: Any = None) -> None:
+        self.room, self.rule = room, rule
 
     # ----------------------------------------------------------------------------- eviction
     def evict_device(self, params: EvictParams) -> None:
@@ -197,7 +200,12 @@ class MambaStates:
                 f.put_pages("state_host", [best.payload.state_host])
                 best.payload.state_host = None
         if op.scratch is not None:
-            f.put("t1", op.scratch)
+            if ok and best.alive and best.value is not None and best.payload.mamba_value is None:
+                self.rule.set_state(best, op.scratch)  # promoted: the next hit is a T1 hit, no PCIe copy
+                self.tree.stats["state_promotes"] += 1
+            else:
+                f.put("t1", op.scratch)
+            op.scratch = None
         return ok
 
     def emptied(self, y: TreeNode) -> None:
