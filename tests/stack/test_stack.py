@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.support.radix_util import KV_SPEC, STATE_SPEC, SWA_SPEC, check_kv, insert_fresh, insert_swa
+from tests.support.radix_util import KV_SPEC, STATE_SPEC, SWA_SPEC, check_kv, insert_fresh, insert_swa, node_at
 from tests.support.storage_util import settle
 from tiered_cache import CacheConfig, TieredCache
 from tiered_cache.config import BACKENDS, CODECS, EVICTION_POLICIES, PREFETCH_POLICIES, WRITE_POLICIES
@@ -275,3 +275,30 @@ def test_check_invariants_sees_request_owned_ids():
     c.kv.free(ids)
     c.states.free(slot)
     c.check_invariants(request_kv=none, request_states=none)
+
+
+def test_a_prefetch_finding_host_state_slots_full_but_evictable_evicts_one(tmp_path):
+    """Issue 19 parity: a T3 prefetch with every T2 state slot taken by an unlocked state evicts the
+    LRU one for its state (was: refused, counted t3_no_room, a miss)."""
+    url = f"file://{tmp_path}"
+    with build(**{**HOST, "host_states": 1}, storage_url=url, prefetch_policy="wait_complete") as c:
+        insert_fresh(c.tree, [1, 2, 3, 4])
+        settle(c.tree)
+    with build(**{**HOST, "host_states": 1}, storage_url=url, prefetch_policy="wait_complete") as d:
+        insert_fresh(d.tree, [7, 8])
+        settle(d.tree)
+        assert d.tree.evict(EvictParams(mamba_num=1)).mamba_num_evicted == 1  # its state: T1 -> T2
+        assert d.free_sizes()["t2_state"] == 0  # the one T2 state slot is taken, and evictable
+        m = match(d, [1, 2, 3, 4])
+        s = d.stats()["tree"]
+        assert s.get("t3_hits") == 1 and not s.get("t3_no_room"), sorted(s.items())
+        assert m.host_hit_length == 4 and m.mamba_host_hit_length == 1
+        with pytest.raises(KeyError):  # [7, 8]'s T2 state made the room: a stateless leaf then, it went
+            node_at(d.tree, [7, 8])
+        req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64))
+        ids, _ = d.tree.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+        while not req.load_back.done:
+            d.tree.check_hicache_events()
+        assert req.load_back.ok
+        check_kv(d.tree, ids, [1, 2, 3, 4])  # what T3 held, through T2, byte for byte
+        d.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=req.mamba_pool_idx)

@@ -11,9 +11,11 @@ The tree calls these (all on the engine's thread; none blocks except the ``wait_
     maybe_prefetch(...)    match_prefix: the walk stopped at a node boundary (root included) whose
                            node is on the host, and pages follow: ask T3 which of them it holds
                            (``lookup``), then fetch the longest run of KV pages that ends at a page
-                           whose state T3 also holds into fresh T2 slots, then hang a host-only
-                           node (``host_kv`` + ``state_host``) under the anchor. The next match
-                           (``wait_*``: this very one) finds it and ``init_load_back`` loads it.
+                           whose state T3 also holds into fresh T2 slots (host KV LRU and the
+                           LRU unlocked T2 state evicted for room, the anchor's path kept), then
+                           hang a host-only node (``host_kv`` + ``state_host``) under the anchor.
+                           The next match (``wait_*``: this very one) finds it and
+                           ``init_load_back`` loads it.
     poll()                 check_hicache_events: advance fetches whose storage ops are done
     cancel(req)            the request was aborted: its fetches stop; their slots go back when done
 
@@ -224,6 +226,21 @@ class StorageHook:
         if f in self.fetches:
             self.fetches.remove(f)
 
+    def _state_slot(self, anchor: TreeNode) -> Optional[list]:
+        """A T2 state slot for a fetch: a free one, else the LRU unlocked T2 state is evicted for it
+        (``anchor``'s path kept, as ``alloc_pages`` keeps it for the KV). None: none can be had."""
+        c, tree = self.cache, self.tree
+        h = c.state_region.alloc(1)
+        if h is not None or not tree.policy.size("state_host"):
+            return h
+        tree.lock(anchor)
+        try:
+            if c.state_tier.evict_host_states(1):
+                h = c.state_region.alloc(1)
+        finally:
+            tree.unlock(anchor, prune=False)
+        return h
+
     def _advance(self, f: _Fetch) -> None:
         c = self.cache
         if f.cancelled:
@@ -242,8 +259,10 @@ class StorageHook:
                 self._drop(f)
                 return
             got = c.host_tier.alloc_pages([(c.kv_region, p)], f.anchor)
-            h = c.state_region.alloc(1) if got is not None else None
-            if got is None or h is None:
+            h = self._state_slot(f.anchor) if got is not None else None
+            if got is None or h is None or not f.anchor.alive:
+                if h is not None:
+                    c.state_region.free(h)
                 if got is not None:
                     c.kv_region.free(got[0])
                 c.stats["t3_no_room"] += 1
