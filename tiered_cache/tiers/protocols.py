@@ -26,6 +26,10 @@ things: ``free`` refuses an id marked busy (a transfer still reads or writes its
 it moves any row (compaction) it calls every fence registered with ``add_fence`` (the transfer
 engine makes compute wait for its copies there).
 
+A KV side whose pages lie in one buffer per layer offers ``layer_rows`` instead (``LayeredKVSide``):
+the moves gather each page's fields into an envelope on the device before a D2H copy, and scatter
+a landed envelope back into the layers after an H2D copy (the bytes cross HBM once more).
+
 The radix trees take a ``T0Pool``: an object that hands out its sides by name (``side(name)``) and
 checks its own invariants. ``UnifiedPool`` is one (its two sides share one buffer); an engine's pools
 are another, whose sides may share nothing (then evicting KV frees no state slot).
@@ -133,6 +137,23 @@ class KVSide(ActiveSide, Protocol):
 
     def v_view_all(self) -> torch.Tensor:
         """V of every layer: ``[L, capacity, page_size, kv_heads, v_head_dim]``."""
+        ...
+
+
+@runtime_checkable
+class LayeredKVSide(ActiveSide, Protocol):
+    """A KV side whose pages lie in one buffer per layer (an engine's own KV pool, such as SGLang's
+    ``MHATokenToKVPool``), so no ``[capacity, entry_bytes]`` row view exists (``rows_bytes`` may raise).
+    The T2 moves gather its fields into page envelopes on the device and scatter them back
+    (``transfer.moves``); sides with ``rows_bytes`` (``UnifiedPool``'s) keep the direct copy."""
+
+    @property
+    def spec(self) -> KVSpec: ...
+
+    def layer_rows(self) -> list[tuple[int, torch.Tensor]]:
+        """Each field of the page envelope, in envelope order (K, then V, of each layer): its byte offset
+        in the envelope (``spec.field_offsets(page_size)``) and a ``[capacity, nbytes]`` uint8 view of
+        its bytes, one row per physical page, aliasing the side's memory."""
         ...
 
 

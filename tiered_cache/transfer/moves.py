@@ -6,7 +6,9 @@
 
 T0 slots are named by *virtual* ids and translated once at submit; compaction of a T0 side waits
 for the engine's tickets first (the engine registers a fence), so physical rows stay valid. A T0
-side is anything that offers ``tiers.protocols.KVSide`` / ``StateSide`` (``UnifiedPool``'s sides do).
+side is anything that offers ``tiers.protocols.KVSide`` / ``StateSide`` (``UnifiedPool``'s sides do),
+or, for KV, a ``LayeredKVSide`` (one buffer per layer, SGLang's): its pages are gathered into envelopes
+on the device for a D2H copy and scattered back after an H2D copy (one more pass over HBM).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from tiered_cache.errors import InvalidArgumentError, SlotStateError
 from tiered_cache.specs import KVSpec
 from tiered_cache.tiers.host_mirror import HostRegion
-from tiered_cache.tiers.protocols import KVSide, StateSide
+from tiered_cache.tiers.protocols import KVSide, LayeredKVSide, StateSide
 from tiered_cache.tiers.slots import id_list
 from tiered_cache.transfer.engine import Ticket, TransferEngine
 from tiered_cache.validate import bool_arg, instance_arg
@@ -44,7 +46,8 @@ def _check_parts(engine, region, side=_UNSET, t1=_UNSET, kv: bool = False) -> No
     if t1 is not _UNSET:
         instance_arg("t1", t1, Int8CheckpointPool, "an Int8CheckpointPool")
     if side is not _UNSET:
-        instance_arg("side", side, KVSide if kv else StateSide, "a T0 side (tiers.protocols.KVSide or StateSide)")
+        if not (kv and isinstance(side, LayeredKVSide)):
+            instance_arg("side", side, KVSide if kv else StateSide, "a T0 side (tiers.protocols.KVSide or StateSide)")
         if isinstance(side.spec, KVSpec) != kv:
             raise InvalidArgumentError("side", "a KV side" if kv else "a state side", side.name)
 
@@ -108,8 +111,36 @@ def demote_kv(engine: TransferEngine, side: KVSide, token_ids, region: HostRegio
     vids = _page_vids(side, token_ids, "token_ids")
     rows = side.physical_rows(vids, "token_ids")
     side.add_fence(engine.fence)
+    if _layered(side):  # gathered into envelopes on the compute stream, which the copy stream waits for
+        stage = torch.zeros(len(rows), side.entry_bytes, dtype=torch.uint8, device=side.device)
+        idx = torch.tensor(rows, dtype=torch.int64, device=side.device)
+        for off, view in _fields(side):
+            stage[:, off:off + view.shape[1]] = view.index_select(0, idx)
+        return engine.demote(stage, list(range(len(rows))), region, host_slots, kind="demote_kv",
+                             busy=[(side, vids)])
     return engine.demote(side.rows_bytes(), rows, region, host_slots, kind="demote_kv",
                          busy=[(side, vids)])
+
+
+def _layered(side) -> bool:
+    """Whether ``side``'s pages lie in one buffer per layer (``LayeredKVSide``; no ``rows_bytes``)."""
+    return isinstance(side, LayeredKVSide) and not isinstance(side, KVSide)
+
+
+def _fields(side) -> list[tuple[int, torch.Tensor]]:
+    """``side.layer_rows()``, checked against the envelope: a bad one is a typed error naming ``side``."""
+    fields = side.layer_rows()
+    offs = [o for kv in side.spec.field_offsets(side.page_size) for o in kv]
+    stops = offs[1:] + [side.entry_bytes]
+    if [off for off, _ in fields] != offs:
+        raise InvalidArgumentError("side", f"layer_rows at the envelope's field offsets {offs[:4]}...",
+                                   [off for off, _ in fields][:4])
+    for i, ((off, view), stop) in enumerate(zip(fields, stops)):
+        if (not isinstance(view, torch.Tensor) or view.dtype != torch.uint8 or view.dim() != 2
+                or view.shape[0] != side.capacity or off + view.shape[1] > stop or view.device != side.device):
+            raise InvalidArgumentError("side", f"layer_rows field {i}: a [{side.capacity}, <= {stop - off}] uint8 view "
+                                       f"on {side.device}", getattr(view, "shape", type(view).__name__))
+    return fields
 
 
 def kv_layer_ranges(side: KVSide) -> list[tuple[int, int]]:
@@ -132,6 +163,19 @@ def load_kv(engine: TransferEngine, region: HostRegion, host_slots, side: KVSide
         raise SlotStateError("token_ids", "distinct pages", vids[:16])
     rows = side.physical_rows(vids, "token_ids")
     side.add_fence(engine.fence)
+    if _layered(side):
+        # Lands in envelopes on the device (checksummed there), then one scatter per field on the H2D
+        # stream before the ticket's event: no layer events, so ``wait_layer`` waits for the whole load.
+        fields = _fields(side)
+        stage = torch.empty(len(rows), side.entry_bytes, dtype=torch.uint8, device=side.device)
+
+        def scatter() -> None:  # on the H2D stream: its index tensor is that stream's allocation
+            idx = torch.tensor(rows, dtype=torch.int64, device=side.device)
+            for off, view in fields:
+                view.index_copy_(0, idx, stage[:, off:off + view.shape[1]])
+
+        return engine.load(region, host_slots, stage, list(range(len(rows))), kind="load_kv", after=scatter,
+                           busy=[(side, vids)])
     return engine.load(region, host_slots, side.rows_bytes(), rows, kind="load_kv",
                        layer_ranges=kv_layer_ranges(side) if layerwise else None,
                        busy=[(side, vids)])

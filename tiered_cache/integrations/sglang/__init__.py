@@ -8,13 +8,14 @@
 - ``register()``: registers ``factory`` under ``BACKEND_NAME`` (``--radix-cache-backend tiered``); once
   per process, a second call does nothing.
 
-- ``t0.py``: ``SGLangKVSide`` (SGLang's paged allocator + MHA KV pool: ids and room, no layer-spanning
-  views), ``SGLangStateSide`` (SGLang's mamba pool + slot allocator: a whole ``StateSide``), ``SGLangT0``.
+- ``t0.py``: ``SGLangKVSide`` (SGLang's paged allocator + MHA KV pool: ids, room, and per-layer page rows
+  for the T2 moves), ``SGLangStateSide`` (SGLang's mamba pool + slot allocator: a whole ``StateSide``),
+  ``SGLangT0``.
 
-Built: the factory builds T1 and the tree over SGLang's own pools (``SGLangT0``, no second T0) through
-``TieredCache.build_on``. Not built: T2 over SGLang's per-layer KV layout (a ``host_kv_pages`` key is
-refused), the extra mamba buffer and SGLang's int8 checkpoint pool (refused), SWA hybrids, tensor
-parallelism (``docs/sglang.md``, "Left").
+Built: the factory builds T1, T2 (``host_kv_pages`` / ``host_states``; KV pages gathered from and
+scattered into SGLang's per-layer buffers), T3 and the tree over SGLang's own pools (``SGLangT0``, no
+second T0) through ``TieredCache.build_on``. Not built: the extra mamba buffer and SGLang's int8
+checkpoint pool (refused), SWA hybrids, tensor parallelism (``docs/sglang.md``, "Left").
 """
 
 from __future__ import annotations
@@ -57,9 +58,6 @@ def factory(ctx: Any) -> TieredRadixCache:
 
     conf = check_context(ctx)
     params = ctx.params
-    if int(conf.tiers.get("host_kv_pages", 0)) > 0:
-        raise InvalidArgumentError("host_kv_pages", "0 (T2 over SGLang's per-layer KV pool is not built yet)",
-                                   conf.tiers["host_kv_pages"])
     if getattr(params, "enable_mamba_extra_buffer", False):
         raise InvalidArgumentError("ctx.params.enable_mamba_extra_buffer",
                                    "False (the ping-pong track buffers are not read yet)", True)

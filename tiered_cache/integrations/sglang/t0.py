@@ -4,8 +4,9 @@ and ``SGLangStateSide`` (SGLang's mamba pool and slot allocator as a ``StateSide
 tree by name through ``SGLangT0``.
 
 The radix tree takes ``SGLangT0`` (``tiers.protocols.T0Pool``) and ``factory`` builds the tiers above
-it through ``TieredCache.build_on``: T1 and the tree, no T2 (see below);
-``tests/integrations/sglang/test_sglang_factory.py`` runs it on SGLang's real pools on CPU.
+it through ``TieredCache.build_on``: T1, T2 and T3 as the backend config asks, and the tree;
+``tests/integrations/sglang/test_sglang_factory.py`` and ``test_sglang_t2.py`` run it on SGLang's real
+pools on CPU.
 
 Ids. SGLang's token ids are physical (``page * page_size + offset``, page 0 reserved for padded
 writes, like our sink), so ``translate`` is the identity and a page id is its row. The allocator
@@ -14,12 +15,12 @@ allocated, by the scheduler for a running request or by a request for what the t
 side adds what SGLang's allocator does not check: freeing a free, unknown or repeated page (typed
 errors, nothing freed) and busy marks (a T2 transfer in flight), so the tree's contract holds.
 
-Not here (and why this is not a ``KVSide`` yet): ``k_view_all`` / ``v_view_all``, and ``rows_bytes``
-only as a typed error (so that the side is an ``ActiveSide``, which the tree requires).
-SGLang's ``MHATokenToKVPool`` keeps one ``[size + page_size, heads, head_dim]`` tensor per layer, so a
-page's bytes lie in ``num_layers`` places and neither a ``[L, pages, ...]`` tensor nor a
-``[pages, entry_bytes]`` row view of them exists; the T2 moves, which copy ``rows_bytes`` rows, need a
-per-layer gather/scatter for this layout first.
+Layout. SGLang's ``MHATokenToKVPool`` keeps one ``[size + page_size, heads, head_dim]`` tensor per
+layer, so a page's bytes lie in ``2 * num_layers`` places and neither a ``[L, pages, ...]`` tensor nor
+a ``[pages, entry_bytes]`` row view of them exists: no ``k_view_all`` / ``v_view_all``, and
+``rows_bytes`` is a typed error (kept so the side is an ``ActiveSide``). It is a
+``tiers.protocols.LayeredKVSide``: ``layer_rows`` gives each layer's K and V as page rows, and the T2
+moves gather them into our page envelope on the device (and scatter a loaded one back).
 
 The state side is whole: SGLang's ``MambaPool`` keeps ``temporal`` ``[L, size + 1, HV, V, K]`` and
 each ``conv[i]`` ``[L, size + 1, ...]`` (slot 0 its padding slot, our sink), which are exactly the
@@ -155,9 +156,22 @@ class SGLangKVSide:
 
     def rows_bytes(self) -> torch.Tensor:
         """Not a view of SGLang's layout (a page's bytes lie in one buffer per layer): a typed error.
-        The radix tree asks for it only for T2 moves, which ``factory`` does not build over this side."""
+        The T2 moves use ``layer_rows`` instead (this side is a ``LayeredKVSide``)."""
         raise InvalidArgumentError("allocator", "a KV pool with one envelope per page (SGLang's MHA pool keeps "
-                                   "one buffer per layer; T2 over it is not built)", type(self._pool).__name__)
+                                   "one buffer per layer: use layer_rows)", type(self._pool).__name__)
+
+    def layer_rows(self) -> list[tuple[int, torch.Tensor]]:
+        """``tiers.protocols.LayeredKVSide``: K, then V, of each layer as ``[capacity, page bytes]`` uint8
+        views of SGLang's own buffers (a page's rows of ``k_buffer[l]`` are contiguous), each with its
+        byte offset in our page envelope; the T2 moves gather and scatter through them."""
+        ps, cap, out = self._page, self._capacity, []
+        for (ko, vo), k, v in zip(self._spec.field_offsets(ps), self._pool.k_buffer, self._pool.v_buffer):
+            for off, buf in ((ko, k), (vo, v)):
+                if not buf.is_contiguous():
+                    raise InvalidArgumentError("allocator", "an MHA KV pool of contiguous per-layer buffers",
+                                               tuple(buf.stride()))
+                out.append((off, buf[:cap * ps].reshape(cap, -1).view(torch.uint8)))
+        return out
 
     # ----------------------------------------------------------------------------- transfers
     def mark_busy(self, ids: Iterable[int]) -> None:

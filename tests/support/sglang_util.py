@@ -1,0 +1,137 @@
+"""SGLang's real pools on CPU, built and driven as SGLang's scheduler does, for the tests of
+``tiered_cache.integrations.sglang`` (``tests/integrations/sglang``): ``_pools`` (``HybridReqToTokenPool``
+with its mamba pool, the paged allocator and its MHA KV pool), ``_build`` (the backend through SGLang's
+registry with a real ``TreeCacheBuildContext``), the "model" (``_kv_of``, ``_state_of``: KV and states
+that are functions of the prefix) and ``_serve`` (one request in the scheduler's order). Importing it
+skips the importing test module where SGLang is not installed."""
+
+from __future__ import annotations
+
+import json
+import types
+import zlib
+from array import array
+
+import pytest
+import torch
+
+registry = pytest.importorskip("sglang.srt.mem_cache.registry")
+memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+allocator_mod = pytest.importorskip("sglang.srt.mem_cache.allocator")
+cache_init_params = pytest.importorskip("sglang.srt.mem_cache.cache_init_params")
+common = pytest.importorskip("sglang.srt.mem_cache.common")
+mamba_utils = pytest.importorskip("sglang.srt.configs.mamba_utils")
+schedule_batch = pytest.importorskip("sglang.srt.managers.schedule_batch")
+sampling_params = pytest.importorskip("sglang.srt.sampling.sampling_params")
+
+from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402
+
+PAGE, TOKENS, LAYERS, HEADS, DIM, ROWS, SLOTS, CHUNK = 16, 512, 2, 2, 8, 4, 4, 32
+
+
+def _pools():
+    kv_pool = memory_pool.MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
+                                           head_dim=DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    alloc = allocator_mod.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.float32, "cpu", kv_pool, need_sort=False)
+    shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
+                                                head_dim=4, state_size=8, conv_kernel=4)
+    params = mamba_utils.Mamba2CacheParams(shape=shape, layers=[0, 2], dtype=mamba_utils.Mamba2StateDType(
+        conv=torch.float32, temporal=torch.float32))
+    rows = memory_pool.HybridReqToTokenPool(
+        size=ROWS, mamba_size=SLOTS, mamba_spec_state_size=0, max_context_len=256, device="cpu",
+        enable_memory_saver=False, cache_params=params, mamba_layer_ids=[0, 2], enable_mamba_extra_buffer=False,
+        enable_overlap_schedule=False)
+    return rows, alloc, kv_pool
+
+
+def _ctx(rows, alloc, **kw):
+    params = cache_init_params.CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc,
+                                               page_size=PAGE)
+    fields = dict(server_args=None, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
+                  enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
+                  tp_size=1, tp_rank=0, tp_group=None)
+    fields.update(kw)
+    return registry.TreeCacheBuildContext(**fields)
+
+
+def _build(monkeypatch, rows, alloc, config: dict):
+    # Req.owned_kv_len and release_kv_cache read SGLang's published config (a launched server's
+    # ServerArgs); this test launches none, so the fields they read get their defaults
+    serving = types.SimpleNamespace(strip_thinking_cache=False, enable_streaming_session=False)
+    memory = types.SimpleNamespace(radix_cache_backend=backend_pkg.BACKEND_NAME, enable_hierarchical_cache=False,
+                                   hicache_host_memory_mode="", enable_session_radix_cache=False,
+                                   radix_eviction_policy="lru")  # --radix-cache-backend tiered
+    for mod in (schedule_batch, common, registry):
+        monkeypatch.setattr(mod, "get_serving", lambda: serving, raising=False)
+    monkeypatch.setattr(registry, "get_memory", lambda: memory)
+    monkeypatch.setattr(common, "get_spec", lambda: types.SimpleNamespace(speculative_algorithm=None))
+    monkeypatch.setenv(backend_pkg.CONFIG_ENV, json.dumps(config))
+    backend_pkg.register()
+    return registry.create_tree_cache(_ctx(rows, alloc))  # SGLang's own routing to the registered factory
+
+
+# ----------------------------------------------------------------------------- the "model"
+def _code(toks) -> float:
+    """A number naming the prefix ``toks`` (exact in float32)."""
+    return float(zlib.crc32(array("q", toks).tobytes()) % (1 << 22))
+
+
+def _kv_of(toks, layer: int) -> torch.Tensor:
+    """The K rows the model writes for every token of ``toks``: [n, HEADS, DIM]."""
+    codes = torch.tensor([_code(toks[:i + 1]) for i in range(len(toks))], dtype=torch.float32)
+    return (codes + layer)[:, None, None].expand(-1, HEADS, DIM)
+
+
+def _state_of(toks, cache):
+    g = torch.Generator().manual_seed(zlib.crc32(array("q", toks).tobytes()))
+    t = torch.randn(cache.temporal[:, 0].shape, generator=g)
+    return t, [torch.randn(c[:, 0].shape, generator=g) for c in cache.conv]
+
+
+def _check_prefix(backend, kv_pool, mcache, req, toks):
+    """The ids handed to SGLang hold exactly the prefix's KV; the request's slot the prefix's state."""
+    n = req.prefix_len
+    ids = backend.prefix_device_indices(req)
+    assert ids.numel() == n
+    for layer in range(LAYERS):
+        assert torch.equal(kv_pool.k_buffer[layer][ids], _kv_of(toks[:n], layer))
+        assert torch.equal(kv_pool.v_buffer[layer][ids], -_kv_of(toks[:n], layer))
+    if n:
+        slot = int(req.kv.mamba_pool_idx)
+        t, convs = _state_of(toks[:n], mcache)
+        assert torch.equal(mcache.temporal[:, slot], t)  # lossless T1: bit-exact
+        assert all(torch.equal(c[:, slot], want) for c, want in zip(mcache.conv, convs))
+
+
+def _serve(backend, rows, alloc, kv_pool, rid: str, toks: list[int]) -> int:
+    """One request in the scheduler's order; returns the prefix it resumed at."""
+    mcache = rows.mamba_pool.mamba_cache
+    req = schedule_batch.Req(rid, "", array("q", toks), sampling_params.SamplingParams(max_new_tokens=1))
+    req.init_next_round_input(backend)  # SGLang's admission: match_kv_cache with cow_mamba
+    assert req.host_hit_length == 0 and req.mamba_host_hit_length == 0  # no T2
+    _check_prefix(backend, kv_pool, mcache, req, toks)
+    req.lock = backend.lock(req.last_node)
+    assert rows.alloc([req]) is not None  # its row, and a slot when the match gave none
+    start = resumed = int(req.prefix_len)
+    new = alloc.alloc(len(toks) - start)
+    row = torch.cat([backend.prefix_device_indices(req), new.to(torch.int64)])
+    rows.write((req.kv.req_pool_idx, slice(0, len(toks))), row.to(torch.int32))
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = len(toks)
+    for end in range(start + CHUNK, len(toks) + CHUNK, CHUNK):  # chunked prefill
+        end = min(end, len(toks))
+        for layer in range(LAYERS):
+            kv_pool.k_buffer[layer][row[start:end]] = _kv_of(toks, layer)[start:end]
+            kv_pool.v_buffer[layer][row[start:end]] = -_kv_of(toks, layer)[start:end]
+        t, convs = _state_of(toks[:end], mcache)
+        slot = int(req.kv.mamba_pool_idx)
+        mcache.temporal[:, slot] = t
+        for c, want in zip(mcache.conv, convs):
+            c[:, slot] = want
+        if end < len(toks):
+            backend.checkpoint(req, up_to=end)
+            req.prefix_len = end
+        start = end
+    req.finished_reason = schedule_batch.FINISH_LENGTH(length=1)
+    common.release_kv_cache(req, backend, checkpoint=True)  # final checkpoint, free row, unlock, slot back
+    assert req.kv.mamba_pool_idx is None and req.kv.req_pool_idx is None  # slot and row back to SGLang
+    return resumed
