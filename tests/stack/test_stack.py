@@ -302,3 +302,30 @@ def test_a_prefetch_finding_host_state_slots_full_but_evictable_evicts_one(tmp_p
         assert req.load_back.ok
         check_kv(d.tree, ids, [1, 2, 3, 4])  # what T3 held, through T2, byte for byte
         d.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=req.mamba_pool_idx)
+
+
+def test_a_query_that_diverges_inside_a_cached_node_gets_a_storage_continuation(tmp_path):
+    """Issue 19 parity: the walk of [1, 2, 3, 4] stops inside the cached node [1, 2, 7, 8]; T3 holds
+    [1, 2, 3, 4] with its state, so the fetch splits the node at 2 and hangs [3, 4] under [1, 2] (was: no
+    prefetch, since it started only at node boundaries: a miss)."""
+    url = f"file://{tmp_path}"
+    with build(**HOST, storage_url=url, prefetch_policy="wait_complete") as c:
+        insert_fresh(c.tree, [1, 2, 3, 4])
+        settle(c.tree)
+    with build(**HOST, storage_url=url, prefetch_policy="wait_complete") as d:
+        insert_fresh(d.tree, [1, 2, 7, 8])
+        settle(d.tree)
+        m = match(d, [1, 2, 3, 4])
+        s = d.stats()["tree"]
+        assert s.get("t3_hits") == 1 and s.get("t3_split_anchors") == 1, sorted(s.items())
+        assert m.host_hit_length == 4 and m.mamba_host_hit_length == 1
+        upper = node_at(d.tree, [1, 2])
+        assert upper.host_kv is not None and len(upper.children) == 2  # [7, 8] and the fetched [3, 4]
+        req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64))
+        ids, _ = d.tree.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+        while not req.load_back.done:
+            d.tree.check_hicache_events()
+        assert req.load_back.ok
+        check_kv(d.tree, ids, [1, 2, 3, 4])
+        check_kv(d.tree, match(d, [1, 2, 7, 8]).device_indices, [1, 2, 7, 8])  # the split node still serves
+        d.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=req.mamba_pool_idx)

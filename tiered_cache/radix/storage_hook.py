@@ -8,7 +8,8 @@ The tree calls these (all on the engine's thread; none blocks except the ``wait_
     on_kv_demoted(node)    eviction freed the node's device KV, its T2 copy stays: without
                            write-through, its KV pages go to T3 now
     on_state(node)         a state was cached (write-through) or demoted T1 -> T2: it goes to T3
-    maybe_prefetch(...)    match_prefix: the walk stopped at a node boundary (root included) whose
+    maybe_prefetch(...)    match_prefix: the walk stopped at a node boundary (root included), or
+                           diverged inside a node (split there when the fetch lands), whose
                            node is on the host, and pages follow: ask T3 which of them it holds
                            (``lookup``), then fetch the longest run of KV pages that ends at a page
                            whose state T3 also holds into fresh T2 slots (host KV LRU and the
@@ -61,6 +62,7 @@ class _Fetch:
     slots: Optional[list] = None
     state_slot: Optional[int] = None
     cancelled: bool = False
+    cut: int = 0  # tokens into ``anchor`` where the query diverged (0: at its end)
 
 
 class StorageHook:
@@ -140,19 +142,21 @@ class StorageHook:
                 r.free([tmp])
 
     # ----------------------------------------------------------------------------- prefetch
-    def _anchor(self, toks: list, salt: Optional[str], end: int) -> Optional[tuple[TreeNode, int]]:
-        """The node the walk of ``toks[:end]`` stops at, at a node boundary, with pages left; else None."""
+    def _anchor(self, toks: list, salt: Optional[str], end: int) -> Optional[tuple[TreeNode, int, int]]:
+        """Where the walk of ``toks[:end]`` stops with pages left: ``(node, tokens walked, cut)``, at the end
+        of ``node`` (``cut`` 0) or, where the query diverges inside ``node``, ``cut`` tokens into it (the
+        fetched node hangs under its upper half once split there); else None."""
         tree = self.tree
         ps, node, i = tree.page_size, tree.root, 0
         while i < end:
             child = tree.child(node, toks, i, salt)
             if child is None:
-                return node, i
+                return node, i, 0
             if child.value is None and child.host_kv is None:
                 return None
             m = common_len(child.key, toks, i, end, ps)
             if m < len(child.key):
-                return None
+                return (child, i + m, m) if i + m < end else None
             i += m
             node = child
         return None
@@ -163,7 +167,7 @@ class StorageHook:
         found = self._anchor(toks, salt, end)
         if found is None:
             return
-        anchor, start = found
+        anchor, start, cut = found
         if anchor is not c.root and anchor.host_kv is None and anchor.host_pending is None:
             c.stats["t3_skip_anchor_not_on_host"] += 1  # host copies must stay a prefix from the root
             return
@@ -174,7 +178,7 @@ class StorageHook:
                 return  # already being fetched
         keys = self.tier.keys(toks[:end], extra_key=salt)[start // ps:]
         ops = [self.tier.lookup(keys, Kind.KV), self.tier.lookup(keys, Kind.STATE)]
-        f = _Fetch(req, salt, list(toks[:end]), start, anchor, keys, ops)
+        f = _Fetch(req, salt, list(toks[:end]), start, anchor, keys, ops, cut=cut)
         self.fetches.append(f)
         c.stats["t3_lookups"] += 1
         if self.policy != "best_effort":
@@ -275,13 +279,17 @@ class StorageHook:
         kv_op, st_op = f.ops
         ok = kv_op.hit_prefix == f.pages and st_op.hit_prefix == 1
         again = self._anchor(f.toks, f.salt, len(f.toks)) if ok else None
-        if not ok or again is None or again[0] is not f.anchor or again[1] != f.start or not f.anchor.alive or (
+        moved = again is None or again[0] is not f.anchor or again[1:] != (f.start, f.cut)
+        if not ok or moved or not f.anchor.alive or (
                 f.anchor is not c.root and f.anchor.host_kv is None and f.anchor.host_pending is None):
             c.stats["t3_miss" if not ok else "t3_tree_changed"] += 1
             self._drop(f)
             return
         tree = self.tree
         assert f.slots is not None, "a fetch past its lookup holds its T2 slots"
+        if f.cut:  # the query diverged inside the anchor: its upper half (host pages included) anchors it
+            f.anchor = tree.split(f.anchor, f.cut)
+            c.stats["t3_split_anchors"] += 1
         key = f.toks[f.start:f.start + f.pages * c.page_size]
         x = tree.link(f.anchor, key, None, f.salt)
         x.host_kv, x.payload.state_host = list(f.slots), f.state_slot
