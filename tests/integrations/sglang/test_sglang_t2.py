@@ -136,7 +136,8 @@ def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poiso
     monkeypatch.setattr(backend, "prefix_device_indices", lambda r: ids)
     _check_prefix(backend, kv_pool, rows.mamba_pool.mamba_cache, req, toks)  # and the state at 48
     rows.mamba_allocator.free(req.kv.mamba_pool_idx.reshape(1))
-    assert _serve(backend, rows, alloc, kv_pool, "a3", a + [8] * 16) == 48  # from the device now
+    assert stack.stats()["tree"]["state_promotes"] == 1  # the state came back to T1 with the load
+    assert _serve(backend, rows, alloc, kv_pool, "a3", a + [8] * 16) == 48  # from the device now (no host hit)
     backend.evict(B.EvictParams(num_tokens=TOKENS))
     assert alloc.available_size() == kv_free and rows.mamba_allocator.available_size() == slots_free
     backend.check_invariants()
