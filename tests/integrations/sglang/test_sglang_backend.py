@@ -15,13 +15,15 @@ import pytest
 import torch
 
 B = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
-registry = pytest.importorskip("sglang.srt.mem_cache.registry")
-memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
-cache_init_params = pytest.importorskip("sglang.srt.mem_cache.cache_init_params")
-schedule_batch = pytest.importorskip("sglang.srt.managers.schedule_batch")
 sgl_radix = pytest.importorskip("sglang.srt.mem_cache.radix_cache")
-sampling_params = pytest.importorskip("sglang.srt.sampling.sampling_params")
 
+from tests.support.sglang_util import (  # noqa: E402
+    cache_init_params,
+    memory_pool,
+    registry,
+    sampling_params,
+    schedule_batch,
+)
 from tiered_cache import CacheConfig, KVSpec, StateSpec, TieredCache  # noqa: E402
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError  # noqa: E402
 from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402

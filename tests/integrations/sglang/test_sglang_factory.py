@@ -16,15 +16,6 @@ from array import array
 import pytest
 
 B = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
-registry = pytest.importorskip("sglang.srt.mem_cache.registry")
-memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
-allocator_mod = pytest.importorskip("sglang.srt.mem_cache.allocator")
-cache_init_params = pytest.importorskip("sglang.srt.mem_cache.cache_init_params")
-common = pytest.importorskip("sglang.srt.mem_cache.common")
-mamba_utils = pytest.importorskip("sglang.srt.configs.mamba_utils")
-schedule_batch = pytest.importorskip("sglang.srt.managers.schedule_batch")
-sgl_radix = pytest.importorskip("sglang.srt.mem_cache.radix_cache")
-sampling_params = pytest.importorskip("sglang.srt.sampling.sampling_params")
 
 from tests.support.sglang_util import (  # noqa: E402
     SLOTS,
@@ -34,6 +25,9 @@ from tests.support.sglang_util import (  # noqa: E402
     _ctx,
     _pools,
     _serve,
+    memory_pool,
+    sampling_params,
+    schedule_batch,
 )
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError  # noqa: E402
 from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402

@@ -13,8 +13,6 @@ import pytest
 import torch
 
 B = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
-schedule_batch = pytest.importorskip("sglang.srt.managers.schedule_batch")
-sampling_params = pytest.importorskip("sglang.srt.sampling.sampling_params")
 
 from tests.support.sglang_util import (  # noqa: E402
     LAYERS,
@@ -25,6 +23,8 @@ from tests.support.sglang_util import (  # noqa: E402
     _kv_of,
     _pools,
     _serve,
+    sampling_params,
+    schedule_batch,
 )
 from tiered_cache.errors import InvalidArgumentError  # noqa: E402
 from tiered_cache.integrations.sglang.t0 import SGLangKVSide  # noqa: E402

@@ -43,7 +43,78 @@ from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.validate import int_arg
 
 
-class SGLangKVSide:
+class _RowIds:
+    """Ids, rows and busy marks shared by both sides: SGLang's ids are its buffers' rows (``translate``
+    is the identity), rows ``[1, capacity)`` not free are allocated, and a transfer's rows are marked
+    busy. A subclass sets ``_name``, ``_capacity``, ``_unit`` (what a row is called in errors),
+    ``_tokens`` (ids per row: the KV page size, 1 for states) and gives ``_free_rows()``."""
+
+    _name: str
+    _capacity: int
+    _unit: str
+    _tokens: int
+    _busy: Counter
+    _fences: list[Callable[[], None]]
+
+    def _init_rows(self, name: str, capacity: int, tokens: int, unit: str) -> None:
+        self._name, self._capacity, self._tokens, self._unit = name, capacity, tokens, unit
+        self._busy = Counter()
+        self._fences = []
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _free_rows(self) -> set[int]:
+        raise NotImplementedError
+
+    def translate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Identity: SGLang's ids are rows of its buffers."""
+        return ids
+
+    def translate_host(self, ids: np.ndarray) -> np.ndarray:
+        """Identity for allocated rows' ids; a free row's ids map to -1."""
+        out = np.asarray(ids, dtype=np.int64).copy()
+        free = self._free_rows()
+        rows = out // self._tokens
+        mask = np.isin(rows, np.fromiter(free, dtype=np.int64, count=len(free)))
+        out[mask | (rows <= 0) | (rows >= self._capacity)] = -1
+        return out
+
+    def physical_rows(self, vids: Sequence[int], arg: str = "vids") -> list[int]:
+        rows = [int(v) for v in vids]
+        free = self._free_rows()
+        bad = [v for v in rows if v <= 0 or v >= self._capacity or v in free]
+        if bad:
+            raise SlotStateError(arg, f"allocated {self._name} {self._unit}s in [1, {self._capacity})", bad[:16])
+        if len(set(rows)) != len(rows):
+            raise SlotStateError(arg, f"distinct {self._unit}s", rows[:16])
+        return rows
+
+    def live_virtual_ids(self) -> list[int]:
+        free = self._free_rows()
+        return [x for x in range(1, self._capacity) if x not in free]
+
+    def mark_busy(self, ids: Iterable[int]) -> None:
+        for x in self.physical_rows(list(ids), "ids"):
+            self._busy[x] += 1
+
+    def unmark_busy(self, ids: Iterable[int]) -> None:
+        lst = [int(x) for x in ids]
+        unmarked = [x for x in lst if not self._busy[x]]
+        if unmarked:
+            raise SlotStateError("ids", f"{self._unit}s marked busy", unmarked[:16])
+        for x in lst:
+            self._busy[x] -= 1
+
+    def add_fence(self, fence: Callable[[], None]) -> None:
+        """Kept for the protocol: SGLang's pools never move a row (no compaction), so no fence is ever
+        called."""
+        if fence not in self._fences:
+            self._fences.append(fence)
+
+
+class SGLangKVSide(_RowIds):
     """SGLang's full-attention KV memory (``allocator``: a ``PagedTokenToKVPoolAllocator``; its
     ``get_kvcache()``: an ``MHATokenToKVPool``) as a T0 side named ``name``."""
 
@@ -57,15 +128,9 @@ class SGLangKVSide:
         self._page = int(allocator.page_size)
         self._spec = KVSpec(num_layers=len(pool.k_buffer), kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
                             dtype=k0.dtype, v_head_dim=int(v0.shape[2]))
-        self._capacity = int(k0.shape[0]) // self._page
-        self._busy: Counter = Counter()
-        self._fences: list[Callable[[], None]] = []
+        self._init_rows(name, int(k0.shape[0]) // self._page, self._page, "page")
 
     # ----------------------------------------------------------------------------- what it is
-    @property
-    def name(self) -> str:
-        return self._name
-
     @property
     def device(self) -> torch.device:
         return self._pool.k_buffer[0].device
@@ -124,34 +189,7 @@ class SGLangKVSide:
             raise InvalidArgumentError(arg, "whole pages (page * page_size + 0..page_size-1)", toks[:2].tolist())
         return self.physical_rows((first // self._page).tolist(), arg)
 
-    # ----------------------------------------------------------------------------- ids
-    def translate(self, ids: torch.Tensor) -> torch.Tensor:
-        """Identity: SGLang's token ids are rows of its buffers."""
-        return ids
-
-    def translate_host(self, ids: np.ndarray) -> np.ndarray:
-        """Identity for allocated pages' tokens; a free page's tokens map to -1."""
-        out = np.asarray(ids, dtype=np.int64).copy()
-        free = self._free_pages()
-        mask = np.isin(out // self._page, np.fromiter(free, dtype=np.int64, count=len(free)))
-        out[mask | (out // self._page <= 0) | (out // self._page >= self._capacity)] = -1
-        return out
-
-    def physical_rows(self, vids: Sequence[int], arg: str = "vids") -> list[int]:
-        rows = [int(v) for v in vids]
-        free = self._free_pages()
-        bad = [v for v in rows if v <= 0 or v >= self._capacity or v in free]
-        if bad:
-            raise SlotStateError(arg, f"allocated {self._name} pages in [1, {self._capacity})", bad[:16])
-        if len(set(rows)) != len(rows):
-            raise SlotStateError(arg, "distinct pages", rows[:16])
-        return rows
-
-    def live_virtual_ids(self) -> list[int]:
-        free = self._free_pages()
-        return [p for p in range(1, self._capacity) if p not in free]
-
-    def _free_pages(self) -> set[int]:
+    def _free_rows(self) -> set[int]:
         return set(self._alloc.get_all_free_pages().tolist())
 
     def rows_bytes(self) -> torch.Tensor:
@@ -173,27 +211,8 @@ class SGLangKVSide:
                 out.append((off, buf[:cap * ps].reshape(cap, -1).view(torch.uint8)))
         return out
 
-    # ----------------------------------------------------------------------------- transfers
-    def mark_busy(self, ids: Iterable[int]) -> None:
-        for p in self.physical_rows(list(ids), "ids"):
-            self._busy[p] += 1
 
-    def unmark_busy(self, ids: Iterable[int]) -> None:
-        lst = [int(p) for p in ids]
-        unmarked = [p for p in lst if not self._busy[p]]
-        if unmarked:
-            raise SlotStateError("ids", "pages marked busy", unmarked[:16])
-        for p in lst:
-            self._busy[p] -= 1
-
-    def add_fence(self, fence: Callable[[], None]) -> None:
-        """Kept for the protocol: SGLang's KV pool never moves a page (no compaction), so no fence is
-        ever called."""
-        if fence not in self._fences:
-            self._fences.append(fence)
-
-
-class SGLangStateSide:
+class SGLangStateSide(_RowIds):
     """SGLang's recurrent states of running requests (``pool``: a ``MambaPool``; ``allocator``: its
     ``MambaSlotAllocator``, ``HybridReqToTokenPool.mamba_allocator``) as a T0 state side."""
 
@@ -211,13 +230,7 @@ class SGLangStateSide:
         self._spec = StateSpec(num_layers=int(t.shape[0]), temporal_shape=tuple(t.shape[2:]), temporal_dtype=t.dtype,
                                conv_shapes=tuple(tuple(c.shape[2:]) for c in convs), conv_dtype=convs[0].dtype,
                                value_axis=1)  # SGLang's temporal is (HV, V, K): V is axis 1
-        self._capacity = int(t.shape[1])
-        self._busy: Counter = Counter()
-        self._fences: list[Callable[[], None]] = []
-
-    @property
-    def name(self) -> str:
-        return self._name
+        self._init_rows(name, int(t.shape[1]), 1, "slot")
 
     @property
     def device(self) -> torch.device:
@@ -264,32 +277,7 @@ class SGLangStateSide:
         if slots:
             self._alloc.free(torch.tensor(slots, dtype=torch.int64, device=self._alloc.free_slots.device))
 
-    def translate(self, ids: torch.Tensor) -> torch.Tensor:
-        """Identity: SGLang's slot ids are rows of its buffers."""
-        return ids
-
-    def translate_host(self, ids: np.ndarray) -> np.ndarray:
-        out = np.asarray(ids, dtype=np.int64).copy()
-        free = self._free()
-        mask = np.isin(out, np.fromiter(free, dtype=np.int64, count=len(free)))
-        out[mask | (out <= 0) | (out >= self._capacity)] = -1
-        return out
-
-    def physical_rows(self, vids: Sequence[int], arg: str = "vids") -> list[int]:
-        rows = [int(v) for v in vids]
-        free = self._free()
-        bad = [v for v in rows if v <= 0 or v >= self._capacity or v in free]
-        if bad:
-            raise SlotStateError(arg, f"allocated {self._name} slots in [1, {self._capacity})", bad[:16])
-        if len(set(rows)) != len(rows):
-            raise SlotStateError(arg, "distinct slots", rows[:16])
-        return rows
-
-    def live_virtual_ids(self) -> list[int]:
-        free = self._free()
-        return [x for x in range(1, self._capacity) if x not in free]
-
-    def _free(self) -> set[int]:
+    def _free_rows(self) -> set[int]:
         return set(self._alloc.free_slots.tolist())
 
     def temporal_view_all(self) -> torch.Tensor:
@@ -308,22 +296,7 @@ class SGLangStateSide:
                                        "slot); this one keeps per-layer buffers", type(self._pool).__name__)
         return raw.view(self._capacity, -1)
 
-    def mark_busy(self, ids: Iterable[int]) -> None:
-        for x in self.physical_rows(list(ids), "ids"):
-            self._busy[x] += 1
 
-    def unmark_busy(self, ids: Iterable[int]) -> None:
-        lst = [int(x) for x in ids]
-        unmarked = [x for x in lst if not self._busy[x]]
-        if unmarked:
-            raise SlotStateError("ids", "slots marked busy", unmarked[:16])
-        for x in lst:
-            self._busy[x] -= 1
-
-    def add_fence(self, fence: Callable[[], None]) -> None:
-        """Kept for the protocol: SGLang's mamba pool never moves a slot, so no fence is ever called."""
-        if fence not in self._fences:
-            self._fences.append(fence)
 
 
 class SGLangT0:
