@@ -47,7 +47,7 @@ class _RowIds:
     """Ids, rows and busy marks shared by both sides: SGLang's ids are its buffers' rows (``translate``
     is the identity), rows ``[1, capacity)`` not free are allocated, and a transfer's rows are marked
     busy. A subclass sets ``_name``, ``_capacity``, ``_unit`` (what a row is called in errors),
-    ``_tokens`` (ids per row: the KV page size, 1 for states) and gives ``_free_rows()``."""
+    ``_tokens`` (ids per row: the KV page size, 1 for states) and gives ``_free_tensor()``."""
 
     _name: str
     _capacity: int
@@ -65,8 +65,13 @@ class _RowIds:
     def name(self) -> str:
         return self._name
 
-    def _free_rows(self) -> set[int]:
+    def _free_tensor(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def _free_rows(self) -> np.ndarray:
+        """The free rows, copied to the host once (SGLang keeps them in a tensor, maybe on the GPU):
+        every check below is one vectorized look-up in it, not a Python set of the whole pool."""
+        return self._free_tensor().to("cpu", torch.int64).numpy()
 
     def translate(self, ids: torch.Tensor) -> torch.Tensor:
         """Identity: SGLang's ids are rows of its buffers."""
@@ -75,16 +80,15 @@ class _RowIds:
     def translate_host(self, ids: np.ndarray) -> np.ndarray:
         """Identity for allocated rows' ids; a free row's ids map to -1."""
         out = np.asarray(ids, dtype=np.int64).copy()
-        free = self._free_rows()
         rows = out // self._tokens
-        mask = np.isin(rows, np.fromiter(free, dtype=np.int64, count=len(free)))
+        mask = np.isin(rows, self._free_rows())
         out[mask | (rows <= 0) | (rows >= self._capacity)] = -1
         return out
 
     def physical_rows(self, vids: Sequence[int], arg: str = "vids") -> list[int]:
         rows = [int(v) for v in vids]
-        free = self._free_rows()
-        bad = [v for v in rows if v <= 0 or v >= self._capacity or v in free]
+        arr = np.asarray(rows, dtype=np.int64)
+        bad = arr[(arr <= 0) | (arr >= self._capacity) | np.isin(arr, self._free_rows())].tolist()
         if bad:
             raise SlotStateError(arg, f"allocated {self._name} {self._unit}s in [1, {self._capacity})", bad[:16])
         if len(set(rows)) != len(rows):
@@ -92,8 +96,7 @@ class _RowIds:
         return rows
 
     def live_virtual_ids(self) -> list[int]:
-        free = self._free_rows()
-        return [x for x in range(1, self._capacity) if x not in free]
+        return np.setdiff1d(np.arange(1, self._capacity, dtype=np.int64), self._free_rows()).tolist()
 
     def mark_busy(self, ids: Iterable[int]) -> None:
         for x in self.physical_rows(list(ids), "ids"):
@@ -189,8 +192,8 @@ class SGLangKVSide(_RowIds):
             raise InvalidArgumentError(arg, "whole pages (page * page_size + 0..page_size-1)", toks[:2].tolist())
         return self.physical_rows((first // self._page).tolist(), arg)
 
-    def _free_rows(self) -> set[int]:
-        return set(self._alloc.get_all_free_pages().tolist())
+    def _free_tensor(self) -> torch.Tensor:
+        return self._alloc.get_all_free_pages()
 
     def rows_bytes(self) -> torch.Tensor:
         """Not a view of SGLang's layout (a page's bytes lie in one buffer per layer): a typed error.
@@ -277,8 +280,8 @@ class SGLangStateSide(_RowIds):
         if slots:
             self._alloc.free(torch.tensor(slots, dtype=torch.int64, device=self._alloc.free_slots.device))
 
-    def _free_rows(self) -> set[int]:
-        return set(self._alloc.free_slots.tolist())
+    def _free_tensor(self) -> torch.Tensor:
+        return self._alloc.free_slots
 
     def temporal_view_all(self) -> torch.Tensor:
         """SGLang's own temporal buffer: ``[L, capacity, HV, V, K]``."""
