@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError, SlotStateError
 from tiered_cache.specs import KVSpec
 from tiered_cache.tiers.host_mirror import HostRegion
@@ -113,7 +114,7 @@ def demote_kv(engine: TransferEngine, side: KVSide, token_ids, region: HostRegio
     side.add_fence(engine.fence)
     if _layered(side):  # gathered into envelopes on the compute stream, which the copy stream waits for
         stage = torch.zeros(len(rows), side.entry_bytes, dtype=torch.uint8, device=side.device)
-        idx = torch.tensor(rows, dtype=torch.int64, device=side.device)
+        idx = dev.host_to_device(torch.tensor(rows, dtype=torch.int64), side.device)
         for off, view in _fields(side):
             stage[:, off:off + view.shape[1]] = view.index_select(0, idx)
         return engine.demote(stage, list(range(len(rows))), region, host_slots, kind="demote_kv",
@@ -169,8 +170,9 @@ def load_kv(engine: TransferEngine, region: HostRegion, host_slots, side: KVSide
         fields = _fields(side)
         stage = torch.empty(len(rows), side.entry_bytes, dtype=torch.uint8, device=side.device)
 
-        def scatter() -> None:  # on the H2D stream: its index tensor is that stream's allocation
-            idx = torch.tensor(rows, dtype=torch.int64, device=side.device)
+        def scatter() -> None:  # on the H2D stream: its index tensor is that stream's allocation, copied
+            # from page-locked memory (a pageable copy would block this thread behind the load it follows)
+            idx = dev.host_to_device(torch.tensor(rows, dtype=torch.int64), side.device)
             for off, view in fields:
                 view.index_copy_(0, idx, stage[:, off:off + view.shape[1]])
 
