@@ -136,11 +136,14 @@ def _fields(side) -> list[tuple[int, torch.Tensor]]:
     if [off for off, _ in fields] != offs:
         raise InvalidArgumentError("side", f"layer_rows at the envelope's field offsets {offs[:4]}...",
                                    [off for off, _ in fields][:4])
+    device = dev.resolve(side.device)  # a side may say "cuda" for the tensors' "cuda:0"
     for i, ((off, view), stop) in enumerate(zip(fields, stops)):
         if (not isinstance(view, torch.Tensor) or view.dtype != torch.uint8 or view.dim() != 2
-                or view.shape[0] != side.capacity or off + view.shape[1] > stop or view.device != side.device):
+                or view.shape[0] != side.capacity or off + view.shape[1] > stop or view.device != device):
+            got = (f"{tuple(view.shape)} {view.dtype} on {view.device}" if isinstance(view, torch.Tensor)
+                   else type(view).__name__)
             raise InvalidArgumentError("side", f"layer_rows field {i}: a [{side.capacity}, <= {stop - off}] uint8 view "
-                                       f"on {side.device}", getattr(view, "shape", type(view).__name__))
+                                       f"on {device}", got)
     return fields
 
 
