@@ -198,6 +198,11 @@ def tiny_family(name: str, seed: int = 0, long_memory: bool = False, dtype: torc
     config = getattr(transformers, cfg_name)(**kw)
     impl = "eager" if name in _EAGER_ONLY else "sdpa"
     model = _build(getattr(transformers, model_name), config, seed, torch.float32, "cpu", impl)
+    if any(type(m).__name__.endswith("Experts") for m in model.modules()):
+        # transformers' default "grouped_mm" experts fall back, for fp32 weights on CUDA, to a loop over
+        # offsets read on the host: a CUDA graph cannot capture that (GraniteMoeHybrid, NemotronH and Kimi
+        # Linear decoded eagerly on the H200). "batched_mm" gathers each token's expert weights on the device.
+        model.set_experts_implementation("batched_mm")
     if long_memory:
         if not set(STATE_KINDS) & set(getattr(model.config, "layer_types", None) or ()):
             raise InvalidArgumentError("long_memory", "False for a model without recurrent states", name)
