@@ -24,7 +24,12 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # What a match that misses T2 does about T3: fetch in the background, wait (bounded), wait up to a timeout.
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # Which cached node gives up a resource next (``tiered_cache.radix.policy``).
-EVICTION_POLICIES = ("lru",)
+EVICTION_POLICIES = ("lru", "marconi", "seglen", "tiered")
+# Which offered states the tree keeps (``tiered_cache.radix.policies.admission``): every chunk end, the leaf
+# and branch points, or those and every ``admission_block`` tokens.
+STATE_ADMISSIONS = ("chunk", "leaf_branch", "block")
+# Model geometries of the cost-aware policies' FLOP and byte counts (``tiered_cache.costs.GEOMETRIES``).
+COST_MODELS = ("qwen3-next-80b", "marconi-7b")
 # Triton kernels or their torch twins: ``auto`` is Triton on CUDA, torch on CPU (``kernels.use_triton``).
 BACKENDS = ("auto", "triton", "torch")
 
@@ -52,7 +57,11 @@ class CacheConfig:
         None: no T3; needs T2). storage_write_through: what is copied to T2 goes to T3 at once (False:
         only what eviction demotes). prefetch_policy (``PREFETCH_POLICIES``) / prefetch_timeout_s: what a
         match that misses T2 does about T3.
-    eviction_policy: one of ``EVICTION_POLICIES``. backend: one of ``BACKENDS``.
+    eviction_policy: one of ``EVICTION_POLICIES``; the cost-aware ones (marconi, seglen, tiered) count
+        FLOPs with the geometry ``cost_model`` (``COST_MODELS``) and bytes from the specs.
+    state_admission: which offered states the tree keeps (``STATE_ADMISSIONS``); admission_block: tokens
+        between kept states for ``block`` (then a multiple of checkpoint_unit, or of page_size without one).
+    backend: one of ``BACKENDS``.
     check_memory: check every pool against free device / host memory before allocating it.
     validate: the tree checks that ids handed to ``insert`` are the caller's (one device sync each).
     """
@@ -76,6 +85,9 @@ class CacheConfig:
     prefetch_policy: str = "best_effort"
     prefetch_timeout_s: float = 1.0
     eviction_policy: str = "lru"
+    cost_model: str = "qwen3-next-80b"
+    state_admission: str = "chunk"
+    admission_block: int = 512
     backend: str = "auto"
     check_memory: bool = True
     validate: bool = True
@@ -97,6 +109,13 @@ class CacheConfig:
         choice_arg("write_policy", self.write_policy, WRITE_POLICIES)
         choice_arg("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         choice_arg("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        choice_arg("cost_model", self.cost_model, COST_MODELS)
+        choice_arg("state_admission", self.state_admission, STATE_ADMISSIONS)
+        unit = self.checkpoint_unit or self.page_size
+        int_arg("admission_block", self.admission_block, lo=1)
+        if self.state_admission == "block" and self.admission_block % unit:
+            raise InvalidArgumentError("admission_block", f"a positive multiple of the checkpoint unit {unit}",
+                                       self.admission_block)
         choice_arg("backend", self.backend, BACKENDS)
         float_arg("prefetch_timeout_s", self.prefetch_timeout_s, lo=0.0, lo_open=True)
         for name in ("lazy_compaction", "storage_write_through", "check_memory", "validate"):

@@ -32,6 +32,7 @@ from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, HostTierConfig, LRUPolicy
 from tiered_cache.radix.params import EvictParams
 from tiered_cache.radix.placement import CheckpointPlacement
+from tiered_cache.radix.policies import StateAdmission, make_policy, stack_costs
 from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.storage import StorageFingerprint, StorageTier, open_backend
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
@@ -57,7 +58,8 @@ class CountingLRUPolicy(LRUPolicy):
         return x
 
 
-# CacheConfig.eviction_policy -> the policy class the stack gives the tree (each counts its victims).
+# CacheConfig.eviction_policy -> the policy class the stack gives the tree (each counts its victims); the
+# cost-aware ones come from radix.policies.make_policy.
 _POLICIES = {"lru": CountingLRUPolicy}
 Tree = Union[HiMambaRadixCache, HiSWARadixCache]
 
@@ -66,7 +68,7 @@ class TieredCache:
     """The tiers of one model's cache and the radix tree over them. Build with ``TieredCache.build``;
     ``close()`` (or a ``with`` block) stops T3's workers and closes its backend."""
 
-    def __init__(self, cfg: CacheConfig, pool: Any, tree: Tree, policy: CountingLRUPolicy, *,
+    def __init__(self, cfg: CacheConfig, pool: Any, tree: Tree, policy: Any, *,
                  t1: Optional[Int8CheckpointPool], host: Optional[HostMirror], transfer: Optional[TransferEngine],
                  storage: Optional[StorageTier], owns_storage: bool, kv_side: str = "full",
                  state_side: str = "mamba") -> None:
@@ -150,7 +152,9 @@ class TieredCache:
             host = HostMirror([RegionSpec(hconf.kv_region, pool.side(kv_side).entry_bytes, cfg.host_kv_pages), second],
                               check_memory=mem)
             transfer = TransferEngine(device, backend=backend)
-        policy = _POLICIES[cfg.eviction_policy]()
+        policy: Any = _POLICIES[cfg.eviction_policy]() if cfg.eviction_policy in _POLICIES else make_policy(
+            cfg.eviction_policy, stack_costs(cfg.cost_model, kv.bytes_per_slot(1), t1.slot_bytes if t1 else 1),
+            tiered=cfg.host_tier)
         owns_storage = False
         if storage is None and cfg.storage_url is not None and model_id is not None:  # (a URL comes with an id)
             fp = StorageFingerprint.from_specs(model_id, kv_spec=kv, state_spec=state, codec=cfg.codec,
@@ -161,7 +165,8 @@ class TieredCache:
             if t1 is not None:
                 tree = HiMambaRadixCache(pool, t1, checkpoint_unit=cfg.checkpoint_unit, placement=placement,
                                          policy=policy, validate=cfg.validate, host=host, transfer=transfer,
-                                         host_config=hconf, storage=storage, kv_side=kv_side, state_side=state_side)
+                                         host_config=hconf, storage=storage, kv_side=kv_side, state_side=state_side,
+                                         admission=StateAdmission(cfg.state_admission, cfg.admission_block))
             else:
                 tree = HiSWARadixCache(pool, policy=policy, validate=cfg.validate, host=host, transfer=transfer,
                                        host_config=hconf)

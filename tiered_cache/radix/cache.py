@@ -54,6 +54,7 @@ from tiered_cache.radix.mamba import MambaRule
 from tiered_cache.radix.mamba_states import MambaStates
 from tiered_cache.radix.params import HostTierConfig
 from tiered_cache.radix.placement import CheckpointPlacement
+from tiered_cache.radix.policies.admission import StateAdmission
 from tiered_cache.radix.policy import EvictionPolicy
 
 
@@ -74,13 +75,14 @@ class HiMambaRadixCache(RadixCacheFacade):
         transfer: the ``TransferEngine`` moving bytes to and from ``host`` (required with ``host``).
         host_config: ``HostTierConfig`` (write policy, thresholds, region names, T3 policies).
         storage: a ``StorageTier`` (T3) below ``host``, or ``None`` (``storage_hook.py``).
+        admission: which states prefill chunks offer are kept (``policies.StateAdmission``; default all).
     """
 
     def __init__(self, pool: Any, ckpt_pool: Any, *, kv_side: str = "full", state_side: str = "mamba",
                  checkpoint_unit: Optional[int] = None, placement: Optional[CheckpointPlacement] = None,
                  policy: Optional[EvictionPolicy] = None, validate: bool = True, host: Any = None,
                  transfer: Any = None, host_config: Optional[HostTierConfig] = None,
-                 storage: Any = None) -> None:
+                 storage: Any = None, admission: Optional[StateAdmission] = None) -> None:
         self._build_tree(pool, kv_side, policy, validate)
         self.states = side_of(pool, state_side, "state_side")
         from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
@@ -103,7 +105,11 @@ class HiMambaRadixCache(RadixCacheFacade):
         self.checkpoint_unit = unit
         self.placement = placement or CheckpointPlacement(unit, ps, unit, unit)
         check_args(host, transfer, host_config, storage)
+        if admission is not None and not isinstance(admission, StateAdmission):
+            raise InvalidTypeError("admission", "a StateAdmission", type(admission).__name__)
         self.rule = rule = MambaRule(self.tree, self.states, ckpt_pool, unit)
+        if admission is not None:
+            rule.admission = admission
         self.tree.bind(rule)
         self.host_tier = HostTier(self.tree, host, transfer, host_config)
         self.state_tier = MambaStates(self.tree, self.rule.flags, self.states, ckpt_pool, self.host_tier)

@@ -32,6 +32,7 @@ from tiered_cache.radix.invariants import Seen, ids
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.nonfinite import StateFlags
 from tiered_cache.radix.params import InsertParams, InsertResult, MatchPrefixParams, MatchResult
+from tiered_cache.radix.policies.admission import StateAdmission, is_branch_point
 from tiered_cache.radix.tree import RadixTree
 from tiered_cache.tiers.protocols import StateSide
 
@@ -80,6 +81,7 @@ class MambaRule:
         self.flags = StateFlags(tree, ckpt)
         self.host: Any = None  # HostTier
         self.t1: Any = None  # MambaStates
+        self.admission = StateAdmission()  # which states a prefill chunk offers are kept (the cache sets it)
 
     def bind(self, host: Any, t1: Any) -> None:
         self.host, self.t1 = host, t1
@@ -290,6 +292,9 @@ class MambaRule:
         if pending:  # the caller computed on KV a load is writing: its ticket is done, or nearly
             self.host.settle("load")
             path, end_node, _, _ = tree.probe(toks, salt, aligned, prev, "the prefix whose load succeeded")
+        if (slot is not None and params.chunked and not self.admission.keeps_every_chunk and aligned == n
+                and not self.admission.admit(n, is_branch_point(path, end_node, toks, aligned, tree.page_size))):
+            slot = None  # not admitted: inserted as a chunk without a state (nothing new is cached)
         mamba_exist = aligned == n and end_node is not None and end_node.payload.resumable
         t1: Optional[torch.Tensor] = None
         t1_id: Optional[int] = None

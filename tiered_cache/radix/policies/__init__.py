@@ -1,0 +1,42 @@
+"""Admission and eviction policies of the radix trees beyond LRU (``radix.policy`` holds the interface).
+
+    admission.py  StateAdmission: which offered states the tree keeps (chunk ends, leaf + branch, blocks)
+    facts.py      NodeFacts: the node facts the cost-aware policies read (prefix, anchor, children, tiers)
+    scored.py     PrefixCosts (costs of a victim from the model geometry), MarconiPolicy, SegLenPolicy
+    tiered.py     TieredPolicy: tier-aware Greedy-Dual-Size-Frequency ("ours")
+    tuning.py     AlphaTuner: Marconi's online alpha, by replaying the recent window over a grid
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.radix.policies.admission import ADMISSIONS, StateAdmission, is_branch_point
+from tiered_cache.radix.policies.facts import NodeFacts
+from tiered_cache.radix.policies.scored import MarconiPolicy, PrefixCosts, ScoredPolicy, SegLenPolicy
+from tiered_cache.radix.policies.tiered import TieredPolicy
+from tiered_cache.radix.policies.tuning import ALPHA_GRID, AlphaTuner
+
+# CacheConfig.eviction_policy -> the class, for every policy but "lru" (the stack's CountingLRUPolicy)
+SCORED = {"marconi": MarconiPolicy, "seglen": SegLenPolicy, "tiered": TieredPolicy}
+
+
+def stack_costs(cost_model: str, kv_token_bytes: int, t1_slot_bytes: int) -> PrefixCosts:
+    """The costs a stack's policy ranks by: FLOPs of the geometry ``cost_model``, bytes of the stack's own
+    slots (a KV token of T0 / T2, a T1 slot; T2 keeps states as T1 envelopes)."""
+    from tiered_cache.costs import geometry
+
+    return PrefixCosts(geometry(cost_model), kv_token_bytes, t1_slot_bytes, t1_slot_bytes)
+
+
+def make_policy(name: str, costs: PrefixCosts, *, tiered: bool, **kw: Any) -> ScoredPolicy:
+    """The scored policy ``name`` over ``costs``; ``tiered``: a T2 lies below T1; ``kw``: the class's own."""
+    if name not in SCORED:
+        raise InvalidArgumentError("eviction_policy", f"one of {', '.join(SCORED)}", name)
+    return SCORED[name](costs, tiered=tiered, **kw)
+
+
+__all__ = ["ADMISSIONS", "ALPHA_GRID", "SCORED", "AlphaTuner", "MarconiPolicy", "NodeFacts", "PrefixCosts",
+           "ScoredPolicy", "SegLenPolicy", "StateAdmission", "TieredPolicy", "is_branch_point", "make_policy",
+           "stack_costs"]
