@@ -45,9 +45,11 @@ def commit() -> str:
         return "unknown"
 
 
-def write_results(bench: str, metrics: dict[str, float], *, rows: Optional[list[dict[str, object]]] = None,
-                  notes: str = "", out_dir: Optional[str] = None) -> str:
-    """Write ``<bench>-<device>.json`` and ``.md`` (BENCHMARKS.md's format); returns the JSON path."""
+def write_results(bench: str, metrics: dict[str, Optional[float]], *, rows: Optional[list[dict[str, object]]] = None,
+                  notes: str = "", out_dir: Optional[str] = None, info: Optional[dict[str, object]] = None) -> str:
+    """Write ``<bench>-<device>.json`` and ``.md`` (BENCHMARKS.md's format); returns the JSON path.
+    A metric that is None is undefined (a ratio over 0, a goal never reached): ``null`` in the JSON,
+    ``undefined`` in the markdown. ``info``: what the numbers mean (a ceiling used, a unit), kept beside them."""
     out_dir = out_dir or RESULTS
     os.makedirs(out_dir, exist_ok=True)
     tag = device_tag()
@@ -57,8 +59,10 @@ def write_results(bench: str, metrics: dict[str, float], *, rows: Optional[list[
         "date": _dt.date.today().isoformat(),
         "commit": commit(),
         "command": "python " + " ".join(sys.argv),
-        "metrics": {k: float(v) for k, v in metrics.items()},
+        "metrics": {k: None if v is None else float(v) for k, v in metrics.items()},
     }
+    if info:
+        record["info"] = info
     if rows:
         record["rows"] = rows
     path = os.path.join(out_dir, f"{bench}-{tag}.json")
@@ -69,6 +73,8 @@ def write_results(bench: str, metrics: dict[str, float], *, rows: Optional[list[
              f"date {record['date']}, commit `{record['commit']}`", "", f"`{record['command']}`", ""]
     if notes:
         lines += [notes, ""]
+    if info:
+        lines += [f"- {k}: {_fmt(v)}" for k, v in info.items()] + [""]
     if rows:
         cols = list(rows[0].keys())
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -82,6 +88,8 @@ def write_results(bench: str, metrics: dict[str, float], *, rows: Optional[list[
 
 
 def _fmt(v: object) -> str:
+    if v is None:
+        return "undefined"
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e3 else f"{v:,.0f}"
     return str(v)
