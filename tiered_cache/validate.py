@@ -36,6 +36,8 @@ def is_int(value: Any) -> bool:
 
 def int_arg(arg: str, value: Any, *, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     """``value`` as a Python int in ``[lo, hi]`` (either bound optional)."""
+    if type(value) is int and (lo is None or value >= lo) and (hi is None or value <= hi):
+        return value  # the common case, without is_int's isinstance chain
     if not is_int(value):
         raise InvalidTypeError(arg, _range_text("an int", lo, hi), value)
     v = int(value)
@@ -76,6 +78,9 @@ def choice_arg(arg: str, value: Any, choices: Iterable[str]) -> str:
     return value
 
 
+_PLAIN_INT = {int}
+
+
 def int_list(arg: str, values: Any) -> list[int]:
     """A 1-D integer sequence as a list of Python ints.
 
@@ -99,6 +104,8 @@ def int_list(arg: str, values: Any) -> list[int]:
         return values.tolist()
     if isinstance(values, (list, tuple)):
         out = list(values)
+        if set(map(type, out)) <= _PLAIN_INT:  # the common case, checked in C: a prompt is thousands of ids
+            return out
         for v in out:
             if type(v) is not int and not is_int(v):
                 raise InvalidTypeError(arg, "a sequence of ints (not bools, floats or strings)", v)

@@ -41,7 +41,7 @@ class Delegate:
         return getattr(self._side, m)
 
     def _allowed(self):
-        extra = ("spec", "k_view_all", "v_view_all") if isinstance(self._side.spec, KVSpec) else (
+        extra = ("spec", "free_pages", "k_view_all", "v_view_all") if isinstance(self._side.spec, KVSpec) else (
             "spec", "temporal_view_all", "conv_view_all")
         return COMMON + extra
 
@@ -49,7 +49,7 @@ class Delegate:
 def test_the_protocols_name_what_is_used_and_nothing_more():
     members = lambda p: {m for m in vars(p) if not m.startswith("_")}
     assert members(ActiveSide) == set(COMMON)
-    assert members(KVSide) == {"spec", "k_view_all", "v_view_all"}
+    assert members(KVSide) == {"spec", "free_pages", "k_view_all", "v_view_all"}
     assert members(StateSide) == {"spec", "temporal_view_all", "conv_view_all"}
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
@@ -62,8 +64,11 @@ def parse_key(key: Any, arg: str = "key") -> tuple[list[int], Optional[str]]:
     if key is None or isinstance(key, (str, bytes)):
         raise InvalidTypeError(arg, "a RadixKey or a sequence of int token ids", desc(key))
     toks = int_list(arg, key)
-    if toks and (min(toks) < -2**63 or max(toks) >= 2**63):
-        raise InvalidArgumentError(arg, "token ids in the int64 range", [t for t in toks if abs(t) >= 2**63][:8])
+    try:
+        array("q", toks)  # the int64 range, in one C pass (min and max would be two)
+    except OverflowError:
+        raise InvalidArgumentError(arg, "token ids in the int64 range",
+                                   [t for t in toks if not -2**63 <= t < 2**63][:8]) from None
     return toks, salt
 
 
@@ -85,29 +90,24 @@ def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:
 
 def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mamba_value") -> None:
     v = int(slot)
-    if not 0 < v < states.capacity or int(states.translate(slot)) < 0:
+    if not 0 < v < states.capacity or int(states.translate_host(np.array([v]))[0]) < 0:  # host table: no launch
         raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
 
 
 def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value") -> None:
-    """``v`` (whole pages) must be allocated in T0, distinct, and not already the ``RadixTree``'s (a few
-    host syncs). ``arg``: the caller's name for ``v`` in errors."""
+    """``v`` (whole pages) must be allocated in T0, distinct, and not already the ``RadixTree``'s. One host
+    copy of ``v`` (a device sync on a GPU), then vectorised numpy over its pages. ``arg``: the caller's
+    name for ``v`` in errors."""
     ps = tree.page_size
-    first = v[::ps]
+    toks = v.cpu().numpy()
+    first = toks[::ps]
+    if ps > 1 and ((first % ps).any() or not np.array_equal(toks.reshape(-1, ps), first[:, None] + tree.offsets)):
+        raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", toks[:16].tolist())
     pages = first // ps
-    if ps > 1:
-        ok_shape = bool(torch.equal(v.view(-1, ps), first[:, None] + tree.offsets))
-        ok_shape = ok_shape and bool((first % ps == 0).all())
-    else:
-        ok_shape = True
-    if not ok_shape:
-        raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", v[:16].tolist())
-    if pages.numel() and (int(pages.min()) < 1 or int(pages.max()) >= tree.kv.capacity):
-        raise InvalidArgumentError(arg, f"KV ids of pages in [1, {tree.kv.capacity})", v[:16].tolist())
-    bad = (tree.kv.translate(first) < 0) | tree.owned[pages]
-    if bool(bad.any()) or torch.unique(pages).numel() != pages.numel():
-        raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)",
-                                   v[:16].tolist())
+    if pages.size and (pages.min() < 1 or pages.max() >= tree.kv.capacity):
+        raise InvalidArgumentError(arg, f"KV ids of pages in [1, {tree.kv.capacity})", toks[:16].tolist())
+    if ((tree.kv.translate_host(first) < 0) | tree.owned[pages]).any() or len(set(pages.tolist())) != pages.size:
+        raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)", toks[:16].tolist())
 
 
 def check_value(arg: str, value: Any, n: int, device: Any) -> None:

@@ -1,6 +1,7 @@
 """``Frees``: ids a change of the tree gives back, batched per pool so a long eviction frees each once.
 
-T0 KV ids are the tree's own (``kv``: its ownership map is cleared with them); everything else goes
+T0 KV ids are the tree's own (``kv``: its ownership map is cleared with them, and they go back through
+the side's trusted ``free_pages``: they were validated when the tree took them); everything else goes
 to a named *sink*, a pool or host region that the component owning it registered in ``tree.sinks``:
 "kv_host" (``HostTier``), "t1" and "state_host" (``MambaStates``), "swa" and "swa_host" (the SWA cache).
 """
@@ -46,12 +47,12 @@ class Frees:
 
     def flush(self) -> None:
         tree = self.tree
-        ps = tree.page_size
         if self.kv:
             ids = self.kv[0] if len(self.kv) == 1 else torch.cat(self.kv)
             if ids.numel():
-                tree.owned[ids[::ps] // ps] = False
-                tree.kv.free(ids)
+                pages = tree.pages_of(ids)
+                tree.owned[pages] = False
+                tree.kv.free_pages(pages.tolist())  # the tree's own pages, checked when it took them
         for sink, ts in self.ids.items():
             ids = ts[0] if len(ts) == 1 else torch.cat(ts)
             if ids.numel():

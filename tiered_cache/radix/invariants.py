@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from tiered_cache.radix.policy import RESOURCES
@@ -141,7 +142,7 @@ def check_invariants(cache: Any, request_kv: Optional[torch.Tensor] = None,
     # Every slot of every pool is exactly one of: free, cached, a request's, in flight.
     kv_pages, inflight_kv = s.sets["kv"], s.sets["kv_pending"]
     live_pages = set(tree.kv.live_virtual_ids())
-    owned = set(torch.nonzero(tree.owned).reshape(-1).tolist())
+    owned = set(np.nonzero(tree.owned)[0].tolist())
     assert owned == kv_pages, "the tree's KV ownership map disagrees with its nodes"
     assert not (kv_pages & inflight_kv), "a KV page is both cached and in flight"
     assert kv_pages | inflight_kv <= live_pages, (

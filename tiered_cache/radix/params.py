@@ -145,8 +145,11 @@ class EvictParams:
     host_mamba_num: int = 0  # T2 states (dropped; not in SGLang)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, int_arg(f.name, getattr(self, f.name), lo=0))
+        for name in _EVICT_FIELDS:
+            setattr(self, name, int_arg(name, getattr(self, name), lo=0))
+
+
+_EVICT_FIELDS = tuple(f.name for f in dataclasses.fields(EvictParams))
 
 
 @dataclasses.dataclass

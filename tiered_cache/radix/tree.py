@@ -22,6 +22,7 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
@@ -54,8 +55,9 @@ class RadixTree:
         self.policy = policy or LRUPolicy()
         self.validate = validate
         self.empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.owned = torch.zeros(kv.capacity, dtype=torch.bool, device=self.device)
-        self.offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
+        # host-side: the tree's bookkeeping is host code, and a page list indexes numpy without a launch
+        self.owned = np.zeros(kv.capacity, dtype=bool)
+        self.offsets = np.arange(ps, dtype=np.int64)
         self.stats: collections.Counter = collections.Counter()
         self.sinks: dict[str, Any] = {}
         self.host_on = False
@@ -84,10 +86,14 @@ class RadixTree:
         self.token = object()  # new owner tag: nodes of the old tree are refused from now on
         self.root = TreeNode(self.token, None, [], self.empty, self.rule.payload())
         self.policy.clear()
-        self.owned.zero_()
+        self.owned[:] = False
         self.full_evictable = self.full_protected = 0
         self.state_evictable = self.state_protected = 0
         self.freed = {"kv": 0, "state": 0, "swa": 0}
+
+    def pages_of(self, ids: torch.Tensor) -> np.ndarray:
+        """The KV page ids of whole-page token ids ``ids`` (any device), on the host."""
+        return ids[::self.page_size].cpu().numpy() // self.page_size
 
     # ----------------------------------------------------------------------------- keys
     def child_key(self, toks: Sequence[int], i: int, at_root: bool, salt: Optional[str]) -> Any:
@@ -200,10 +206,8 @@ class RadixTree:
     def new_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, salt: Optional[str],
                  fill: Any = None) -> TreeNode:
         """A device leaf taking a copy of the caller's ids ``value``; ``fill(leaf)`` gives it its payload."""
-        ps = self.page_size
-        ids = value.clone()
-        leaf = self.link(parent, key, ids, salt)
-        self.owned[ids[::ps] // ps] = True
+        leaf = self.link(parent, key, value.clone(), salt)
+        self.owned[self.pages_of(value)] = True
         self.full_evictable += len(key)
         self.policy.touch("kv", leaf)
         if fill is not None:
@@ -214,8 +218,7 @@ class RadixTree:
 
     def own(self, x: TreeNode) -> None:
         """``x.value`` was just set (a reattach or a finished load): the tree owns and counts its pages."""
-        ids: Any = x.value
-        self.owned[ids[::self.page_size] // self.page_size] = True
+        self.owned[self.pages_of(x.value)] = True  # type: ignore[arg-type]  # just set: a tensor
         if x.full_lock_ref:
             self.full_protected += len(x.key)
         else:

@@ -119,6 +119,7 @@ class MultiEndedAllocator(BusyMarks):
         self.num_moves = 0  # slots moved by compaction, for stats and tests
         self.pages = PageTable(self.capacity, page_size, self.device)
         self._v2p = self.pages.v2p  # the table's host copy, which alloc, free and compaction rewrite
+        self._offsets = np.arange(page_size, dtype=np.int64)  # a page's token offsets, for free's check
         self.clear()
 
     # ----------------------------------------------------------------------------------- setup
@@ -236,21 +237,30 @@ class MultiEndedAllocator(BusyMarks):
 
     def free(self, ids: torch.Tensor) -> None:
         """Return ids from ``alloc``. Free, unknown or repeated ids raise before anything changes."""
-        vids = self._pages_of(ids)
+        self._release(self._pages_of(ids))
+
+    def free_pages(self, vids: list[int]) -> None:
+        """Trusted ``free`` of virtual page (slot) ids: each one the caller got from ``alloc``, holds and gives
+        back once. Nothing but the busy marks is checked: it is for an owner that validated the ids once,
+        when it took them (the radix tree, at insert), and hands them back on every eviction. Anything
+        else (an id twice, one never allocated) corrupts the tables: the public door is ``free``."""
+        self._release(vids)
+
+    def _release(self, vids: list[int]) -> None:
         if not vids:
             return
         if self._busy and any(v in self._busy for v in vids):
             busy = [v for v in vids if v in self._busy]
             raise SlotBusyError(f"side {self.name!r}: slots {busy[:16]} are read or written by a transfer in flight")
-        rows = self._v2p[vids].tolist()
+        rows = self._v2p[vids]
         self._v2p[vids] = -1
         self._p2v[rows] = -1
         self._live -= len(vids)
         self._free_vids.extend(reversed(vids))
         self.pages.mark_dirty(vids)
-        for row in rows:
-            r = self._row(row)
-            self._hole_set.add(r)
+        ranks = (rows if self.grows == "up" else self.capacity - 1 - rows).tolist()
+        self._hole_set.update(ranks)
+        for r in ranks:
             heapq.heappush(self._holes, r)
         if self.lazy:
             self._trim()
@@ -304,8 +314,6 @@ class MultiEndedAllocator(BusyMarks):
 
     # -------------------------------------------------------------------------------- translate
 
-    # -------------------------------------------------------------------------------- translate
-
     def translate(self, ids: torch.Tensor) -> torch.Tensor:
         """Virtual token ids -> physical token ids on ``device`` (``PageTable.translate``)."""
         return self.pages.translate(ids)
@@ -346,35 +354,39 @@ class MultiEndedAllocator(BusyMarks):
     # --------------------------------------------------------------------------------- helpers
 
     def _pages_of(self, ids: torch.Tensor) -> list[int]:
-        """Validate ids handed back to ``free`` and return their virtual slot ids.
-
-        Plain Python on the id list: engines free a few pages at a time, where numpy's per-call
-        overhead dominates.
-        """
+        """Validate ids handed back to ``free`` (one host array, vectorised numpy checks); -> virtual slot ids."""
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1 or ids.dtype not in _INT_DTYPES:
                 raise InvalidTypeError("ids", "a 1-D integer tensor", (tuple(ids.shape), ids.dtype))
-            lst = ids.tolist()
+            arr = ids.cpu().numpy().astype(np.int64, copy=False)
         else:
             lst = int_list("ids", ids)
+            if lst and (min(lst) < -2**63 or max(lst) >= 2**63):  # no id of ours, and no int64 either
+                raise SlotStateError("ids", f"virtual ids in [1, {self.capacity}) of side {self.name!r}", lst[:16])
+            arr = np.asarray(lst, dtype=np.int64)
         ps = self.page_size
-        if len(lst) % ps:
-            raise SlotStateError("ids", f"whole pages of page_size={ps} tokens", f"{len(lst)} ids")
+        if arr.size % ps:
+            raise SlotStateError("ids", f"whole pages of page_size={ps} tokens", f"{arr.size} ids")
+        if not arr.size:
+            return []
         if ps == 1:
-            vids = lst
+            vids = arr
         else:
-            vids = [t // ps for t in lst[::ps]]
-            if lst != [v * ps + j for v in vids for j in range(ps)]:
-                raise SlotStateError("ids", f"whole pages (page*{ps} + 0..{ps - 1}, in order)", lst[:16])
-        if vids and (min(vids) < 1 or max(vids) >= self.capacity):
-            raise SlotStateError("ids", f"virtual ids in [1, {self.capacity}) of side {self.name!r}", vids[:16])
-        if len(set(vids)) != len(vids):
-            raise SlotStateError("ids", "each id at most once per call", vids[:16])
-        v2p = self._v2p
-        unallocated = [v for v in vids if v2p[v] < 0]
-        if unallocated:
-            raise SlotStateError("ids", f"allocated ids of side {self.name!r}", unallocated[:16])
-        return vids
+            pages = arr.reshape(-1, ps)
+            first = pages[:, 0]
+            if (first % ps).any() or not np.array_equal(pages, first[:, None] + self._offsets):
+                raise SlotStateError("ids", f"whole pages (page*{ps} + 0..{ps - 1}, in order)", arr[:16].tolist())
+            vids = first // ps
+        if vids.min() < 1 or vids.max() >= self.capacity:
+            raise SlotStateError("ids", f"virtual ids in [1, {self.capacity}) of side {self.name!r}",
+                                 vids[:16].tolist())
+        out = vids.tolist()
+        if len(set(out)) != len(out):
+            raise SlotStateError("ids", "each id at most once per call", out[:16])
+        unallocated = vids[self._v2p[vids] < 0]
+        if unallocated.size:
+            raise SlotStateError("ids", f"allocated ids of side {self.name!r}", unallocated[:16].tolist())
+        return out
 
     def _trim(self) -> None:
         while self._n > 1 and (self._n - 1) in self._hole_set:

@@ -6,7 +6,7 @@ states of running requests. ``UnifiedPool``'s sides (``SubPool``) are one implem
 engine's own memory pools (SGLang's token-to-KV pool and Mamba pool) can be another, by offering
 these few members. Nothing above T0 reaches past them (no ``.allocator``, no pool object)::
 
-    tree   --alloc / free / available_size / translate / live_virtual_ids-->  side
+    tree   --alloc / free (free_pages) / available_size / translate / live_virtual_ids-->  side
     T1     --translate_host, temporal_view_all / conv_view_all (spec, device)-->  state side
     moves  --physical_rows, rows_bytes, mark_busy / unmark_busy, add_fence-->  side
 
@@ -130,6 +130,12 @@ class KVSide(ActiveSide, Protocol):
 
     @property
     def spec(self) -> KVSpec: ...
+
+    def free_pages(self, pages: list[int]) -> None:
+        """Trusted ``free`` of whole virtual pages (page ids, not token ids) that the caller took from
+        ``alloc`` and validated once, when they came to it: each at most once, no check but the busy
+        marks. The radix tree frees the pages it owns this way; everything else calls ``free``."""
+        ...
 
     def k_view_all(self) -> torch.Tensor:
         """K of every layer: ``[L, capacity, page_size, kv_heads, head_dim]``."""

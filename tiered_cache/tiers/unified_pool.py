@@ -71,6 +71,9 @@ class SubPool(Generic[S]):
     def free(self, ids: torch.Tensor) -> None:
         self.allocator.free(ids)
 
+    def free_pages(self, pages: list[int]) -> None:
+        self.allocator.free_pages(pages)
+
     def translate(self, ids: torch.Tensor) -> torch.Tensor:
         return self.allocator.translate(ids)
 

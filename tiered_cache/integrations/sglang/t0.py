@@ -173,7 +173,10 @@ class SGLangKVSide(_RowIds):
     def free(self, ids: torch.Tensor) -> None:
         """Give whole pages back to SGLang's allocator; a free, unknown, repeated or busy page raises
         before anything is freed."""
-        pages = self._pages_of(ids, "ids")
+        self.free_pages(self._pages_of(ids, "ids"))
+
+    def free_pages(self, pages: list[int]) -> None:
+        """Trusted ``free`` of pages the tree took from ``alloc`` (``KVSide.free_pages``): busy marks only."""
         if not pages:
             return
         busy = [p for p in pages if self._busy[p]]

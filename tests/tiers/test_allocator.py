@@ -1,0 +1,103 @@
+"""``MultiEndedAllocator``'s two free paths: ``free`` (token ids, every check, vectorised) and the trusted
+``free_pages`` (page ids an owner validated once: the radix tree's evictions). Driven by the same random
+operations, the two leave the allocator in exactly the same state; the checked path still refuses bad
+ids with typed errors and changes nothing."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiered_cache.errors import InvalidTypeError, SlotBusyError, SlotStateError
+from tiered_cache.tiers.allocator import MultiEndedAllocator
+
+
+def make(ps: int, lazy: bool):
+    """A shared buffer's two sides: KV pages of ``ps`` tokens growing up, 1-slot states growing down."""
+    kv = MultiEndedAllocator(name="kv", entry_bytes=64, total_bytes=64 * 40, grows="up", page_size=ps, lazy=lazy)
+    sts = MultiEndedAllocator(name="st", entry_bytes=128, total_bytes=64 * 40, grows="down", lazy=lazy)
+    kv.bind_peer(sts)
+    sts.bind_peer(kv)
+    return kv, sts
+
+
+def state(a: MultiEndedAllocator):
+    return (a._v2p.tolist(), a._p2v.tolist(), a._n, a._live, list(a._free_vids), sorted(a._hole_set), a.num_moves)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ps=st.sampled_from([1, 4]), lazy=st.booleans())
+def test_trusted_and_checked_frees_leave_the_same_state(seed, ps, lazy):
+    rng = random.Random(seed)
+    checked, trusted = make(ps, lazy), make(ps, lazy)
+    held: list[list[int]] = [[], []]  # per side: page ids held (the same on both allocators)
+    for _ in range(60):
+        side = rng.randrange(2)
+        a, b = checked[side], trusted[side]
+        unit = a.page_size
+        if rng.random() < 0.55:
+            n = rng.randrange(0, 5) * unit
+            got_a, got_b = a.alloc(n), b.alloc(n)
+            assert (got_a is None) == (got_b is None)
+            if got_a is not None:
+                assert torch.equal(got_a, got_b)
+                held[side] += got_a[::unit].div(unit, rounding_mode="floor").tolist()
+        elif held[side]:
+            k = rng.randrange(1, len(held[side]) + 1)
+            pages = rng.sample(held[side], k)
+            for p in pages:
+                held[side].remove(p)
+            tokens = torch.tensor([p * unit + j for p in pages for j in range(unit)], dtype=torch.int64)
+            a.free(tokens)
+            b.free_pages(pages)
+        for x, y in zip(checked, trusted):
+            assert state(x) == state(y)
+            x.check_invariants()
+            y.check_invariants()
+
+
+@pytest.mark.parametrize("bad, err", [
+    (torch.tensor([4, 5, 6]), SlotStateError),  # not whole pages
+    (torch.tensor([5, 6, 7, 8]), SlotStateError),  # a page's tokens not from its start
+    (torch.tensor([4, 6, 5, 7]), SlotStateError),  # out of order
+    (torch.tensor([0, 1, 2, 3]), SlotStateError),  # the sink
+    (torch.tensor([400, 401, 402, 403]), SlotStateError),  # past capacity
+    (torch.tensor([4, 5, 6, 7, 4, 5, 6, 7]), SlotStateError),  # a page twice
+    (torch.tensor([12, 13, 14, 15]), SlotStateError),  # never allocated
+    (torch.tensor([4.0, 5.0, 6.0, 7.0]), InvalidTypeError),
+    (torch.tensor([[4, 5, 6, 7]]), InvalidTypeError),
+    ([4, 5, 6, True], InvalidTypeError),
+    ([2**64, 1, 2, 3], SlotStateError),
+])
+def test_checked_free_refuses_bad_ids_and_changes_nothing(bad, err):
+    kv, _ = make(4, lazy=True)
+    got = kv.alloc(8)
+    assert got is not None and got.tolist() == list(range(4, 12))
+    before = state(kv)
+    with pytest.raises(err) as e:
+        kv.free(bad)
+    assert "ids" in str(e.value)
+    assert state(kv) == before
+    kv.free(got)  # the good ids still free
+    kv.check_invariants()
+
+
+def test_both_paths_refuse_busy_pages():
+    kv, _ = make(4, lazy=True)
+    got = kv.alloc(8)
+    kv.mark_busy([1])
+    before = state(kv)
+    with pytest.raises(SlotBusyError):
+        kv.free(got)
+    with pytest.raises(SlotBusyError):
+        kv.free_pages([1, 2])
+    assert state(kv) == before
+    kv.unmark_busy([1])
+    kv.free_pages([2, 1])
+    assert kv.num_live == 0 and np.all(kv._v2p[1:] < 0)
+    kv.check_invariants()
