@@ -1,43 +1,79 @@
-"""Radix cache benchmark (CPU): match, insert and evict operations per second on a multi-turn trace.
+"""Radix cache benchmark (CPU): our tree against SGLang's ``RadixCache`` on one trace, side by side.
 
-Trace: ``conversations`` chats, each opened by one of 8 shared system prompts (1024 tokens), then
-turns of a user message and an answer (64-320 tokens each). Turns are cached as an engine would:
-match the history (``cow_mamba``, lock), allocate KV for the new tokens, ``insert`` with
-``prev_prefix_len`` = the hit, unlock. The tree is grown until it holds the target number of cached
-tokens (10^5 and 10^6), then timed:
+Ours: ``TieredCache.build(...).tree`` (a ``HiMambaRadixCache`` over T0 and an int8 T1, KV ids validated
+as the caller's: the defaults an engine gets). Baseline: SGLang 0.5.23's pure-Python
+``sglang.srt.mem_cache.radix_cache.RadixCache`` built as SGLang's scheduler builds it (``CacheInitParams``
+with its real ``ReqToTokenPool`` and ``PagedTokenToKVPoolAllocator`` over an ``MHATokenToKVPool``, on
+CPU), the strongest thing a user of SGLang runs instead. Both serve the same turns in the same order.
 
-- match: the history of a random chat plus a fresh user message (a miss past the history); p99 of
-  single calls in microseconds. Baseline in the same run: chained page hashes looked up in a dict
-  (vLLM's block-hash scheme), the same matches, checked equal first.
-- insert: the next turn of a random chat (KV ids allocated outside the timer, T1 copy inside).
-- evict: ``evict(num_tokens=256)`` until a quarter of the cache is gone (T0 with lazy compaction, as an
-  engine runs it: eager compaction moves rows on every free and would time the allocator).
+Trace: chats opened by one of 8 shared system prompts (1024 tokens), then turns of a user message and
+an answer (64-320 tokens each). A turn is cached as an engine caches it: match, lock, allocate KV for
+the new tokens, insert with the hit as ``prev_prefix_len`` (SGLang: insert, then free the duplicates
+``value[hit:prefix_len]`` as its ``_insert_cache`` does), unlock. Both trees are grown to the target
+(10^5 and 10^6 cached tokens); before timing, every match of a check set must find the same number of
+tokens on both sides. Then ``--rounds`` interleaved rounds (the side that goes first alternates), each:
 
-State spec is tiny on purpose: the tree's host-side cost is measured, not the int8 kernels
-(``bench_kernels.py``). KV ids are validated as the caller's (the default) on every insert.
+- match: ``--ops`` queries (a random chat's history plus a fresh user message); ours with ``cow_mamba``
+  (the state is loaded into the request's T0 slot, as an engine resumes), SGLang's ``match_prefix`` plus
+  ``path_device_indices`` (the ids the engine reads off the match, ``prefix_device_indices``).
+- insert: ``--ops`` next turns (KV allocated outside the timer).
+- evict: ``evict(num_tokens=256)`` until what the round's inserts added is gone again; tokens evicted
+  per second.
+
+Each ratio is SGLang's time over ours per round (> 1: ours is faster), reported as median, min and max
+over rounds. ``*_tree_only``: our time less the time spent inside the T1 pool (``Int8CheckpointPool``:
+the state's store, load, slot alloc/free and flag reads), i.e. the tree's bookkeeping alone; SGLang's
+tree holds no state, so the plain ratios carry our T1 cost and SGLang's carry none.
+
+State spec is tiny on purpose: the host-side cost per call is measured, not the int8 kernels
+(``bench_kernels.py``). Without sglang the script says so and measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
+import statistics
 import sys
 import time
+from array import array
+from typing import Any, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from benchmarks.common import write_results  # noqa: E402
 from tiered_cache.config import CacheConfig  # noqa: E402
-from tiered_cache.radix import EvictParams, HiMambaRadixCache, InsertParams, MatchPrefixParams, RadixKey  # noqa: E402
+from tiered_cache.radix import EvictParams, InsertParams, MatchPrefixParams, RadixKey  # noqa: E402
 from tiered_cache.specs import KVSpec, StateSpec  # noqa: E402
 from tiered_cache.stack import TieredCache  # noqa: E402
 
 PS = 16
+EVICT_TOKENS = 256
 KV = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
 ST = StateSpec(num_layers=1, temporal_shape=(1, 4, 4), conv_shapes=((4, 3),), conv_dtype=torch.float32)
+T1_CALLS = ("store_from_active", "load_to_active", "free", "alloc", "alloc_ids", "poll_flags")
+SKIP = ("bench_radix: sglang is not installed (pip install --no-deps -r constraints/sglang-test.txt): "
+        "the side-by-side benchmark needs SGLang's RadixCache; skipped, nothing measured")
+
+
+def load_sglang() -> Optional[dict[str, Any]]:
+    """SGLang's cache modules, or None where sglang is absent. SGLang's import chain needs torchvision:
+    the stand-in of the SGLang tests (tests/integrations/sglang/conftest.py) is installed first."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    spec = importlib.util.spec_from_file_location(
+        "_sglang_stand_in", os.path.join(ROOT, "tests", "integrations", "sglang", "conftest.py"))
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    from sglang.srt.mem_cache import allocator, base_prefix_cache, cache_init_params, memory_pool, radix_cache
+
+    return {"radix": radix_cache, "allocator": allocator, "pool": memory_pool, "params": cache_init_params,
+            "base": base_prefix_cache}
 
 
 class Trace:
@@ -49,154 +85,270 @@ class Trace:
     def turn(self) -> list[int]:
         return [self.rng.randrange(1, 50000) for _ in range(self.rng.randrange(64, 320))]
 
-    def new_chat(self) -> int:
-        self.chats.append(list(self.rng.choice(self.systems)))
-        return len(self.chats) - 1
+    def next_turn(self) -> list[int]:
+        """A random chat grown by one exchange (a new chat 15 % of the time): its whole history."""
+        if not self.chats or self.rng.random() < 0.15:
+            self.chats.append(list(self.rng.choice(self.systems)))
+        c = self.rng.randrange(len(self.chats))
+        self.chats[c] += self.turn() + self.turn()
+        return self.chats[c]
+
+    def query(self) -> list[int]:
+        return self.chats[self.rng.randrange(len(self.chats))] + self.turn()
 
 
-def build(target_tokens: int, seed: int = 0):
-    pages = int(target_tokens * 1.6) // PS + 64
-    cfg = CacheConfig(page_size=PS, kv_pages=pages, t0_states=64, t1_states=pages // 4 + 64, codec="int8",
-                      lazy_compaction=True, check_memory=False, backend="torch")
-    return TieredCache.build(cfg, kv=KV, state=ST, device="cpu").tree, Trace(seed)
+def pool_pages(tokens: int, ops: int) -> int:
+    """KV pages for ``tokens`` cached plus a round of ``ops`` turns (each at most a system prompt and two
+    turns new), so no side evicts but where the benchmark times it."""
+    return (int(tokens * 1.25) + ops * 1700) // PS + 64
 
 
-def cache_turn(cache: HiMambaRadixCache, toks: list[int], timer: list | None = None) -> bool:
-    """One engine turn: match + lock, new KV, insert, unlock. ``timer`` collects insert seconds."""
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(toks)))
-    cache.inc_lock_ref(m.last_device_node)
-    hit = len(m.device_indices)
-    aligned = len(toks) // PS * PS
-    new = cache.kv.alloc(aligned - hit)
-    slot = cache.states.alloc(1)
-    ok = new is not None and slot is not None
-    if ok:
+class T1Timer:
+    """Seconds spent inside the T1 pool's calls (instance attributes wrap its methods)."""
+
+    def __init__(self, ckpt: Any):
+        self.s = 0.0
+        for name in T1_CALLS:
+            setattr(ckpt, name, self._wrap(getattr(ckpt, name)))
+
+    def _wrap(self, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s += time.perf_counter() - t0
+        return timed
+
+
+class Ours:
+    """Our tree as an engine drives it (``TieredCache`` built with the engine's defaults)."""
+
+    name = "ours"
+
+    def __init__(self, tokens: int, ops: int):
+        pages = pool_pages(tokens, ops)
+        cfg = CacheConfig(page_size=PS, kv_pages=pages, t0_states=64, t1_states=pages // 4 + 64, codec="int8",
+                          lazy_compaction=True, check_memory=False, backend="torch")
+        self.stack = TieredCache.build(cfg, kv=KV, state=ST, device="cpu")
+        self.cache = self.stack.tree
+        self.t1 = T1Timer(self.cache.ckpt)
+        self.size = 0  # cached tokens
+
+    def key(self, toks: list[int]) -> Any:
+        return RadixKey(toks)
+
+    def turn(self, toks: list[int]) -> tuple[float, float]:
+        """One engine turn; -> (insert seconds, of them inside T1). False-y 0.0 when nothing was cached."""
+        cache, ps = self.cache, PS
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(toks)))
+        cache.inc_lock_ref(m.last_device_node)
+        hit, aligned = len(m.device_indices), len(toks) // ps * ps
+        new, slot = cache.kv.alloc(aligned - hit), cache.states.alloc(1)
+        assert new is not None and slot is not None, "the benchmark's pools are sized for the trace"
         value = torch.cat([m.device_indices, new])
-        t0 = time.perf_counter()
-        res = cache.insert(InsertParams(key=RadixKey(toks[:aligned]), value=value, mamba_value=slot,
-                                        prev_prefix_len=hit))
-        if timer is not None:
-            timer.append(time.perf_counter() - t0)
-        if value[res.cached_len:].numel():
+        params = InsertParams(key=RadixKey(toks[:aligned]), value=value, mamba_value=slot, prev_prefix_len=hit)
+        t1, t0 = self.t1.s, time.perf_counter()
+        res = cache.insert(params)
+        dt = time.perf_counter() - t0
+        if res.cached_len < aligned:
             cache.kv.free(value[max(res.cached_len, hit):])
-    for x, side in ((new, cache.kv), (slot, cache.states)):
-        if x is not None and (side is cache.states or not ok):
-            side.free(x)
-    cache.dec_lock_ref(m.last_device_node)
-    return ok
+        cache.states.free(slot)
+        cache.dec_lock_ref(m.last_device_node)
+        self.size += res.cached_len - res.prefix_len
+        return dt, self.t1.s - t1
 
+    def match(self, key: Any, req: Any) -> int:
+        return int(self.cache.match_prefix(MatchPrefixParams(key=key, req=req, cow_mamba=True)).kv_hit_length)
 
-def grow(cache, trace, target_tokens):
-    while cache.total_size()[0] < target_tokens:
-        if not trace.chats or trace.rng.random() < 0.15:
-            trace.new_chat()
-        c = trace.rng.randrange(len(trace.chats))
-        trace.chats[c] += trace.turn() + trace.turn()
-        if not cache_turn(cache, trace.chats[c]):
-            break
-
-
-class HashBaseline:
-    """Chained page hashes in a dict: what a block-hash prefix cache does per lookup."""
-
-    def __init__(self):
-        self.table: dict[int, int] = {}
-
-    def add(self, toks):
-        h = 0
-        for p in range(0, len(toks) // PS * PS, PS):
-            h = hash((h, tuple(toks[p:p + PS])))
-            self.table[h] = 1
-
-    def match(self, toks) -> int:
-        h, n = 0, 0
-        for p in range(0, len(toks) // PS * PS, PS):
-            h = hash((h, tuple(toks[p:p + PS])))
-            if h not in self.table:
-                break
-            n += PS
+    def evict(self) -> int:
+        n = self.cache.evict(EvictParams(num_tokens=EVICT_TOKENS)).num_tokens_evicted
+        self.size -= n
         return n
 
 
-def run_size(target: int, n_ops: int, seed: int = 0) -> dict:
-    cache, trace = build(target, seed)
-    grow(cache, trace, target)
-    cached = cache.total_size()[0]
-    rng = random.Random(seed + 1)
-    queries = [trace.chats[rng.randrange(len(trace.chats))] + trace.turn() for _ in range(n_ops)]
-    base = HashBaseline()
-    stack = [(cache.root, [])]
-    while stack:  # the baseline holds exactly what the tree holds
-        x, pre = stack.pop()
-        for c in x.children.values():
-            stack.append((c, pre + c.key))
-            if not c.children:
-                base.add(pre + c.key)
-    for q in queries[:50]:  # correctness before timing
-        assert cache.match_prefix(MatchPrefixParams(key=q)).kv_hit_length == base.match(q)
-    lat = []
-    t_all = time.perf_counter()
+class Sgl:
+    """SGLang's ``RadixCache`` over its real CPU pools, built as its scheduler builds it."""
+
+    name = "sglang"
+
+    def __init__(self, tokens: int, ops: int, sgl: dict[str, Any]):
+        self.sgl = sgl
+        size = pool_pages(tokens, ops) * PS
+        kv_pool = sgl["pool"].MHATokenToKVPool(size=size, page_size=PS, dtype=torch.float32, head_num=1, head_dim=4,
+                                               layer_num=1, device="cpu", enable_memory_saver=False)
+        self.alloc = sgl["allocator"].PagedTokenToKVPoolAllocator(size, PS, torch.float32, "cpu", kv_pool,
+                                                                   need_sort=False)
+        rows = sgl["pool"].ReqToTokenPool(size=8, max_context_len=1 << 16, device="cpu", enable_memory_saver=False)
+        params = sgl["params"].CacheInitParams(disable=False, req_to_token_pool=rows,
+                                               token_to_kv_pool_allocator=self.alloc, page_size=PS)
+        self.cache = sgl["radix"].RadixCache(params)
+        self.size = 0
+
+    def key(self, toks: list[int]) -> Any:
+        return self.sgl["radix"].RadixKey(token_ids=array("q", toks))
+
+    def turn(self, toks: list[int]) -> tuple[float, float]:
+        b, cache = self.sgl["base"], self.cache
+        m = cache.match_prefix(b.MatchPrefixParams(key=self.key(toks)))
+        cache.inc_lock_ref(m.last_device_node)
+        hit, aligned = m.device_prefix_len, len(toks) // PS * PS
+        prefix = cache.path_device_indices(m.last_device_node)[:hit]
+        new = self.alloc.alloc(aligned - hit)
+        assert new is not None, "the benchmark's pools are sized for the trace"
+        value = torch.cat([prefix, new])
+        params = b.InsertParams(key=self.key(toks[:aligned]), value=value)
+        t0 = time.perf_counter()
+        res = cache.insert(params)
+        self.alloc.free_segment(value[hit:res.prefix_len], start_pos=hit)  # _insert_cache's duplicate free
+        dt = time.perf_counter() - t0
+        cache.dec_lock_ref(m.last_device_node)
+        self.size += aligned - res.prefix_len
+        return dt, 0.0
+
+    def match(self, key: Any, req: Any) -> int:
+        m = self.cache.match_prefix(self.sgl["base"].MatchPrefixParams(key=key))
+        self.cache.path_device_indices(m.last_device_node)
+        return int(m.device_prefix_len)
+
+    def evict(self) -> int:
+        n = self.cache.evict(self.sgl["base"].EvictParams(num_tokens=EVICT_TOKENS)).num_tokens_evicted
+        self.size -= n
+        return n
+
+
+class Req:
+    """What ``cow_mamba`` needs of a request: the T0 state slot a hit's state is loaded into."""
+
+    def __init__(self, slot: torch.Tensor):
+        self.mamba_pool_idx = slot
+
+
+def check_same_hits(ours: Ours, sgl: Sgl, queries: list[list[int]]) -> int:
+    """Every query matches the same number of KV tokens on both sides (raises otherwise); -> tokens hit."""
+    total = 0
     for q in queries:
-        t0 = time.perf_counter_ns()
-        cache.match_prefix(MatchPrefixParams(key=q))
-        lat.append(time.perf_counter_ns() - t0)
-    match_s = time.perf_counter() - t_all
-    t0 = time.perf_counter()
-    for q in queries:
-        base.match(q)
-    base_s = time.perf_counter() - t0
-    lat.sort()
-    ins = []
-    for _ in range(n_ops):
-        c = rng.randrange(len(trace.chats))
-        trace.chats[c] += trace.turn() + trace.turn()
-        cache_turn(cache, trace.chats[c], ins)
-    goal = cache.total_size()[0] * 3 // 4
-    n_ev, t0 = 0, time.perf_counter()
-    while cache.total_size()[0] > goal and n_ev < n_ops:
-        cache.evict(EvictParams(num_tokens=256))
-        n_ev += 1
-    ev_s = time.perf_counter() - t0
-    cache.check_invariants()
-    return {
-        "cached_tokens": cached,
-        "nodes": _count_nodes(cache),
-        "match_ops_per_s": n_ops / match_s,
-        "match_p99_us": lat[int(0.99 * (len(lat) - 1))] / 1e3,
-        "match_p50_us": lat[len(lat) // 2] / 1e3,
-        "match_vs_hash_baseline": base_s / match_s,
-        "insert_ops_per_s": len(ins) / max(sum(ins), 1e-12),
-        "evict_ops_per_s": n_ev / max(ev_s, 1e-12),
-    }
+        a = int(ours.cache.match_prefix(MatchPrefixParams(key=RadixKey(q))).kv_hit_length)
+        b = sgl.match(sgl.key(q), None)
+        if a != b:
+            raise AssertionError(f"match of a {len(q)}-token query: ours {a} tokens, SGLang {b}")
+        total += a
+    return total
 
 
-def _count_nodes(cache) -> int:
-    n, stack = 0, [cache.root]
-    while stack:
-        x = stack.pop()
-        n += 1
-        stack.extend(x.children.values())
-    return n - 1
+def _timed(fn, items) -> float:
+    t = 0.0
+    for x in items:
+        t0 = time.perf_counter()
+        fn(*x)
+        t += time.perf_counter() - t0
+    return t
 
 
-def main(argv=None) -> str:
+def run_size(target: int, rounds: int, ops: int, sgl_mods: dict[str, Any], seed: int = 0) -> dict:
+    ours, sgl = Ours(target, ops), Sgl(target, ops, sgl_mods)
+    trace = Trace(seed)
+    while ours.size < target:
+        toks = trace.next_turn()
+        ours.turn(toks)
+        sgl.turn(toks)
+    if ours.size != sgl.size:
+        raise AssertionError(f"grown trees differ: ours {ours.size} tokens cached, SGLang {sgl.size}")
+    cached = ours.size
+    hit_tokens = check_same_hits(ours, sgl, [trace.query() for _ in range(min(200, ops))])
+    ours.cache.check_invariants()
+    req = Req(ours.cache.states.alloc(1))
+    r: dict[str, list[float]] = {k: [] for k in ("match", "match_tree_only", "insert", "insert_tree_only", "evict",
+                                                 "evict_tree_only", "ours_match_us", "sgl_match_us", "ours_insert_us",
+                                                 "sgl_insert_us", "ours_evict_tok_s", "sgl_evict_tok_s")}
+    for rnd in range(rounds):
+        sides = (ours, sgl) if rnd % 2 == 0 else (sgl, ours)
+        queries = [trace.query() for _ in range(ops)]
+        t: dict[str, float] = {}
+        for side in sides:
+            keys = [(side.key(q), req) for q in queries]
+            t1 = ours.t1.s
+            t[side.name] = _timed(side.match, keys)
+            t[side.name + "_t1"] = ours.t1.s - t1
+        r["match"].append(t["sglang"] / t["ours"])
+        r["match_tree_only"].append(t["sglang"] / (t["ours"] - t["ours_t1"]))
+        r["ours_match_us"].append(t["ours"] / ops * 1e6)
+        r["sgl_match_us"].append(t["sglang"] / ops * 1e6)
+        turns = [list(trace.next_turn()) for _ in range(ops)]
+        start = {s.name: s.size for s in sides}
+        for side in sides:
+            got = [side.turn(toks) for toks in turns]
+            t[side.name] = sum(g[0] for g in got)
+            t[side.name + "_t1"] = sum(g[1] for g in got)
+        r["insert"].append(t["sglang"] / t["ours"])
+        r["insert_tree_only"].append(t["sglang"] / (t["ours"] - t["ours_t1"]))
+        r["ours_insert_us"].append(t["ours"] / ops * 1e6)
+        r["sgl_insert_us"].append(t["sglang"] / ops * 1e6)
+        rate: dict[str, float] = {}
+        for side in sides:
+            n, el, t1 = 0, 0.0, ours.t1.s
+            while side.size > start[side.name]:
+                t0 = time.perf_counter()
+                got = side.evict()
+                el += time.perf_counter() - t0
+                n += got
+                if not got:
+                    break
+            rate[side.name] = n / el
+            rate[side.name + "_tree_only"] = n / (el - (ours.t1.s - t1)) if side is ours else 0.0
+        r["evict"].append(rate["ours"] / rate["sglang"])
+        r["evict_tree_only"].append(rate["ours_tree_only"] / rate["sglang"])
+        r["ours_evict_tok_s"].append(rate["ours"])
+        r["sgl_evict_tok_s"].append(rate["sglang"])
+        print(f"  round {rnd}: match {r['match'][-1]:.2f}x insert {r['insert'][-1]:.2f}x "
+              f"evict {r['evict'][-1]:.2f}x", flush=True)
+    ours.cache.states.free(req.mamba_pool_idx)
+    ours.cache.check_invariants()
+    out: dict[str, float] = {"cached_tokens": cached, "check_hit_tokens": hit_tokens}
+    for k, v in r.items():
+        out[k] = statistics.median(v)
+        if k in ("match", "match_tree_only", "insert", "insert_tree_only", "evict", "evict_tree_only"):
+            out[k + "_min"], out[k + "_max"] = min(v), max(v)
+    return out
+
+
+def main(argv=None) -> Optional[str]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="10^3 and 10^4 tokens, few ops (a smoke run)")
-    ap.add_argument("--ops", type=int, default=2000)
+    ap.add_argument("--ops", type=int, default=300, help="matches and inserts per round")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--sizes", nargs="+", default=["1e5", "1e6"], help="cached tokens per tree (default 1e5 1e6)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
-    sizes = [(1e3, "1e3"), (1e4, "1e4")] if args.small else [(1e5, "1e5"), (1e6, "1e6")]
-    ops = 50 if args.small else args.ops
-    metrics, rows = {}, []
+    sgl = load_sglang()
+    if sgl is None:
+        print(SKIP)
+        return None
+    sizes = [(float(t), t) for t in (["1e3", "1e4"] if args.small else args.sizes)]
+    ops, rounds = (20, 3) if args.small else (args.ops, args.rounds)
+    metrics: dict[str, float] = {}
+    rows = []
     for size, tag in sizes:
-        r = run_size(int(size), ops)
-        rows.append({"size": tag, **{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}})
-        for k, v in r.items():
-            metrics[f"{k}_{tag}"] = v
-        print(tag, r, flush=True)
+        print(tag, flush=True)
+        res = run_size(int(size), rounds, ops, sgl)
+        for k, v in res.items():
+            name = k if k in ("cached_tokens", "check_hit_tokens") or k.startswith(("ours_", "sgl_")) else \
+                k.replace("match", "match_vs_sglang").replace("insert", "insert_vs_sglang").replace(
+                    "evict", "evict_vs_sglang", 1)
+            metrics[f"{name}_{tag}"] = v
+        rows.append({"size": tag, "cached tokens": res["cached_tokens"],
+                     **{f"{op} vs SGLang (min-max)": f"{res[op]:.2f}x ({res[op + '_min']:.2f}-{res[op + '_max']:.2f})"
+                        for op in ("match", "match_tree_only", "insert", "insert_tree_only", "evict",
+                                   "evict_tree_only")},
+                     "ours / SGLang match us": f"{res['ours_match_us']:.1f} / {res['sgl_match_us']:.1f}",
+                     "ours / SGLang insert us": f"{res['ours_insert_us']:.1f} / {res['sgl_insert_us']:.1f}",
+                     "ours / SGLang evict tok/s": f"{res['ours_evict_tok_s']:,.0f} / {res['sgl_evict_tok_s']:,.0f}"})
     metrics["page_size"] = PS
-    return write_results("radix", metrics, rows=rows, out_dir=args.out,
-                         notes=f"page_size {PS}; CPU host code; ops per size: {ops}. See the script's docstring.")
+    notes = (f"page_size {PS}; CPU host code; {rounds} interleaved rounds of {ops} matches and {ops} inserts, then "
+             f"evict(num_tokens={EVICT_TOKENS}) back to the round's start size; ratio = SGLang's time / ours "
+             "(median, min-max over rounds); *_tree_only: ours less the time inside the T1 pool. Baseline: SGLang "
+             "0.5.23 RadixCache over its CPU pools. See the script's docstring.")
+    return write_results("radix", metrics, rows=rows, out_dir=args.out, notes=notes)
 
 
 if __name__ == "__main__":
