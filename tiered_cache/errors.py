@@ -69,6 +69,14 @@ class IntegrityError(TieredCacheError):
     """Bytes read back do not match the checksum taken when they were written."""
 
 
+class RanksDivergedError(TieredCacheError):
+    """The caches of a tensor-parallel group no longer agree (``parallel.agree``): a rank would resume
+    from another position than its peers, and the model's output would be garbage."""
+
+    def __init__(self, rank: int, what: str):
+        super().__init__(f"rank {rank}: {what}")
+
+
 class TransferTimeoutError(TieredCacheError, TimeoutError):
     """A wait on a transfer ticket (or for room under the engine's in-flight byte bound) ran out of time."""
 

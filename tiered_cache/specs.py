@@ -16,6 +16,7 @@ State envelope of one request, layer-major::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -121,6 +122,12 @@ class KVSpec:
         """Payload bytes of one token over all layers (no padding)."""
         return self.num_layers * (self.k_token_bytes + self.v_token_bytes)
 
+    def shard(self, tp: int) -> KVSpec:
+        """One tensor-parallel rank's share of ``tp``: ``kv_heads // tp`` heads (``parallel.shard`` says
+        which). A ``tp`` that does not divide ``kv_heads`` is a typed error naming it."""
+        tp = _divisor("tp", tp, self.kv_heads, "kv_heads")
+        return dataclasses.replace(self, kv_heads=self.kv_heads // tp)
+
 
 @dataclass(frozen=True)
 class StateSpec:
@@ -195,3 +202,21 @@ class StateSpec:
     def bytes_per_slot(self, page_size: int = 1) -> int:
         """Bytes of one state envelope (all layers). ``page_size`` is ignored: one state per slot."""
         return self.num_layers * self._layer_bytes()
+
+    def shard(self, tp: int) -> StateSpec:
+        """One tensor-parallel rank's share of ``tp``: ``H // tp`` heads of the temporal state and
+        ``channels // tp`` of each conv window (its first dim, the heads' channels). A ``tp`` that
+        does not divide them is a typed error naming it and the dimension."""
+        h = self.temporal_shape[0]
+        tp = _divisor("tp", tp, h, "state heads (temporal_shape[0])")
+        for i, c in enumerate(self.conv_shapes):
+            _divisor("tp", tp, c[0], f"conv channels (conv_shapes[{i}][0])")
+        return dataclasses.replace(self, temporal_shape=(h // tp, *self.temporal_shape[1:]),
+                                   conv_shapes=tuple((c[0] // tp, *c[1:]) for c in self.conv_shapes))
+
+
+def _divisor(name: str, tp: int, n: int, what: str) -> int:
+    tp = int_arg(name, tp, lo=1, hi=MAX_DIM)
+    if n % tp:
+        raise InvalidArgumentError(name, f"a divisor of {what}={n}", tp)
+    return tp

@@ -22,6 +22,7 @@ what moved and what was evicted, and nobody needs to subclass a tier to learn it
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Optional, Union
 
 import torch
@@ -29,6 +30,8 @@ import torch
 from tiered_cache import device as dev
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.parallel.agree import attach
+from tiered_cache.parallel.group import TPGroup
 from tiered_cache.radix import HiMambaRadixCache, HiSWARadixCache, HostTierConfig, LRUPolicy
 from tiered_cache.radix.params import EvictParams
 from tiered_cache.radix.placement import CheckpointPlacement
@@ -85,7 +88,7 @@ class TieredCache:
     @classmethod
     def build(cls, cfg: CacheConfig, *, kv: KVSpec, state: Optional[StateSpec] = None, swa: Optional[KVSpec] = None,
               device: dev.DeviceLike = None, model_id: Optional[str] = None, storage: Optional[StorageTier] = None,
-              placement: Optional[CheckpointPlacement] = None) -> TieredCache:
+              placement: Optional[CheckpointPlacement] = None, tp: Optional[TPGroup] = None) -> TieredCache:
         """The tiers ``cfg`` asks for, for a model whose full-attention layers hold ``kv`` and whose other
         layers hold either recurrent states (``state``) or sliding-window KV (``swa``, its ``window`` set).
 
@@ -93,8 +96,17 @@ class TieredCache:
         T3 fingerprint (needed with ``cfg.storage_url``): entries of another model are never served.
         storage: a ``StorageTier`` the caller built and closes (instead of ``cfg.storage_url``).
         placement: the tree's mid-prefill checkpoint rule (state models; default from checkpoint_unit).
+        tp: this rank's ``parallel.TPGroup`` under tensor parallelism: ``kv``, ``state`` and ``swa`` are
+        the model's whole specs and the tiers hold this rank's share of the heads (``spec.shard``), as
+        many slots as ``cfg`` says (so ``1/tp`` of the bytes), T3 entries under a fingerprint that names
+        the rank and the group size, and the tree agrees with the other ranks (``parallel.agree``).
         Bad input raises a typed error naming the argument (or the ``cfg`` field) before anything is built.
         """
+        instance_arg("tp", tp, TPGroup, "a parallel.TPGroup", none_ok=True)
+        if tp is not None and tp.size > 1:
+            kv = instance_arg("kv", kv, KVSpec, "a KVSpec").shard(tp.size)
+            state = None if state is None else instance_arg("state", state, StateSpec, "a StateSpec").shard(tp.size)
+            swa = None if swa is None else instance_arg("swa", swa, KVSpec, "a KVSpec").shard(tp.size)
         high = _check_build(cfg, kv, state, swa, model_id, storage, placement)
         device = dev.resolve(device)
         mem, backend = cfg.check_memory, cfg.backend
@@ -102,17 +114,19 @@ class TieredCache:
         high_slots = cfg.t0_states if state is not None else swa_pages
         pool = UnifiedPool(kv, high, low_slots=cfg.kv_pages, high_slots=high_slots, page_size=cfg.page_size,
                            device=device, lazy_compaction=cfg.lazy_compaction, backend=backend, check_memory=mem)
-        return cls._assemble(cfg, pool, kv, state, device, model_id, storage, placement, "full", "mamba")
+        return cls._assemble(cfg, pool, kv, state, device, model_id, storage, placement, "full", "mamba", tp)
 
     @classmethod
     def build_on(cls, cfg: CacheConfig, t0: Any, *, kv_side: str = "full", state_side: str = "mamba",
                  model_id: Optional[str] = None, storage: Optional[StorageTier] = None,
-                 placement: Optional[CheckpointPlacement] = None) -> TieredCache:
+                 placement: Optional[CheckpointPlacement] = None, tp: Optional[TPGroup] = None) -> TieredCache:
         """The tiers above a T0 the caller owns (an engine's own pools, ``tiers.protocols.T0Pool``): T1,
         T2 and T3 as ``cfg`` asks, and a ``HiMambaRadixCache`` over ``t0``'s sides ``kv_side`` (full KV)
         and ``state_side`` (recurrent states). Nothing of T0 is built or copied: ``cfg``'s T0 sizes
         (``kv_pages``, ``t0_states``, ``lazy_compaction``) are not read, the specs and the device are the
-        sides'. State models only. Bad input raises a typed error naming the argument."""
+        sides'. State models only. ``tp``: as for ``build``, but the sides' specs are taken as they are
+        (an engine's TP pools hold their rank's share already). Bad input raises a typed error naming
+        the argument."""
         from tiered_cache.radix.facade import side_of
         from tiered_cache.tiers.protocols import T0Pool
 
@@ -128,13 +142,15 @@ class TieredCache:
         if kv.page_size != cfg.page_size:
             raise InvalidArgumentError("page_size", f"the KV side's page size {kv.page_size}", cfg.page_size)
         _check_build(cfg, kv.spec, st.spec, None, model_id, storage, placement)
-        return cls._assemble(cfg, t0, kv.spec, st.spec, kv.device, model_id, storage, placement, kv_side, state_side)
+        instance_arg("tp", tp, TPGroup, "a parallel.TPGroup", none_ok=True)
+        return cls._assemble(cfg, t0, kv.spec, st.spec, kv.device, model_id, storage, placement, kv_side, state_side,
+                             tp)
 
     @classmethod
     def _assemble(cls, cfg: CacheConfig, pool: Any, kv: KVSpec, state: Optional[StateSpec], device: torch.device,
                   model_id: Optional[str], storage: Optional[StorageTier], placement: Optional[CheckpointPlacement],
-                  kv_side: str, state_side: str) -> TieredCache:
-        """T1, T2, T3 and the tree over ``pool`` (T0, built or given)."""
+                  kv_side: str, state_side: str, tp: Optional[TPGroup]) -> TieredCache:
+        """T1, T2, T3 and the tree over ``pool`` (T0, built or given); under ``tp`` the tree agrees."""
         mem, backend = cfg.check_memory, cfg.backend
         t1 = None if state is None else Int8CheckpointPool(state, cfg.t1_states, device=device, codec=cfg.codec,
                                                            check_memory=mem, backend=backend)
@@ -159,6 +175,8 @@ class TieredCache:
         if storage is None and cfg.storage_url is not None and model_id is not None:  # (a URL comes with an id)
             fp = StorageFingerprint.from_specs(model_id, kv_spec=kv, state_spec=state, codec=cfg.codec,
                                                page_size=cfg.page_size)
+            if tp is not None and tp.tag() is not None:  # a rank's shard is its own entry: keys name the rank
+                fp = dataclasses.replace(fp, extra=(*fp.extra, ("tp", str(tp.tag()))))
             storage, owns_storage = StorageTier(open_backend(cfg.storage_url), fp), True
         tree: Tree
         try:
@@ -174,6 +192,8 @@ class TieredCache:
             if owns_storage and storage is not None:
                 storage.close()
             raise
+        if tp is not None:
+            attach(tree, tp)
         return cls(cfg, pool, tree, policy, t1=t1, host=host, transfer=transfer, storage=storage,
                    owns_storage=owns_storage, kv_side=kv_side, state_side=state_side)
 

@@ -20,6 +20,12 @@ Token ids are virtual ids of a KV side, one per position: ``token_ids[p]`` holds
 A state slot holds the state after a fixed number of tokens; the caller knows which.
 
 Running the model on those caches is ``runner.forward``'s.
+
+Under tensor parallelism (``tp``: a ``parallel.TPGroup``) the pools hold this rank's share of the heads
+(``KVSpec.shard`` / ``StateSpec.shard``): a rank writes its contiguous ``1/tp`` of the heads (and of each
+conv window's channels) and reads back the whole by gathering every rank's share, so the model, whose
+weights this engine does not shard, sees the same K/V and states as at TP 1 (only when the ranks' trees
+agree: a rank that resumed from another position would gather garbage or hang).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from tiered_cache.engine.model_specs import ModelSpecs, spec_for
 from tiered_cache.engine.models import layer_kinds
 from tiered_cache.engine.runner.forward import new_cache
 from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.parallel.group import TPGroup
 from tiered_cache.specs import KVSpec
 from tiered_cache.tiers.protocols import ActiveSide, KVSide, StateSide
 
@@ -96,9 +103,15 @@ class HybridCacheAdapter:
     spec: ``specs.full`` (full-attention layers), ``specs.swa`` (sliding layers), ``specs.state``.
     """
 
-    def __init__(self, model, specs: Optional[ModelSpecs] = None, page_size: int = 16) -> None:
+    def __init__(self, model, specs: Optional[ModelSpecs] = None, page_size: int = 16,
+                 tp: Optional[TPGroup] = None) -> None:
         self.model = model
         self.specs = specs if specs is not None else spec_for(model, page_size)
+        self.tp = TPGroup.single() if tp is None else tp
+        n = self.tp.size
+        # what the pools' sides hold: the model's specs, sharded by heads under TP
+        self.side_specs = tuple(None if x is None else x.shard(n) if n > 1 else x
+                                for x in (self.specs.full, self.specs.swa, self.specs.state))
         self.kinds = layer_kinds(model.config)
         self.dtype = next(model.parameters()).dtype
 
@@ -137,8 +150,9 @@ class HybridCacheAdapter:
             raise InvalidArgumentError(name, f"batch 1 states of shapes {want} (the side's spec)",
                                        (tuple(rec.shape), tuple(conv.shape)))
         row = _physical(side, "slot", _slot(slot))
-        side.temporal_view_all()[:, row] = rec.to(side.device, spec.temporal_dtype)
-        side.conv_view_all(0)[:, row] = conv.to(side.device, spec.conv_dtype)
+        tp = self.tp  # [L, 1, H, a, b] and [L, 1, C, K]: this rank's heads and channels
+        side.temporal_view_all()[:, row] = tp.split(rec, 2).to(side.device, spec.temporal_dtype)
+        side.conv_view_all(0)[:, row] = tp.split(conv, 2).to(side.device, spec.conv_dtype)
 
     def import_state(self, side: StateSide, slot: Union[int, torch.Tensor], cache=None):
         """Load state slot ``slot`` into the linear layers of ``cache`` (a fresh one if None); returns it.
@@ -148,8 +162,8 @@ class HybridCacheAdapter:
         spec = self._state_side(side)
         cache = self.new_cache() if cache is None else cache
         row = _physical(side, "slot", _slot(slot))
-        rec_all = side.temporal_view_all()[:, row]  # [L, 1, H, a, b]
-        conv_all = side.conv_view_all(0)[:, row]
+        rec_all = self.tp.gather(side.temporal_view_all()[:, row], 2)  # [L, 1, H, a, b]
+        conv_all = self.tp.gather(side.conv_view_all(0)[:, row], 2)
         k = spec.conv_shapes[0][-1]
         for j, i in enumerate(self.specs.linear_layers):
             layer = cache.layers[i]
@@ -205,8 +219,8 @@ class HybridCacheAdapter:
         if (tuple(k.shape), tuple(v.shape)) != want or layers[0].keys.shape[0] != 1:
             raise InvalidArgumentError("cache", f"batch 1 K/V of shapes {want} (the side's spec)",
                                        (tuple(layers[0].keys.shape), tuple(k.shape), tuple(v.shape)))
-        side.k_view_all()[:, pages, offs] = _to_store(k, spec).to(side.device)
-        side.v_view_all()[:, pages, offs] = _to_store(v, spec).to(side.device)
+        side.k_view_all()[:, pages, offs] = _to_store(self.tp.split(k, 2), spec).to(side.device)
+        side.v_view_all()[:, pages, offs] = _to_store(self.tp.split(v, 2), spec).to(side.device)
         return start, end
 
     def import_kv(self, cache, side: KVSide, token_ids: IdsLike, n_tokens: int) -> None:
@@ -224,8 +238,8 @@ class HybridCacheAdapter:
             return
         phys = _physical(side, "token_ids", ids[start:n_tokens])
         pages, offs = phys // side.page_size, phys % side.page_size
-        k = _from_store(side.k_view_all()[:, pages, offs], spec)  # [L, T, H, D]
-        v = _from_store(side.v_view_all()[:, pages, offs], spec)
+        k = _from_store(self.tp.gather(side.k_view_all()[:, pages, offs], 2), spec)  # [L, T, H, D]
+        v = _from_store(self.tp.gather(side.v_view_all()[:, pages, offs], 2), spec)
         for j, i in enumerate(model_layers):
             layer = cache.layers[i]
             layer.update(k[j].transpose(0, 1).unsqueeze(0).to(self.model.device, self.dtype),
@@ -266,19 +280,23 @@ class HybridCacheAdapter:
         return hi - n, hi
 
     def _kv_side(self, side: KVSide) -> tuple[KVSpec, tuple[int, ...]]:
+        """The model's (whole) spec of ``side``'s layers, and which model layers they are."""
         spec = getattr(side, "spec", None)
-        if spec == self.specs.full:
-            return spec, self.specs.full_layers
-        if self.specs.swa is not None and spec == self.specs.swa:
-            return spec, self.specs.swa_layers
-        want = [self.specs.full] + ([self.specs.swa] if self.specs.swa is not None else [])
+        full, swa, _ = self.side_specs
+        if spec == full:
+            return self.specs.full, self.specs.full_layers
+        if swa is not None and spec == swa:
+            assert self.specs.swa is not None
+            return self.specs.swa, self.specs.swa_layers
+        want = [full] + ([swa] if swa is not None else [])
         raise InvalidArgumentError("side", f"a KV side whose spec is one of {want}", spec)
 
     def _state_side(self, side: StateSide):
         spec = getattr(side, "spec", None)
-        if self.specs.state is None or spec != self.specs.state:
-            raise InvalidArgumentError("side", f"a state side whose spec is {self.specs.state}", spec)
-        return spec
+        want = self.side_specs[2]
+        if want is None or spec != want:
+            raise InvalidArgumentError("side", f"a state side whose spec is {want}", spec)
+        return self.specs.state
 
 
 __all__ = ["HybridCacheAdapter"]

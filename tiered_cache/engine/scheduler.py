@@ -62,16 +62,17 @@ class Engine:
     ``submit`` queues a request; ``step`` runs one scheduling step and returns the requests that
     finished in it; ``abort`` ends a request wherever it is (its locks, slots and pages released);
     ``run`` steps until nothing is left. ``stats_dict`` reports hits, tokens, bytes and TTFT.
-    ``tiers``: the ``TieredCache`` (None without ``use_cache``); ``cache``: its radix tree.
+    ``tiers``: the ``TieredCache`` (None without ``use_cache``); ``cache``: its radix tree. ``tp``: this rank's
+    ``parallel.TPGroup`` (tiers hold its share of the heads and agree each step: docs/tensor-parallel.md).
     """
 
-    def __init__(self, model, config: Optional[EngineConfig] = None) -> None:
+    def __init__(self, model, config: Optional[EngineConfig] = None, tp: Any = None) -> None:
         self.model = model
         self.cfg = cfg = config or EngineConfig()
         self.device = model.device
         # The no-cache baseline needs no pools, so no specs: a family the tiers refuse still runs it.
         self.specs = spec_for(model, cfg.page_size) if cfg.use_cache else None
-        self.adapter = HybridCacheAdapter(model, self.specs) if self.specs is not None else None
+        self.adapter = HybridCacheAdapter(model, self.specs, tp=tp) if self.specs is not None else None
         self.runner = ModelRunner(model, self.specs, cfg)
         self.stats = EngineStats()
         self._phase = PhaseClock(self.stats.phase_s, self.device, on=cfg.phase_timing)
@@ -82,7 +83,7 @@ class Engine:
         if self.specs is not None and self.adapter is not None:  # use_cache
             model_id = None if cfg.cache.storage_url is None else cfg.storage_model_id or weights_id(model)
             self.tiers = TieredCache.build(cfg.cache, kv=self.specs.full, state=self.specs.state, swa=self.specs.swa,
-                                           device=self.device, model_id=model_id)
+                                           device=self.device, model_id=model_id, tp=tp)
             self.cache, self.kind = self.tiers.tree, kind_for(self.tiers, self.adapter, self._phase)
             self.initial_free = self.free_sizes()
 

@@ -39,6 +39,7 @@ class RadixCacheFacade:
     rule: ResumeRule
     host_tier: HostTier
     eviction: Eviction
+    agreement: Any = None  # a parallel.Agreement under tensor parallelism (None: this rank decides alone)
 
     def _build_tree(self, pool: Any, kv_side: Any, policy: Optional[EvictionPolicy], validate: bool) -> None:
         if not isinstance(pool, T0Pool):
@@ -146,7 +147,11 @@ class RadixCacheFacade:
         """Apply every finished transfer to the tree (the engine calls this every step).
 
         The cache polls its ``TransferEngine``; another user of the same engine must track its own
-        tickets by ``ticket.done`` rather than by what ``poll`` returns."""
+        tickets by ``ticket.done`` rather than by what ``poll`` returns. Under tensor parallelism what
+        each rank finished is agreed first (``parallel.agree``: one collective)."""
+        if self.agreement is not None:
+            self.agreement.check_events()
+            return
         self.rule.on_events()
         self.host_tier.check_events()
 

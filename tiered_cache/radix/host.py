@@ -92,6 +92,7 @@ class HostTier:
         self.mirror = mirror
         self.conf = config or HostTierConfig()
         self.t3: Any = None
+        self.agree: Any = None  # parallel.Agreement under tensor parallelism: settle agrees on checksums
         self.ops: list[Op] = []
         self.streams: list[Stream] = []
         self.kv_region: Any = None
@@ -151,6 +152,8 @@ class HostTier:
         for op in ops:
             for t in op.tickets.values():
                 self.engine.wait(t)
+        if self.agree is not None and ops:
+            self.agree.settle(ops)  # every rank waited here: a checksum failed anywhere fails everywhere
         return self.apply_ops(lambda op: op in ops)
 
     def drain(self) -> None:

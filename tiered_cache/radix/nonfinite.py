@@ -30,6 +30,9 @@ class StateFlags:
     def __init__(self, tree: RadixTree, ckpt: Any) -> None:
         self.tree, self.ckpt = tree, ckpt
         self.owner: dict[int, TreeNode] = {}  # T1 host slot id -> node, while its NaN/inf flag is unread
+        # parallel.Agreement under tensor parallelism: flags are read only where every rank reads them
+        # (each step's agreement, and a wait before a state is served), and agreed
+        self.agree: Any = None
 
     def clear(self) -> None:
         self.owner = {}
@@ -39,7 +42,13 @@ class StateFlags:
         state but ``keep``'s (the caller deals with it). -> whether a state was dropped."""
         if not self.owner and wait_for is None:
             return False
-        flags = self.ckpt.poll_flags(wait_for)
+        if self.agree is not None:
+            return wait_for is not None and self.apply(self.agree.flags(self), keep)
+        return self.apply(self.ckpt.poll_flags(wait_for), keep)
+
+    def apply(self, flags: dict[int, bool], keep: Optional[TreeNode] = None) -> bool:
+        """Act on read flags (slot -> finite): drop every non-finite state but ``keep``'s. -> whether
+        a state was dropped."""
         dropped = False
         for s, ok in flags.items():
             x = self.owner.pop(s, None)

@@ -82,6 +82,7 @@ class StorageHook:
         self.cache, self.tree, self.tier, self.policy = cache, cache.tree, tier, policy
         self.timeout_s, self.write_through = timeout_s, write_through
         self.fetches: list[_Fetch] = []
+        self.agree: Any = None  # parallel.Agreement under tensor parallelism: a hit counts on every rank or none
 
     # ----------------------------------------------------------------------------- keys
     def _node_keys(self, x: TreeNode) -> list[bytes]:
@@ -187,15 +188,16 @@ class StorageHook:
             while f in self.fetches and f.ops:
                 for op in f.ops:
                     self.tier.wait(op, max(0.0, deadline - time.monotonic()))
-                if not all(op.done for op in f.ops):
+                if not (all(op.done for op in f.ops) if self.agree is None else self.agree.fetches([f])):
                     c.stats["t3_wait_timed_out"] += 1  # it goes on in the background
                     return
                 self._advance(f)
 
-    def poll(self) -> None:
+    def poll(self, ready: Optional[list] = None) -> None:
+        """Advance the fetches whose storage ops are done (``ready``: those the TP ranks agreed on)."""
         self.tier.poll()
-        for f in list(self.fetches):
-            if all(op.done for op in f.ops):
+        for f in list(self.fetches) if ready is None else ready:
+            if f in self.fetches and (ready is not None or all(op.done for op in f.ops)):
                 self._advance(f)
 
     def cancel(self, req: Any) -> None:
