@@ -1,67 +1,55 @@
 """Capacity simulation: hit rate against GPU and host memory, on the real cache structures, no model.
 
-    python benchmarks/bench_capacity.py                  # CPU, ~2-3 minutes
+    python benchmarks/bench_capacity.py                  # synthetic multi-turn trace, CPU, a few minutes
+    python benchmarks/bench_capacity.py --trace ../shared/traces/mooncake_conversation_trace.jsonl
     python benchmarks/bench_capacity.py --requests 1000000 --gpu-gib 16 --host-gib 256   # one point, long
 
-A ``TieredCache`` (the radix tree over a real ``UnifiedPool`` (T0), ``Int8CheckpointPool`` (T1) and
-``HostMirror`` + ``TransferEngine`` (T2)) is built with slot COUNTS that come from byte budgets of a
-Qwen3-Next-80B-like model (KV: 12 full layers x 2 heads x 256, bf16; state: 36 linear layers x
-[32, 128, 128] fp32 + a bf16 conv window; int8 in T1/T2), split as ``workload_common.split_budget``
-splits the GPU budget for the engine benchmark. The slots themselves are tiny byte-sized stand-ins
-(their T0 KV : state byte ratio kept, so the two sides of T0 trade bytes at the real rate). One sim
-token is one KV page of ``--page`` real tokens (page_size 1 in the tree; checkpoints on page
-boundaries, as the engine places them).
+The simulation itself (the configurations' real tiers at Qwen3-Next-80B byte budgets, the engine's
+cache calls per request, the fast mode) is ``capacity_sim.simulate``; this script drives it.
 
-The trace: ``--active`` conversations live at once (the working set); each request picks one at
-random and sends its next turn (history + previous answer + a new question); a conversation that
-has done its rounds is replaced by a new one. Every conversation starts with one of ``--systems``
-shared system prompts (Zipf popularity). Each request does what the reference engine does with the
-cache, minus the compute: ``match_prefix`` (cow_mamba), ``init_load_back`` of a host hit (tickets
-finish on ``check_hicache_events``), lock, a T0 state slot and the KV reserved (``TieredCache.alloc_states``
-/ ``alloc_kv``: evicting for room), ``cache_unfinished_req`` at the
-branch point, every prefill chunk end and the prompt end, ``cache_finished_req`` at the last page
-written. Requests run one at a time (no concurrency: running requests' KV is in the reservation).
+Synthetic trace (default; writes ``capacity-<device>``): ``--active`` conversations live at once (the
+working set); each request picks one at random and sends its next turn (history + previous answer + a
+new question); a conversation that has done its rounds is replaced by a new one. Every conversation
+starts with one of ``--systems`` shared system prompts (Zipf popularity). One sim token is a KV page
+of ``--page`` tokens. A GPU sweep of (2), (3), (4) and (2b) (host ``--host-gib[0]``) and a host sweep
+of (4) and (2b) at ``--host-sweep-gpu``.
+
+Mooncake trace (``--trace FILE``; writes ``capacity-mooncake-<device>``): the trace's requests in
+arrival order, one sim token per 512-token block (``capacity_sim.mooncake_requests``), over a grid:
+(2) and (3) at every ``--grid-gpu``, (2b) and (4) at every (``--grid-gpu``, ``--grid-host``) pair, the
+points spread over ``--workers`` processes. The ceiling is the same simulation with every tier
+unbounded (``unbounded_tiers``): a hybrid resumes only where the engine's checkpoint placement left a
+state, so it is below the trace's prefix-reuse bound (``traces.unbounded_reuse``, reported beside it).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import multiprocessing
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import workload_common as wc  # noqa: E402
+from benchmarks import capacity_sim as cs  # noqa: E402
+from benchmarks.capacity_sim import SimRequest, simulate  # noqa: E402
 from benchmarks.common import RESULTS, device_tag, write_results  # noqa: E402
-from tiered_cache.config import WRITE_POLICIES, CacheConfig  # noqa: E402
-from tiered_cache.radix import CacheReq, InitLoadBackParams, MatchPrefixParams, RadixKey  # noqa: E402
-from tiered_cache.specs import KVSpec, StateSpec  # noqa: E402
-from tiered_cache.stack import TieredCache  # noqa: E402
+from benchmarks.traces import BLOCK, load_trace, unbounded_reuse  # noqa: E402
+from tiered_cache.config import WRITE_POLICIES  # noqa: E402
 
-GiB = 1 << 30
-# Qwen3-Next-80B-A3B: 48 layers, every 4th full attention.
-REAL_KV = KVSpec(num_layers=12, kv_heads=2, head_dim=256, dtype=torch.bfloat16)
-REAL_STATE = StateSpec(num_layers=36, temporal_shape=(32, 128, 128), temporal_dtype=torch.float32,
-                       conv_shapes=((8192, 3),), conv_dtype=torch.bfloat16, value_axis=2)
-TINY_KV = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)  # 32 B per sim token
-
-
-def tiny_state(real: wc.TierBytes) -> StateSpec:
-    """A state spec whose bytes : TINY_KV page bytes ~ the real state : KV page ratio."""
-    kv = TINY_KV.bytes_per_slot(1)
-    want = real.state_native / real.kv_page * kv
-    dk = max(1, round((want - 64) / (4 * 16)))
-    return StateSpec(num_layers=1, temporal_shape=(1, dk, 16), temporal_dtype=torch.float32,
-                     conv_shapes=((4, 4),), conv_dtype=torch.float32, value_axis=2)
+GiB = cs.GiB
+HOST_CONFIGS = ("gpu_only_host", "int8_t1_t2")  # (2b), (4): the ones with a host tier
 
 
 # ------------------------------------------------------------------------------------------ trace
 class Trace:
-    """Seeded multi-turn / shared-prefix trace in sim tokens (pages). ``next()`` -> (prompt, answer)."""
+    """Seeded multi-turn / shared-prefix trace in sim tokens (pages). ``next()`` -> a ``SimRequest``."""
 
     def __init__(self, a: argparse.Namespace, seed: int = 0) -> None:
         self.rng = random.Random(seed)
@@ -83,7 +71,7 @@ class Trace:
         rounds = self.rng.randint(self.a.min_rounds, self.a.max_rounds)
         return {"history": list(self.systems[sys_i]), "left": rounds}
 
-    def next(self) -> tuple[list[int], list[int]]:
+    def next(self) -> SimRequest:
         i = self.rng.randrange(len(self.active))
         c = self.active[i]
         q = self._fresh(self.rng.randint(*self.a.question_pages))
@@ -93,94 +81,26 @@ class Trace:
         c["left"] -= 1
         if c["left"] == 0:
             self.active[i] = self._new_conv()
-        return prompt, ans
+        return SimRequest(prompt, ans, len(prompt) * self.a.page)
+
+    def take(self, n: int) -> Iterator[SimRequest]:
+        return (self.next() for _ in range(n))
 
     def longest(self) -> int:
         a = self.a
         return a.system_pages + a.max_rounds * (a.question_pages[1] + a.answer_pages[1])
 
 
-# ------------------------------------------------------------------------------------------ sim
-class Sim:
-    """One configuration's tiers, sized in slots, and the engine's cache calls for one request."""
-
-    def __init__(self, tiers: dict[str, Any], state: StateSpec, write_policy: str) -> None:
-        cfg = CacheConfig(page_size=1, write_policy=write_policy, validate=False, check_memory=False, backend="torch",
-                          **tiers)  # tiers: split_budget's tier sizes and codec
-        self.stack = TieredCache.build(cfg, kv=TINY_KV, state=state, device="cpu")
-        self.cache, self.kv = self.stack.tree, self.stack.kv
-        self.c = {"prompt": 0, "reused": 0, "reused_host": 0, "t1": 0, "t2": 0, "miss": 0, "requests": 0,
-                  "load_fail": 0}
-
-    def request(self, prompt: list[int], answer: list[int], chunk: int) -> None:
-        cache, c = self.cache, self.c
-        n = len(prompt)
-        req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64))
-        req.load_back = None
-        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:n - 1]), cow_mamba=True, req=req))
-        prefix, node, host_tok, tier = m.device_indices, m.last_device_node, 0, "t1"
-        if m.host_hit_length > 0:
-            ids, node2 = cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
-            if len(ids):
-                while not req.load_back.done:
-                    cache.check_hicache_events()
-                if req.load_back.ok:
-                    t = req.load_back.tickets
-                    host_tok = t["kv"].nbytes // self.kv.entry_bytes if "kv" in t else 0
-                    tier = "t2" if "state" in t else "t1"
-                    prefix, node = torch.cat([prefix, ids]), node2
-                else:
-                    c["load_fail"] += 1
-        cache.inc_lock_ref(node)
-        p = len(prefix)
-        req.last_node, req.cache_protected_len, req.prefix_indices = node, p, prefix
-        if req.mamba_pool_idx is None:
-            req.mamba_pool_idx = self.stack.alloc_states(1)
-            if req.mamba_pool_idx is None:
-                raise RuntimeError("no T0 state slot even after evicting: the reservation is too small")
-        new = self.stack.alloc_kv(n + len(answer) - p)
-        if new is None:
-            raise RuntimeError("a request's KV does not fit T0 even after evicting: raise the GPU budget")
-        req.kv_indices = torch.cat([prefix, new])
-        c["requests"] += 1
-        c["prompt"] += n
-        c["reused"] += p
-        c["reused_host"] += host_tok
-        c[tier if p else "miss"] += 1
-        cuts = set(range(p + chunk, n, chunk)) | {n}
-        b = m.mamba_branching_seqlen
-        if b is not None and p < b < n:
-            cuts.add(b)
-        full = prompt + answer
-        for pos in sorted(cuts):
-            req.token_ids = full[:pos]
-            cache.cache_unfinished_req(req, chunked=True)
-        req.token_ids = full[:n + len(answer) - 1]  # the last answer token is emitted, never fed
-        cache.cache_finished_req(req)
-        cache.check_hicache_events()
-
-
-def run_point(tiers: dict, state: StateSpec, args: argparse.Namespace, n_req: int, label: str) -> dict:
-    sim = Sim(tiers, state, args.write_policy)
-    trace = Trace(args, seed=args.seed)
-    for _ in range(args.warm):
-        sim.request(*trace.next(), args.chunk_pages)
-    sim.c = dict.fromkeys(sim.c, 0)  # measure after the cache has filled
-    it = range(n_req)
-    if args.progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(it, desc=f"{label:>34}", unit="req", leave=False, mininterval=1.0)
-    t = time.perf_counter()
-    for _ in it:
-        sim.request(*trace.next(), args.chunk_pages)
-    wall = time.perf_counter() - t
-    sim.cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
-    c = sim.c
-    return {"hit_rate": c["reused"] / max(1, c["prompt"]), "hit_rate_t2": c["reused_host"] / max(1, c["prompt"]),
-            "state_hit_rate": (c["t1"] + c["t2"]) / max(1, c["requests"]), "state_hits_t1": c["t1"],
-            "state_hits_t2": c["t2"], "state_misses": c["miss"], "requests": c["requests"], "req_per_s": n_req / wall,
-            "load_failures": c["load_fail"]}
+def synthetic_point(args: argparse.Namespace, cfg: str, gpu_gib: float, host_gib: float, *, fast: bool,
+                    requests: Optional[int] = None, keep_hits: bool = False) -> dict:
+    """One configuration on the synthetic trace: ``--warm`` requests, then ``requests`` measured."""
+    n = args.requests if requests is None else requests
+    label = f"{cs.LABELS[cfg]} GPU {gpu_gib:g} host {host_gib:g}" if args.progress else None
+    return simulate(Trace(args, seed=args.seed).take(args.warm + n), gpu_bytes=int(gpu_gib * GiB),
+                       host_bytes=int(host_gib * GiB), config_name=cfg, fast=fast, page=args.page,
+                       max_running=args.max_running, kv_fraction=args.kv_fraction, request_pages=Trace(args).longest(),
+                       chunk_pages=args.chunk_pages, warm=args.warm, write_policy=args.write_policy,
+                       keep_hits=keep_hits, progress=label)
 
 
 def chart(path: str, rows: list[dict], args: argparse.Namespace) -> None:
@@ -192,90 +112,59 @@ def chart(path: str, rows: list[dict], args: argparse.Namespace) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.6))
     fig.suptitle(f"capacity: Qwen3-Next-80B-like bytes, {args.active} live conversations, "
                  f"{args.requests} requests per point")
-    for cfg, style in (("gpu_only", "o-"), ("int8_t1", "s-"), ("int8_t1_t2", "^-")):
+    for cfg, style in (("gpu_only", "o-"), ("int8_t1", "s-"), ("gpu_only_host", "v--"), ("int8_t1_t2", "^-")):
         pts = [r for r in rows if r["config"] == cfg and r["sweep"] == "gpu"]
-        ax[0].plot([r["gpu_gib"] for r in pts], [r["hit_rate"] for r in pts], style, label=wc.LABELS[cfg])
-    ax[0].set(title=f"hit rate vs GPU budget (host {args.host_gib[0]:g} GiB for (4))", xlabel="GPU GiB",
+        ax[0].plot([r["gpu_gib"] for r in pts], [r["hit_rate"] for r in pts], style, label=cs.LABELS[cfg])
+    ax[0].set(title=f"hit rate vs GPU budget (host {args.host_gib[0]:g} GiB for (2b), (4))", xlabel="GPU GiB",
               ylabel="prompt tokens reused", ylim=(0, 1))
     ax[0].legend()
-    pts = [r for r in rows if r["sweep"] == "host"]
-    ax[1].plot([r["host_gib"] for r in pts], [r["hit_rate"] for r in pts], "^-", color="tab:green",
-               label=f"(4), GPU {args.host_sweep_gpu:g} GiB")
-    go = [r for r in rows if r["config"] == "gpu_only" and r["gpu_gib"] == args.host_sweep_gpu and r["sweep"] == "gpu"]
+    for cfg, style in (("gpu_only_host", "v--"), ("int8_t1_t2", "^-")):
+        pts = sorted((r for r in rows if r["config"] == cfg and r["gpu_gib"] == args.host_sweep_gpu),
+                     key=lambda r: r["host_gib"])
+        ax[1].plot([r["host_gib"] for r in pts], [r["hit_rate"] for r in pts], style,
+                   label=f"{cs.LABELS[cfg]}, GPU {args.host_sweep_gpu:g} GiB")
+    go = [r for r in rows if r["config"] == "gpu_only" and r["gpu_gib"] == args.host_sweep_gpu]
     if go:
-        ax[1].axhline(go[0]["hit_rate"], ls="--", color="tab:blue", label="(2) at the same GPU budget")
-    ax[1].set(title="hit rate vs host budget", xlabel="host GiB", ylim=(0, 1))
-    if pts:
-        ax[1].set_xscale("log")
+        ax[1].axhline(go[0]["hit_rate"], ls=":", color="tab:blue", label="(2) at the same GPU budget")
+    ax[1].set(title="hit rate vs host budget", xlabel="host GiB", ylim=(0, 1), xscale="log")
     ax[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=2000, help="measured requests per point (up to 10^6)")
-    p.add_argument("--warm", type=int, default=2000, help="requests run before measuring (cache fills)")
-    p.add_argument("--gpu-gib", type=float, nargs="+", default=[8, 16, 32, 48])
-    p.add_argument("--host-gib", type=float, nargs="+", default=[256, 32, 64, 128],
-                   help="first: the host budget of (4) in the GPU sweep; all: the host sweep")
-    p.add_argument("--host-sweep-gpu", type=float, default=16, help="GPU GiB of the host sweep")
-    p.add_argument("--ratio-at", type=float, nargs=2, default=[16, 32], help="GPU GiB of hit_rate_vs_gpu_only")
-    p.add_argument("--page", type=int, default=64, help="real tokens per sim token (KV page)")
-    p.add_argument("--active", type=int, default=256, help="conversations live at once (the working set)")
-    p.add_argument("--systems", type=int, default=32, help="shared system prompts")
-    p.add_argument("--zipf", type=float, default=1.0, help="popularity skew of the system prompts")
-    p.add_argument("--system-pages", type=int, default=32)
-    p.add_argument("--question-pages", type=int, nargs=2, default=[2, 16])
-    p.add_argument("--answer-pages", type=int, nargs=2, default=[2, 8])
-    p.add_argument("--min-rounds", type=int, default=2)
-    p.add_argument("--max-rounds", type=int, default=12)
-    p.add_argument("--chunk-pages", type=int, default=128, help="prefill chunk in pages (8192 tokens)")
-    p.add_argument("--max-running", type=int, default=4)
-    p.add_argument("--kv-fraction", type=float, default=0.6)
-    p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=RESULTS)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    return p.parse_args(argv)
-
-
-def main(argv: Optional[list[str]] = None) -> str:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
+def run_synthetic(args: argparse.Namespace) -> str:
     t_start = time.perf_counter()
-    real = wc.TierBytes.from_specs(REAL_KV, REAL_STATE, args.page)
-    state = tiny_state(real)
-    tiny_kv = TINY_KV.bytes_per_slot(1)
+    real = cs.real_bytes(args.page)
     print(f"real bytes: KV page ({args.page} tokens) {real.kv_page / 2**20:.2f} MiB; state fp32 "
           f"{real.state_native / 1e6:.1f} MB, T1 lossless {real.t1_lossless / 1e6:.1f} MB, int8 "
-          f"{real.t1_int8 / 1e6:.1f} MB ({real.t1_lossless / real.t1_int8:.2f}x); stand-in state : KV page = "
-          f"{state.bytes_per_slot() / tiny_kv:.1f} (real {real.state_native / real.kv_page:.1f})")
-    trace_pages = Trace(args).longest()
+          f"{real.t1_int8 / 1e6:.1f} MB ({real.t1_lossless / real.t1_int8:.2f}x)")
     host0 = args.host_gib[0]
-    points = [("gpu", g, host0, cfg) for g in sorted(set(args.gpu_gib) | set(args.ratio_at)) for cfg in wc.CONFIGS[1:]]
-    points += [("host", args.host_sweep_gpu, h, "int8_t1_t2") for h in sorted(set(args.host_gib)) if h != host0]
+    gpus = sorted(set(args.gpu_gib) | set(args.ratio_at))
+    points = [("gpu", g, host0 if cfg in HOST_CONFIGS else 0, cfg) for g in gpus for cfg in cs.SIM_CONFIGS]
+    points += [("host", args.host_sweep_gpu, h, cfg) for h in sorted(set(args.host_gib)) if h != host0
+               for cfg in HOST_CONFIGS]
     rows = []
     for sweep, g, h, cfg in points:
-        tiers = wc.split_budget(real, int(g * GiB), int(h * GiB), args.max_running, trace_pages, args.kv_fraction)[cfg]
-        r = run_point(tiers, state, args, args.requests, f"{wc.LABELS[cfg]} GPU {g:g} host {h:g}")
-        row = {"sweep": sweep, "config": cfg, "gpu_gib": g, "host_gib": h if cfg == "int8_t1_t2" else 0,
-               **{k: tiers.get(k, 0) for k in ("kv_pages", "t1_states", "host_kv_pages", "host_states")}, **r}
-        rows.append(row)
-        print(f"  {wc.LABELS[cfg]:>24} GPU {g:5g} GiB host {row['host_gib']:5g} GiB: T0 {tiers['kv_pages']} pages, "
-              f"T1 {tiers['t1_states']} states -> hit {r['hit_rate']:.3f} (T2 {r['hit_rate_t2']:.3f}), state hits "
-              f"{r['state_hit_rate']:.3f}, {r['req_per_s']:.0f} req/s")
-    metrics: dict[str, float] = {}
+        r = synthetic_point(args, cfg, g, h, fast=args.fast)
+        r.pop("evictions")
+        rows.append({"sweep": sweep, "config": cfg, "gpu_gib": g, "host_gib": h, **r})
+        print(f"  {cs.LABELS[cfg]:>24} GPU {g:5g} GiB host {h:5g} GiB: T0 {r['kv_pages']} pages, T1 {r['t1_states']} "
+              f"states -> hit {r['hit_rate']:.3f} (T2 {r['hit_rate_t2']:.3f}), state hits {r['state_hit_rate']:.3f}, "
+              f"{r['req_per_s']:.0f} req/s")
+    metrics: dict[str, Optional[float]] = {}
     for r in rows:
-        tag = f"{r['config']}_gpu{r['gpu_gib']:g}" + (f"_host{r['host_gib']:g}" if r["config"] == "int8_t1_t2" else "")
+        tag = f"{r['config']}_gpu{r['gpu_gib']:g}" + (f"_host{r['host_gib']:g}" if r["config"] in HOST_CONFIGS else "")
         metrics[f"hit_rate_{tag}"] = r["hit_rate"]
         metrics[f"state_hit_rate_{tag}"] = r["state_hit_rate"]
+    hit = {(r["config"], r["gpu_gib"], r["host_gib"]): r["hit_rate"] for r in rows}
     for g in args.ratio_at:
-        got = {r["config"]: r["hit_rate"] for r in rows if r["sweep"] == "gpu" and r["gpu_gib"] == g}
-        if got["gpu_only"]:  # (omitted when (2) hits nothing: JSON has no inf)
-            metrics[f"hit_rate_vs_gpu_only_{g:g}GiB"] = got["int8_t1_t2"] / got["gpu_only"]
-            metrics[f"int8_hit_rate_vs_gpu_only_{g:g}GiB"] = got["int8_t1"] / got["gpu_only"]
+        two = hit[("gpu_only", g, 0)]
+        metrics[f"hit_rate_vs_gpu_only_{g:g}GiB"] = _ratio(hit[("int8_t1_t2", g, host0)], two)
+        metrics[f"int8_hit_rate_vs_gpu_only_{g:g}GiB"] = _ratio(hit[("int8_t1", g, 0)], two)
+    for (cfg, g, h), v in hit.items():
+        if cfg == "int8_t1_t2":  # int8's own gain where there is a host tier: (4) / (2b), equal bytes
+            metrics[f"hit_rate_4_vs_2b_gpu{g:g}_host{h:g}"] = _ratio(v, hit[("gpu_only_host", g, h)])
     metrics["requests_per_point"] = args.requests
     metrics["total_s"] = time.perf_counter() - t_start
     os.makedirs(args.out, exist_ok=True)
@@ -285,12 +174,214 @@ def main(argv: Optional[list[str]] = None) -> str:
              f"{args.active} live conversations, {args.systems} shared system prompts of "
              f"{args.system_pages * args.page} tokens, {args.min_rounds}-{args.max_rounds} rounds; {args.warm} "
              f"warm-up + {args.requests} measured requests per point; GPU split as workload_common.split_budget "
-             f"(max_running {args.max_running}, "
-             f"kv_fraction {args.kv_fraction}); (4) host {host0:g} GiB in the GPU sweep. "
-             "hit_rate = prompt tokens reused.")
+             f"(max_running {args.max_running}, kv_fraction {args.kv_fraction}); (2b) and (4) host {host0:g} GiB in "
+             f"the GPU sweep; {'fast' if args.fast else 'full'} mode. hit_rate = prompt tokens reused.")
     path = write_results("capacity", metrics, rows=rows, notes=notes, out_dir=args.out)
     print(f"wrote {path} (+ .md, .png) in {metrics['total_s']:.1f} s")
     return path
+
+
+def _ratio(a: float, b: float) -> Optional[float]:
+    """a / b, undefined (None) where b is 0."""
+    return a / b if b else None
+
+
+# ------------------------------------------------------------------------------------------ real trace
+_RUN: dict[str, Any] = {}  # the parsed trace and the split settings, set before the workers fork
+
+
+def _trace_point(cfg: str, gpu_gib: float, host_gib: float) -> dict:
+    """One grid point of the real trace (in a worker: reads ``_RUN``)."""
+    a = _RUN["args"]
+    r = simulate(_RUN["trace"], gpu_bytes=int(gpu_gib * GiB), host_bytes=int(host_gib * GiB), config_name=cfg,
+                 fast=a.fast, page=BLOCK, max_running=a.max_running, kv_fraction=a.kv_fraction,
+                 request_pages=_RUN["request_pages"], write_policy=a.write_policy)
+    r.pop("evictions")
+    return {"config": cfg, "gpu_gib": gpu_gib, "host_gib": host_gib, **r}
+
+
+def _ceiling_point() -> dict:
+    a = _RUN["args"]
+    r = cs.simulate_tiers(_RUN["trace"], unbounded_tiers(_RUN["trace"], a.max_running, BLOCK), page=BLOCK,
+                          fast=True, write_policy=a.write_policy)
+    r.pop("evictions")
+    return {"config": "unbounded", "gpu_gib": None, "host_gib": 0, **r}
+
+
+def _check_point(cfg: str, fast: bool) -> dict:
+    """The fast mode against the full one: a synthetic (4) / (2b) point, every request's hit kept."""
+    a = _RUN["args"]
+    r = synthetic_point(argparse.Namespace(**{**vars(a), "page": 64, "chunk_pages": 128, "progress": False}), cfg,
+                        16, 64, fast=fast, requests=a.check_requests, keep_hits=True)
+    return {"config": cfg, "fast": fast, "gpu_gib": 16, "host_gib": 64, "hits": r["hits"], "req_per_s": r["req_per_s"],
+            "wall_s": r["wall_s"], "hit_rate": r["hit_rate"]}
+
+
+def _call(fn: Any, *point: Any) -> Any:
+    return fn(*point)
+
+
+def unbounded_tiers(trace: list[SimRequest], max_running: int, page: int) -> dict[str, Any]:
+    """Tier sizes that never evict on ``trace``: T0 KV for every page it writes (+ the running ones),
+    T1 for every state it could cache (each chunk end, the branch point and the prompt end)."""
+    chunk = max(1, 8192 // page)
+    pages = sum(len(r.prompt) + len(r.answer) for r in trace)
+    longest = max(len(r.prompt) + len(r.answer) for r in trace)
+    states = sum(-(-len(r.prompt) // chunk) + 2 for r in trace)
+    return dict(kv_pages=pages + max_running * longest, t0_states=max_running, t1_states=states + 1, codec="int8")
+
+
+def bytes_to(rows: list[dict], cfg: str, target: float) -> Optional[float]:
+    """The smallest GPU + host bytes of a grid point where ``cfg`` reaches ``target``; None if none does."""
+    got = [(r["gpu_gib"] + r["host_gib"]) * GiB for r in rows if r["config"] == cfg and r["hit_rate"] >= target]
+    return min(got) if got else None
+
+
+def run_trace(args: argparse.Namespace) -> str:
+    t_start = time.perf_counter()
+    raw = load_trace(args.trace, limit=args.limit)
+    trace = cs.mooncake_requests(raw)
+    _RUN.update(args=args, trace=trace, request_pages=max(len(r.prompt) + len(r.answer) for r in trace))
+    real = cs.real_bytes(BLOCK)
+    print(f"{len(trace)} requests; KV page of {BLOCK} tokens {real.kv_page / 2**20:.1f} MiB, state "
+          f"{real.state_native / 1e6:.1f} MB fp32, T1/T2 lossless {real.t1_lossless / 1e6:.1f} MB, int8 "
+          f"{real.t1_int8 / 1e6:.1f} MB")
+    jobs: list[tuple] = [(_ceiling_point,)]
+    jobs += [(_check_point, cfg, fast) for cfg in HOST_CONFIGS for fast in (True, False)]
+    jobs += [(_trace_point, cfg, g, 0.0) for g in args.grid_gpu for cfg in ("gpu_only", "int8_t1")]
+    jobs += [(_trace_point, cfg, g, h) for g in args.grid_gpu for h in args.grid_host for cfg in HOST_CONFIGS]
+    if args.workers <= 1:
+        done = [_call(*j) for j in jobs]
+    else:
+        ctx = multiprocessing.get_context("fork")
+        with cf.ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=torch.set_num_threads,
+                                    initargs=(1,)) as ex:
+            futs = [ex.submit(_call, *j) for j in jobs]
+            for f in cf.as_completed(futs):
+                r = f.result()
+                print(f"  {r['config']:>14} GPU {r['gpu_gib']} host {r['host_gib']}: hit {r['hit_rate']:.4f}, "
+                      f"{r['req_per_s']:.0f} req/s ({time.perf_counter() - t_start:.0f} s)", flush=True)
+            done = [f.result() for f in futs]
+    ceiling, checks, rows = done[0], done[1:5], done[5:]
+    attention = unbounded_reuse(raw)
+    target = 0.9 * ceiling["hit_rate"]
+    metrics: dict[str, Optional[float]] = {"ceiling_hybrid_hit_rate": ceiling["hit_rate"],
+                                           "ceiling_attention_hit_rate": attention, "target_90pct_hit_rate": target}
+    hit = {(r["config"], r["gpu_gib"], r["host_gib"]): r["hit_rate"] for r in rows}
+    for (cfg, g, h), v in hit.items():
+        metrics[f"hit_rate_{cs.TAGS[cfg]}_{g:g}g_{h:g}g"] = v
+    for cfg in cs.SIM_CONFIGS:
+        metrics[f"bytes_to_90pct_{cs.TAGS[cfg]}"] = bytes_to(rows, cfg, target)
+    b2b, b4 = metrics["bytes_to_90pct_2b"], metrics["bytes_to_90pct_4"]
+    metrics["bytes_ratio_2b_vs_4_at_90pct"] = b2b / b4 if b2b is not None and b4 is not None else None
+    for (cfg, g, h), v in hit.items():
+        if cfg == "int8_t1":
+            metrics[f"hit_rate_3_vs_2_{g:g}g"] = _ratio(v, hit[("gpu_only", g, 0.0)])
+        if cfg == "int8_t1_t2":
+            metrics[f"hit_rate_4_vs_2b_{g:g}g_{h:g}g"] = _ratio(v, hit[("gpu_only_host", g, h)])
+            metrics[f"prefill_tokens_1_vs_4_{g:g}g_{h:g}g"] = _ratio(1.0, 1.0 - v)  # (1) computes every token
+    for cfg in HOST_CONFIGS:
+        fast, full = (c for c in checks if c["config"] == cfg)
+        tag = cs.TAGS[cfg]
+        metrics[f"fast_mode_same_hits_{tag}"] = float(fast["hits"] == full["hits"])
+        metrics[f"fast_mode_req_per_s_{tag}"] = fast["req_per_s"]
+        metrics[f"full_mode_req_per_s_{tag}"] = full["req_per_s"]
+        metrics[f"fast_mode_s_per_1e6_requests_{tag}"] = 1e6 / fast["req_per_s"]
+    metrics["requests"] = len(trace)
+    metrics["total_s"] = time.perf_counter() - t_start
+    info = {"trace": os.path.basename(args.trace), "sim token": f"one {BLOCK}-token block (a KV page of "
+            f"{real.kv_page / 2**20:.0f} MiB at Qwen3-Next-80B geometry)",
+            "ceiling": "ceiling_hybrid_hit_rate: the same simulation with every tier unbounded (the engine's "
+            "checkpoint placement: states at prefill chunk ends, branch points and prompt ends; a hybrid resumes "
+            "only there); "
+            "ceiling_attention_hit_rate: the trace's prefix-reuse bound (traces.unbounded_reuse), which a hybrid "
+            "reaches only with a state at every shared block boundary",
+            "bytes_to_90pct": "smallest GPU + host bytes of a grid point where the config's hit rate >= "
+            "0.9 x ceiling_hybrid_hit_rate (an upper bound at the grid's resolution); null: no grid point reaches it",
+            "fast mode": f"transfers as byte accounting with instant tickets; checked against the full mode on "
+            f"{args.check_requests} synthetic requests (GPU 16 GiB, host 64 GiB, page 64) after {args.warm} warm-up; "
+            "fast_mode_s_per_1e6_requests is that measured rate projected to 10^6 requests, not a 10^6 run",
+            "hit_rate": "prompt tokens reused / prompt tokens; the whole trace from a cold cache, one request at "
+            "a time"}
+    notes = (f"{len(trace)} requests of {os.path.basename(args.trace)} in arrival order; Qwen3-Next-80B bytes; GPU "
+             f"split as workload_common.split_budget (max_running {args.max_running}, kv_fraction "
+             f"{args.kv_fraction}, the reservation sized for the longest request, {_RUN['request_pages']} pages); "
+             f"(2b) and (4) get the same host bytes, split alike; {'fast' if args.fast else 'full'} mode; "
+             f"{args.workers} worker processes.")
+    os.makedirs(args.out, exist_ok=True)
+    trace_chart(os.path.join(args.out, f"capacity-mooncake-{device_tag()}.png"), rows, ceiling["hit_rate"], attention)
+    path = write_results("capacity-mooncake", metrics, rows=[ceiling, *rows], notes=notes, out_dir=args.out, info=info)
+    print(f"wrote {path} (+ .md, .png) in {metrics['total_s']:.1f} s")
+    return path
+
+
+def trace_chart(path: str, rows: list[dict], ceiling: float, attention: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for g in sorted({r["gpu_gib"] for r in rows}):
+        for cfg, style in (("gpu_only_host", "v--"), ("int8_t1_t2", "^-")):
+            pts = sorted((r for r in rows if r["config"] == cfg and r["gpu_gib"] == g), key=lambda r: r["host_gib"])
+            ax.plot([r["host_gib"] for r in pts], [r["hit_rate"] for r in pts], style, label=f"{cs.LABELS[cfg]}, "
+                    f"GPU {g:g} GiB")
+    ax.axhline(ceiling, color="k", ls=":", label="unbounded (hybrid, this checkpoint placement)")
+    ax.axhline(0.9 * ceiling, color="gray", ls=":", label="90 % of it")
+    ax.axhline(attention, color="tab:red", ls=":", label="prefix-reuse bound of the trace")
+    ax.set(title="Mooncake conversation trace: hit rate vs host budget", xlabel="host GiB",
+           ylabel="prompt tokens reused", xscale="log", ylim=(0, max(0.5, attention * 1.1)))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=None, help="a Mooncake-format trace: run its grid instead of the synthetic trace")
+    p.add_argument("--limit", type=int, default=None, help="--trace: only its first N requests")
+    p.add_argument("--grid-gpu", type=float, nargs="+", default=[32, 64], help="--trace: GPU GiB of the grid")
+    p.add_argument("--grid-host", type=float, nargs="+", default=[256, 512, 1024, 1536],
+                   help="--trace: host GiB of the grid ((2b) and (4))")
+    p.add_argument("--workers", type=int, default=2, help="--trace: processes the grid points are spread over")
+    p.add_argument("--check-requests", type=int, default=1500,
+                   help="--trace: synthetic requests run in the fast and the full mode to compare them")
+    p.add_argument("--requests", type=int, default=2000, help="measured requests per point (up to 10^6)")
+    p.add_argument("--warm", type=int, default=2000, help="requests run before measuring (cache fills)")
+    p.add_argument("--gpu-gib", type=float, nargs="+", default=[8, 16, 32, 48])
+    p.add_argument("--host-gib", type=float, nargs="+", default=[256, 32, 64, 128],
+                   help="first: the host budget of (2b) and (4) in the GPU sweep; all: the host sweep")
+    p.add_argument("--host-sweep-gpu", type=float, default=16, help="GPU GiB of the host sweep")
+    p.add_argument("--ratio-at", type=float, nargs="+", default=[16, 32], help="GPU GiB of hit_rate_vs_gpu_only")
+    p.add_argument("--page", type=int, default=64, help="real tokens per sim token (KV page) of the synthetic trace")
+    p.add_argument("--active", type=int, default=256, help="conversations live at once (the working set)")
+    p.add_argument("--systems", type=int, default=32, help="shared system prompts")
+    p.add_argument("--zipf", type=float, default=1.0, help="popularity skew of the system prompts")
+    p.add_argument("--system-pages", type=int, default=32)
+    p.add_argument("--question-pages", type=int, nargs=2, default=[2, 16])
+    p.add_argument("--answer-pages", type=int, nargs=2, default=[2, 8])
+    p.add_argument("--min-rounds", type=int, default=2)
+    p.add_argument("--max-rounds", type=int, default=12)
+    p.add_argument("--chunk-pages", type=int, default=None, help="prefill chunk in pages (None: 8192 tokens)")
+    p.add_argument("--max-running", type=int, default=4)
+    p.add_argument("--kv-fraction", type=float, default=0.6)
+    p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
+    p.add_argument("--full", dest="fast", action="store_false", help="copy and checksum every transfer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    a = p.parse_args(argv)
+    if a.chunk_pages is None:
+        a.chunk_pages = max(1, 8192 // a.page)
+    return a
+
+
+def main(argv: Optional[list[str]] = None) -> str:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    return run_trace(args) if args.trace else run_synthetic(args)
 
 
 if __name__ == "__main__":
