@@ -22,8 +22,10 @@ import collections
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
+from collections.abc import Collection
 from typing import Any, Optional
 
 import torch
@@ -146,9 +148,10 @@ def n_params(model) -> int:
 
 
 # ------------------------------------------------------------------------------------------ runs
-def run_config(model, ecfg, clients, w: dict, label: str, progress: bool, timeline: bool = False) -> dict:
-    """One configuration through the workload. ``timeline``: also record every step (start and length,
-    what the running requests were doing, how many waited) and every turn (``st["timeline"]``)."""
+def run_config(model, ecfg, drive, total: int, label: str, progress: bool, timeline: bool = False) -> dict:
+    """One configuration through a workload: ``drive(engine, done)`` hands its ``total`` requests over
+    (``wc.drive`` or ``wc.drive_trace``). ``timeline``: also record every step (start and length, what the
+    running requests were doing, how many waited) and every turn (``st["timeline"]``)."""
     from tiered_cache.engine.scheduler import Engine
 
     engine = Engine(model, ecfg)
@@ -170,7 +173,7 @@ def run_config(model, ecfg, clients, w: dict, label: str, progress: bool, timeli
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(len(c.questions) for c in clients), desc=f"{label:>24}", unit="req", leave=True)
+        bar = tqdm(total=total, desc=f"{label:>24}", unit="req", leave=True)
 
     def done(f: wc.Finished) -> None:
         turns.append(f)
@@ -178,7 +181,7 @@ def run_config(model, ecfg, clients, w: dict, label: str, progress: bool, timeli
             bar.update(1)
 
     t0 = time.perf_counter()
-    wc.drive(engine, clients, w, done)
+    drive(engine, done)
     dev.synchronize(engine.device)
     wall = time.perf_counter() - t0
     if bar is not None:
@@ -255,46 +258,103 @@ def summarize(st: dict, base: Optional[dict]) -> dict[str, float]:
     }
 
 
-# ratio -> (its numerator, its denominator) among ratios()' raw values
-UNDEFINED_CHECKS = (("hit_rate_vs_gpu_only", "hit_rate_int8_t1_t2", "hit_rate_gpu_only"),
-                    ("int8_hit_rate_vs_gpu_only", "hit_rate_int8_t1", "hit_rate_gpu_only"))
+# Every comparison the results carry: name -> (configuration, its baseline, metric, "speedup" (baseline /
+# configuration: TTFT) or "gain" (configuration / baseline: throughput, hit rate)). int8's own share is
+# (4) vs (2b) and (3) vs (2): equal GPU and host bytes on both sides; (4) vs (1) is what the cache gives.
+RATIOS = {
+    "ttft_p50_speedup_vs_nocache": ("int8_t1_t2", "no_cache", "ttft_p50_s", "speedup"),
+    "ttft_p50_round3plus_speedup_vs_nocache": ("int8_t1_t2", "no_cache", "ttft_p50_round3plus_s", "speedup"),
+    "throughput_vs_nocache": ("int8_t1_t2", "no_cache", "requests_per_s", "gain"),
+    "throughput_round3plus_vs_nocache": ("int8_t1_t2", "no_cache", "requests_per_s_round3plus", "gain"),
+    "throughput_2b_vs_nocache": ("gpu_only_host", "no_cache", "requests_per_s", "gain"),
+    "ttft_p50_speedup_vs_2b": ("int8_t1_t2", "gpu_only_host", "ttft_p50_s", "speedup"),
+    "ttft_p50_round3plus_speedup_vs_2b": ("int8_t1_t2", "gpu_only_host", "ttft_p50_round3plus_s", "speedup"),
+    "throughput_vs_2b": ("int8_t1_t2", "gpu_only_host", "requests_per_s", "gain"),
+    "throughput_round3plus_vs_2b": ("int8_t1_t2", "gpu_only_host", "requests_per_s_round3plus", "gain"),
+    "hit_rate_vs_2b": ("int8_t1_t2", "gpu_only_host", "hit_rate", "gain"),
+    "hit_rate_vs_gpu_only": ("int8_t1_t2", "gpu_only", "hit_rate", "gain"),
+    "int8_hit_rate_vs_gpu_only": ("int8_t1", "gpu_only", "hit_rate", "gain"),
+    "int8_throughput_vs_gpu_only": ("int8_t1", "gpu_only", "requests_per_s", "gain"),
+}
+RAW = ("ttft_p50_s", "ttft_p50_round3plus_s", "requests_per_s", "requests_per_s_round3plus", "hit_rate")
 
 
 def undefined_ratios(results: list[dict]) -> dict[str, dict]:
-    """The hit-rate ratios that have no value (a zero denominator: they are left out of the metrics),
-    by ``<workload>_<ratio>``, with the raw values behind them."""
-    return {f"{r['name']}_{k}": {"numerator": r["ratios"].get(num), "denominator": r["ratios"].get(den)}
-            for r in results for k, num, den in UNDEFINED_CHECKS if k in r["ratios"] and r["ratios"][k] is None}
+    """The ratios that have no value because their denominator is zero (left out of the metrics), by
+    ``<workload>_<ratio>``, with the raw values behind them. A ratio refused because a side fell back
+    (``ratios()["invalid"]``) is not undefined: it is listed there instead."""
+    out = {}
+    for r in results:
+        rt = r["ratios"]
+        for k, (top, base, metric, kind) in RATIOS.items():
+            if k in rt and rt[k] is None and k not in rt.get("invalid", []):
+                num, den = (f"{metric}_{base}", f"{metric}_{top}") if kind == "speedup" else \
+                    (f"{metric}_{top}", f"{metric}_{base}")
+                out[f"{r['name']}_{k}"] = {"numerator": rt.get(num), "denominator": rt.get(den)}
+    return out
 
 
-def ratios(s: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The acceptance ratios with the raw values behind them: (4) against (1) when both ran, and the hit
-    rates against (2) when it ran too (``--configs`` may leave configurations out)."""
-    if not {"no_cache", "int8_t1_t2"} <= set(s):
+def ratios(s: dict[str, dict[str, float]], fell_back: Collection[str] = ()) -> dict[str, Any]:
+    """The comparisons (``RATIOS``) between the configurations that ran (``--configs`` may leave some
+    out), with the raw values behind them (``<metric>_<config>``; ``hit_rate_2b`` for (2b)'s). A zero
+    denominator leaves a ratio undefined (None: left out of the metrics, listed by ``undefined_ratios``);
+    a side in ``fell_back`` (a CUDA-graph capture failed and it ran eagerly) makes every ratio it is in
+    None too, named in ``invalid``: a comparison with one side slower for a reason of its own is refused."""
+    out: dict[str, Any] = {}
+    invalid = []
+    for k, (top, base, metric, kind) in RATIOS.items():
+        if top not in s or base not in s:
+            continue
+        a, b = s[top][metric], s[base][metric]
+        num, den = (b, a) if kind == "speedup" else (a, b)
+        if top in fell_back or base in fell_back:
+            out[k] = None
+            invalid.append(k)
+        else:
+            out[k] = num / den if den else None  # undefined: JSON has no inf
+    if not out:
         return {}
-    nc, t2 = s["no_cache"], s["int8_t1_t2"]
-    div = lambda a, b: a / b if b else None  # undefined (omitted from the results): JSON has no inf
-    out = {
-        "ttft_p50_speedup_vs_nocache": div(nc["ttft_p50_s"], t2["ttft_p50_s"]),
-        "ttft_p50_round3plus_speedup_vs_nocache": div(nc["ttft_p50_round3plus_s"], t2["ttft_p50_round3plus_s"]),
-        "throughput_vs_nocache": div(t2["requests_per_s"], nc["requests_per_s"]),
-        "throughput_round3plus_vs_nocache": div(t2["requests_per_s_round3plus"], nc["requests_per_s_round3plus"]),
-        "ttft_p50_s_no_cache": nc["ttft_p50_s"], "ttft_p50_s_int8_t1_t2": t2["ttft_p50_s"],
-        "requests_per_s_no_cache": nc["requests_per_s"], "requests_per_s_int8_t1_t2": t2["requests_per_s"],
-        "requests_per_s_round3plus_no_cache": nc["requests_per_s_round3plus"],
-        "requests_per_s_round3plus_int8_t1_t2": t2["requests_per_s_round3plus"],
-        "hit_rate_int8_t1_t2": t2["hit_rate"],
-    }
-    if "gpu_only" in s:
-        go = s["gpu_only"]
+    for c in s:
+        out.update({f"{m}_{c}": s[c][m] for m in RAW})
+    if "gpu_only_host" in s:
+        out["hit_rate_2b"] = s["gpu_only_host"]["hit_rate"]
+    if "gpu_only" in s and "int8_t1_t2" in s:
         # the gain is defined where the ratio is not: (2) reusing nothing (a cyclic working set larger than
         # its GPU budget) leaves the ratio without a value, and the results say so (``undefined``)
-        out.update(hit_rate_vs_gpu_only=div(t2["hit_rate"], go["hit_rate"]), hit_rate_gpu_only=go["hit_rate"],
-                   hit_rate_gain_vs_gpu_only=t2["hit_rate"] - go["hit_rate"])
-        if "int8_t1" in s:
-            out.update(int8_hit_rate_vs_gpu_only=div(s["int8_t1"]["hit_rate"], go["hit_rate"]),
-                       hit_rate_int8_t1=s["int8_t1"]["hit_rate"])
+        out["hit_rate_gain_vs_gpu_only"] = s["int8_t1_t2"]["hit_rate"] - s["gpu_only"]["hit_rate"]
+    out["invalid"] = invalid
     return out
+
+
+def aggregate(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """``ratios()`` of several repeats as one: each value the median of the repeats' with ``<key>_min`` /
+    ``<key>_max`` beside it (``repeats``: how many); None where any repeat's is None (undefined or
+    refused); ``invalid``: refused in any repeat."""
+    if not reps or not reps[0]:
+        return {}
+    out: dict[str, Any] = {"invalid": sorted({k for r in reps for k in r.get("invalid", [])})}
+    for k in reps[0]:
+        if k == "invalid":
+            continue
+        vals = [r.get(k) for r in reps]
+        if any(v is None for v in vals) or k in out["invalid"]:
+            out[k] = None
+            continue
+        out[k] = statistics.median(vals)
+        if len(reps) > 1:
+            out[f"{k}_min"], out[f"{k}_max"] = min(vals), max(vals)
+    out["repeats"] = len(reps)
+    return out
+
+
+def fell_back(st: dict) -> Optional[str]:
+    """Why configuration run ``st`` (``run_config``'s) fell back from a CUDA graph to eager calls (its
+    graph decoder's or chunk rule's capture error), or None: it ran as configured."""
+    for key in ("graph_decoder", "graph_prefill"):
+        err = (st.get(key) or {}).get("capture_error")
+        if err:
+            return f"{key}: {err}"
+    return None
 
 
 def engine_config(serve: dict, cache: dict, tier: dict):
@@ -307,10 +367,92 @@ def engine_config(serve: dict, cache: dict, tier: dict):
     return EngineConfig(use_cache=tier.get("use_cache", True), cache=CacheConfig(**cache, **budgets), **serve)
 
 
-def run_workload(name: str, args: argparse.Namespace, device: torch.device, models: dict) -> dict:
+# dense bf16 tensor-core peak per GPU (SXM parts, no sparsity), the MFU denominator; None elsewhere
+PEAK_FLOPS = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "b200": 2.25e15}
+
+
+def prefill_flops(model, start: int, n: int) -> float:
+    """Model FLOPs of prefilling positions ``[start, start + n)``: 2 x the matrix parameters per token
+    (every parameter but the input embedding, whose lookup is free; the LM head counts, as the forward
+    computes logits at every position; the model's MLPs are dense), causal attention in each full layer
+    (QK and PV: 4 x heads x head_dim per attended position) and the delta rule's state read and update
+    in each linear layer (4 x value heads x d_k x d_v per token). Padding and masked work do not count."""
+    from tiered_cache.engine.models import KV_KINDS, STATE_KINDS, layer_kinds
+
+    cfg = model.config.get_text_config(decoder=True)
+    emb = model.get_input_embeddings().weight.numel()
+    matrix = n_params(model) - (0 if getattr(cfg, "tie_word_embeddings", False) else emb)
+    kinds = layer_kinds(model.config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attended = n * start + n * (n + 1) / 2
+    attn = 4 * cfg.num_attention_heads * head_dim * attended * sum(k in KV_KINDS for k in kinds)
+    rec = 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * n
+    return 2.0 * matrix * n + attn + rec * sum(k in STATE_KINDS for k in kinds)
+
+
+def prefill_probe(model, ecfg, prompt: list[int], repeats: int = 2) -> dict[str, Any]:
+    """The no-cache baseline's own prefill efficiency: ``prompt`` computed whole through (1)'s path
+    (``ModelRunner`` of its config: ``chunk_size`` pieces, the chunk rule as configured), best of
+    ``repeats``, device synchronized: tokens/s, model FLOP/s (``prefill_flops``) and their share of the
+    device's peak (``PEAK_FLOPS``; None where no peak is known, e.g. a CPU)."""
+    from tiered_cache.engine.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(model, None, ecfg)
+    chunk = ecfg.chunk_size
+    best = float("inf")
+    for _ in range(repeats):
+        cache = runner.new_cache()
+        dev.synchronize(model.device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            for s in range(0, len(prompt), chunk):
+                runner.prefill(cache, prompt[s:s + chunk], s)
+        dev.synchronize(model.device)
+        best = min(best, time.perf_counter() - t)
+    flops = sum(prefill_flops(model, s, len(prompt[s:s + chunk])) for s in range(0, len(prompt), chunk))
+    peak = PEAK_FLOPS.get(device_tag())
+    return {"prompt_tokens": len(prompt), "seconds": best, "prefill_tokens_per_s": len(prompt) / best,
+            "model_flops": flops, "model_flops_per_s": flops / best, "peak_flops": peak,
+            "mfu": flops / best / peak if peak else None}
+
+
+def median_summary(sums: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per configuration and metric, the median over repeats (None where no repeat has a value)."""
+    out: dict[str, dict[str, float]] = {}
+    for c in sums[0]:
+        out[c] = {}
+        for k in sums[0][c]:
+            vals = [s[c][k] for s in sums if s[c].get(k) is not None]
+            out[c][k] = statistics.median(vals) if vals else None
+    return out
+
+
+def _load(name: str, args: argparse.Namespace, answer: Optional[int]) -> dict:
+    over = dict(args.set)
+    if answer is not None:
+        over["max_new_tokens"] = answer
+    return wc.load_workload(name, args.scale, over)
+
+
+def trace_plan(args: argparse.Namespace, vocab: int, rate: float) -> list:
+    """``--trace``'s requests as the engine replays them (``wc.trace_items``) at ``rate`` requests/s."""
+    from benchmarks import traces
+
+    trace = traces.load_trace(args.trace, limit=args.trace_limit)
+    return wc.trace_items(trace, vocab=vocab, block=args.trace_block, max_blocks=args.trace_max_blocks,
+                          max_answer=args.trace_max_answer, rate=rate)
+
+
+def run_workload(name: str, args: argparse.Namespace, device: torch.device, models: dict,
+                 answer: Optional[int] = None) -> dict:
+    """One workload (its model, engine and budgets from ``workloads/<name>.json``) under every
+    configuration, ``--repeats`` times (the configurations interleaved within each repeat), plus the
+    ``--rates`` and ``--gpu-budgets`` sweeps (one run a point). ``answer``: its answers' length instead of
+    the file's. With ``--trace``: the trace's requests instead of the file's clients (model, engine and
+    budgets still the file's)."""
     from tiered_cache.engine.model_specs import spec_for
 
-    sec = wc.load_workload(name, args.scale, args.set)
+    sec = _load(name, args, answer)
     w, m, e = sec["workload"], sec["model"], sec["engine"]
     key = json.dumps(m, sort_keys=True)
     if key not in models:
@@ -326,22 +468,40 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
         models[key][1]["warm"] = False
     model, minfo = models[key]
     vocab = model.config.vocab_size
-    clients = wc.make_clients(w, vocab)
     specs = spec_for(model, e["page_size"])
     tb = wc.TierBytes.from_specs(specs.full, specs.state, e["page_size"])
-    longest = wc.longest_request(clients, w["max_new_tokens"])
-    req_pages = -(-longest // e["page_size"])
-    gpu, host = int(sec["gpu_budget_mib"] * wc.MiB), int(sec["host_budget_mib"] * wc.MiB)
-    tiers = wc.split_budget(tb, gpu, host, e["max_running"], req_pages, e["kv_fraction"])
     serve = dict(chunk_size=e["chunk_size"], prefill_budget=e["prefill_budget"], max_running=e["max_running"],
                  decode_batch=bool(args.decode_batch or e.get("decode_batch", False)),
                  decode_graphs=bool(args.decode_graphs), prefill_graphs=bool(args.prefill_graphs),
                  phase_timing=args.phase_timing)
     cache = dict(page_size=e["page_size"], write_policy=e["write_policy"])
-    n_req = sum(len(c.questions) for c in clients)
-    print(f"\n== {name} ({args.scale}): {w['clients']} clients x {w['rounds']} rounds, prefix {w['prefix_len']} "
-          f"({'own' if not w['prefix_groups'] else str(w['prefix_groups']) + ' shared'}), question "
-          f"{w['question_len']}, answer {w['max_new_tokens']}; {n_req} requests, longest {longest} tokens")
+    trace_info: Optional[dict] = None
+    if args.trace:
+        items = trace_plan(args, vocab, 1.0)  # lengths only: the rate is set below
+        label = args.tag or "trace"
+        longest = max(len(it.prompt) + len(it.answer) for it in items)
+        n_req = len(items)
+        first_prompt = max((it.prompt for it in items), key=len)
+        print(f"\n== {label}: {n_req} requests of {args.trace} (blocks of {args.trace_block} tokens, at most "
+              f"{args.trace_max_blocks} a prompt, answers <= {args.trace_max_answer}); longest {longest} tokens")
+    else:
+        clients = wc.make_clients(w, vocab)
+        label = name if answer is None else f"{name}_ans{answer}"
+        longest = wc.longest_request(clients, w["max_new_tokens"])
+        n_req = sum(len(c.questions) for c in clients)
+        first_prompt = max((c.prompt(0, None) for c in clients), key=len)
+        print(f"\n== {label} ({args.scale}): {w['clients']} clients x {w['rounds']} rounds, prefix {w['prefix_len']} "
+              f"({'own' if not w['prefix_groups'] else str(w['prefix_groups']) + ' shared'}), question "
+              f"{w['question_len']}, answer {w['max_new_tokens']}"
+              + (" (the prefill-node case)" if w["max_new_tokens"] <= 8 else "")
+              + f", think time {w.get('think_time_s', 0.0):g} s; {n_req} requests, longest {longest} tokens")
+    req_pages = -(-longest // e["page_size"])
+    host = int(sec["host_budget_mib"] * wc.MiB)
+
+    def tiers_at(gpu_mib: float) -> dict:
+        return wc.split_budget(tb, int(gpu_mib * wc.MiB), host, e["max_running"], req_pages, e["kv_fraction"])
+
+    tiers = tiers_at(sec["gpu_budget_mib"])
     print(f"   state per request: {tb.state_native / 1e6:.2f} MB native (fp32 temporal), T1 slot lossless "
           f"{tb.t1_lossless / 1e6:.2f} MB / int8 {tb.t1_int8 / 1e6:.2f} MB ({tb.t1_lossless / tb.t1_int8:.2f}x); "
           f"KV page {tb.kv_page / 1024:.1f} KiB ({e['page_size']} tokens)")
@@ -352,53 +512,119 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
         # First-call costs (kernel compiles and autotuning, allocator growth) paid once per model, outside
         # every configuration's clock, at the workload's own shapes: Triton kernels autotune per shape, and
         # a warm-up on short prompts left fla's first full-size chunk to the first configuration's clock
-        # (10 s of the no-cache run on the H200, 2026-11-30). As many clients as run at once, two rounds
+        # (10 s of the no-cache run on the H200, 2026-11-30). As many requests as run at once, twice
         # (misses, then hits through every tier), two tokens each.
-        wcl = wc.make_clients(dict(w, clients=min(w["clients"], e["max_running"]), rounds=min(2, w["rounds"]),
-                                   max_new_tokens=2), vocab)
-        run_config(model, engine_config(serve, cache, tiers["int8_t1_t2"]), wcl,
-                   dict(w, request_rate=0, max_new_tokens=2), "warm-up", False)
-        minfo["warm"] = True
-    raw: dict[str, dict] = {}
-    configs = [c for c in wc.CONFIGS if c in args.configs]
-    for cname in configs:
-        ecfg = engine_config(serve, cache, tiers[cname])
-        if args.profile:  # where the time goes: cProfile per configuration (a development aid)
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            raw[cname] = prof.runcall(run_config, model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", False,
-                                      bool(args.timeline))
-            os.makedirs(args.profile, exist_ok=True)
-            with open(os.path.join(args.profile, f"profile-{name}-{cname}.txt"), "w") as f:
-                for key in ("tottime", "cumulative"):
-                    pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
+        if args.trace:
+            few = [wc.TraceItem(0.0, it.prompt, it.answer[:2]) for it in items[:e["max_running"]]]
+            warm = lambda eng, done: wc.drive_trace(eng, few + few, done)  # noqa: E731
+            n_warm = 2 * len(few)
         else:
-            raw[cname] = run_config(model, ecfg, clients, w, f"{name} {wc.LABELS[cname]}", args.progress,
-                                    timeline=bool(args.timeline))
-        if args.timeline:
-            os.makedirs(args.timeline, exist_ok=True)
-            with open(os.path.join(args.timeline, f"timeline-{name}-{cname}.json"), "w") as f:
-                json.dump(raw[cname]["timeline"], f)
-    s = {c: summarize(raw[c], raw.get("no_cache") if c != "no_cache" else None) for c in configs}
+            wcl = wc.make_clients(dict(w, clients=min(w["clients"], e["max_running"]), rounds=min(2, w["rounds"]),
+                                       max_new_tokens=2), vocab)
+            ww = dict(w, request_rate=0, max_new_tokens=2, think_time_s=0.0)
+            warm = lambda eng, done: wc.drive(eng, wcl, ww, done)  # noqa: E731
+            n_warm = sum(len(c.questions) for c in wcl)
+        run_config(model, engine_config(serve, cache, tiers["int8_t1_t2"]), warm, n_warm, "warm-up", False)
+        minfo["warm"] = True
+    if args.trace:
+        rate = args.trace_rate
+        if rate <= 0:  # the engine's capacity: (1) on the first requests, all at once
+            k = min(len(items), max(2 * e["max_running"], 8))
+            burst = [wc.TraceItem(0.0, it.prompt, it.answer) for it in items[:k]]
+            cal = run_config(model, engine_config(serve, cache, tiers["no_cache"]),
+                             lambda eng, done: wc.drive_trace(eng, burst, done), k, "capacity (1)", False)
+            rate = args.trace_load * k / cal["wall_s"]
+            print(f"   (1) served {k} requests sent at once in {cal['wall_s']:.2f} s: arrivals scaled to "
+                  f"{args.trace_load:g} x {k / cal['wall_s']:.2f} = {rate:.2f} requests/s")
+        items = trace_plan(args, vocab, rate)
+        trace_info = {"file": os.path.basename(args.trace), "requests": n_req, "rate_per_s": rate,
+                      "load": args.trace_load if args.trace_rate <= 0 else None, "block_tokens": args.trace_block,
+                      "max_blocks": args.trace_max_blocks, "max_answer": args.trace_max_answer,
+                      "prompt_tokens_mean": statistics.mean(len(it.prompt) for it in items),
+                      "answer_tokens_mean": statistics.mean(len(it.answer) for it in items)}
+
+        def drive_for(wd: dict):
+            return lambda eng, done: wc.drive_trace(eng, items, done)
+    else:
+        def drive_for(wd: dict):
+            return lambda eng, done: wc.drive(eng, clients, wd, done)
+
+    configs = [c for c in wc.CONFIGS if c in args.configs]
+    reps: list[dict] = []
+    for rep in range(args.repeats):
+        raw: dict[str, dict] = {}
+        tag = f" #{rep + 1}" if args.repeats > 1 else ""
+        for cname in configs:
+            ecfg = engine_config(serve, cache, tiers[cname])
+            lab = f"{label} {wc.LABELS[cname]}{tag}"
+            timeline = bool(args.timeline) and rep == 0
+            if args.profile and rep == 0:  # where the time goes: cProfile per configuration (a development aid)
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                raw[cname] = prof.runcall(run_config, model, ecfg, drive_for(w), n_req, lab, False, timeline)
+                os.makedirs(args.profile, exist_ok=True)
+                with open(os.path.join(args.profile, f"profile-{label}-{cname}.txt"), "w") as f:
+                    for k in ("tottime", "cumulative"):
+                        pstats.Stats(prof, stream=f).sort_stats(k).print_stats(45)
+            else:
+                raw[cname] = run_config(model, ecfg, drive_for(w), n_req, lab, args.progress, timeline=timeline)
+            if timeline:
+                os.makedirs(args.timeline, exist_ok=True)
+                with open(os.path.join(args.timeline, f"timeline-{label}-{cname}.json"), "w") as f:
+                    json.dump(raw[cname]["timeline"], f)
+        s_rep = {c: summarize(raw[c], raw.get("no_cache") if c != "no_cache" else None) for c in configs}
+        fb = {c: why for c in configs if (why := fell_back(raw[c]))}
+        for c, why in fb.items():
+            print(f"   REFUSED: {wc.LABELS[c]}{tag} fell back to eager ({why}): every comparison it is in is "
+                  "left out (null, info.invalid_comparisons)")
+        reps.append({"summary": s_rep, "ratios": ratios(s_rep, fb), "fell_back": fb})
+    s = median_summary([r["summary"] for r in reps])
     for c in configs:
-        if c != "no_cache" and s[c]["prefill_tokens_saved"] <= 0:
+        if c != "no_cache" and (s[c]["prefill_tokens_saved"] or 0) <= 0:
             print(f"   warning: {c} reused no tokens")
+    fell = {c: why for r in reps for c, why in r["fell_back"].items()}
     sweep = []
-    for rate in args.rates or []:  # the same clients at other arrival rates: TTFT and throughput against load
-        wr = dict(w, request_rate=float(rate))
-        raw_r = {c: run_config(model, engine_config(serve, cache, tiers[c]), clients, wr,
-                               f"{name} {wc.LABELS[c]} @ {rate:g}/s", args.progress)
+    for rate_r in args.rates or []:  # the same requests at other arrival rates: TTFT and throughput against load
+        wr = dict(w, request_rate=float(rate_r))
+        raw_r = {c: run_config(model, engine_config(serve, cache, tiers[c]), drive_for(wr), n_req,
+                               f"{label} {wc.LABELS[c]} @ {rate_r:g}/s", args.progress)
                  for c in wc.CONFIGS if c in args.sweep_configs}
         sr = {c: summarize(raw_r[c], raw_r.get("no_cache") if c != "no_cache" else None) for c in raw_r}
-        sweep.append({"rate": float(rate), "summary": sr, "ratios": ratios(sr)})
-    return {"name": name, "summary": s, "ratios": ratios(s), "tiers": tiers, "tier_bytes": dataclasses.asdict(tb),
-            "longest_request": longest, "requests": n_req, "section": sec, "model": minfo,
-            "tree_stats": {c: raw[c].get("tree", {}) for c in configs},
-            "graph_decoder": {c: raw[c].get("graph_decoder") for c in configs},
-            "graph_prefill": {c: raw[c].get("graph_prefill") for c in configs},
-            "engine_counts": {c: raw[c].get("engine_counts") for c in configs}, "sweep": sweep}
+        fb = {c: why for c in raw_r if (why := fell_back(raw_r[c]))}
+        sweep.append({"rate": float(rate_r), "summary": sr, "ratios": ratios(sr, fb), "fell_back": fb})
+    budget_sweep = []
+    for mib in args.gpu_budgets or []:  # the GPU budget swept: (1) needs no pools, so the main run's (1) stands
+        tb_at = tiers_at(mib)
+        raw_b = {c: run_config(model, engine_config(serve, cache, tb_at[c]), drive_for(w), n_req,
+                               f"{label} {wc.LABELS[c]} @ GPU {mib:g} MiB", args.progress)
+                 for c in wc.CONFIGS if c in args.budget_configs and c != "no_cache"}
+        sb = {c: summarize(raw_b[c], None) for c in raw_b}
+        if "no_cache" in s:
+            sb = {"no_cache": s["no_cache"], **sb}
+        fb = {c: why for c in raw_b if (why := fell_back(raw_b[c]))}
+        budget_sweep.append({"gpu_mib": float(mib), "tiers": tb_at, "summary": sb, "ratios": ratios(sb, fb),
+                             "fell_back": fb})
+    eff = None
+    if "no_cache" in configs:
+        eff = prefill_probe(model, engine_config(serve, cache, tiers["no_cache"]), first_prompt)
+        eff["run_computed_tokens_per_s"] = s["no_cache"]["computed_tokens"] / s["no_cache"]["wall_s"]
+        print(f"   (1)'s own efficiency: prefill of {eff['prompt_tokens']} tokens at "
+              f"{eff['prefill_tokens_per_s']:,.0f} tokens/s, {eff['model_flops_per_s'] / 1e12:.2f} model TFLOP/s"
+              + (f" = {100 * eff['mfu']:.1f} % of {eff['peak_flops'] / 1e12:.0f} TFLOP/s" if eff["mfu"] else
+                 " (no peak known for this device: MFU undefined)")
+              + f"; whole run {eff['run_computed_tokens_per_s']:,.0f} computed tokens/s")
+    last = raw
+    return {"name": label, "workload": name, "answer": int(w["max_new_tokens"]) if not args.trace else None,
+            "summary": s, "ratios": aggregate([r["ratios"] for r in reps]), "repeats": len(reps),
+            "fell_back": fell, "tiers": tiers, "tier_bytes": dataclasses.asdict(tb), "longest_request": longest,
+            "requests": n_req, "section": sec, "model": minfo, "trace": trace_info, "efficiency": eff,
+            "tree_stats": {c: last[c].get("tree", {}) for c in configs},
+            "graph_decoder": {c: last[c].get("graph_decoder") for c in configs},
+            "graph_prefill": {c: last[c].get("graph_prefill") for c in configs},
+            "engine_counts": {c: last[c].get("engine_counts") for c in configs}, "sweep": sweep,
+            "budget_sweep": budget_sweep}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -486,37 +712,60 @@ def chart_sweep(path: str, res: dict) -> None:
     plt.close(fig)
 
 
-def _row(workload: str, c: str, s: dict) -> dict:
-    """One table row: configuration ``c``'s summary ``s`` (a main run's or a sweep point's)."""
-    return {"workload": workload, "config": wc.LABELS[c], "hit_rate": s["hit_rate"],
-            "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
-            "states T1/T2/miss": f"{s['hits_t1_states']}/{s['hits_t2_states']}/{s['state_misses']}",
+def _row(workload: str, c: str, s: dict, fell: Optional[dict] = None, answer: Optional[int] = None) -> dict:
+    """One table row: configuration ``c``'s summary ``s`` (a main run's or a sweep point's); ``valid``
+    is "no" where it fell back to eager calls (``fell``: the fallbacks of its run)."""
+    return {"workload": workload, "answer": "-" if answer is None else (f"{answer} (prefill-node)" if answer <= 8
+                                                                        else answer),
+            "config": wc.LABELS[c], "valid": "no (fell back)" if fell and c in fell else "yes",
+            "hit_rate": s["hit_rate"], "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
+            "states T1/T2/miss": f"{s['hits_t1_states']:g}/{s['hits_t2_states']:g}/{s['state_misses']:g}",
             "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
             "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
             "req_per_s_r3+": s["requests_per_s_round3plus"], "pcie_MiB": s["pcie_bytes"] / 2**20,
             "argmax_agree": s["argmax_agreement_vs_nocache"]}
 
 
+def _values(r: dict) -> dict[str, float]:
+    """A ratios dict's numbers (its ``invalid`` list and undefined entries left out)."""
+    return {k: v for k, v in r.items() if k != "invalid" and v is not None}
+
+
 def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
+    """Metrics and table rows of every result. The first result's ratios also go in unprefixed: the
+    headline (the first of ``--workloads`` at the first of ``--answers``, or the trace)."""
     metrics: dict[str, float] = {}
     rows = []
-    for res in results:
+    for i, res in enumerate(results):
         name = res["name"]
-        r = {k: v for k, v in res["ratios"].items() if v is not None}
-        if name == "multi_turn":
+        r = _values(res["ratios"])
+        if i == 0:
             metrics.update(r)
         metrics.update({f"{name}_{k}": v for k, v in r.items()})
         for c in res["summary"]:
             for k, v in res["summary"][c].items():
                 if v is not None and (k in METRICS or k.startswith("phase_")):
                     metrics[f"{name}_{c}_{k}"] = v
-            rows.append(_row(name, c, res["summary"][c]))
+            rows.append(_row(name, c, res["summary"][c], res["fell_back"], res.get("answer")))
+        eff = res.get("efficiency")
+        if eff:
+            metrics.update({f"{name}_no_cache_{k}": eff[k] for k in ("prefill_tokens_per_s", "model_flops_per_s",
+                                                                   "mfu", "peak_flops", "run_computed_tokens_per_s")
+                            if eff[k] is not None})
         for p in res.get("sweep", []):
             at = f"{name}_rate{p['rate']:g}"
-            metrics.update({f"{at}_{k}": v for k, v in p["ratios"].items() if v is not None})
+            metrics.update({f"{at}_{k}": v for k, v in _values(p["ratios"]).items()})
             for c, s in p["summary"].items():
                 metrics.update({f"{at}_{c}_{k}": s[k] for k in SWEEP_METRICS if s[k] is not None})
-                rows.append(_row(f"{name} @ {p['rate']:g}/s", c, s))
+                rows.append(_row(f"{name} @ {p['rate']:g}/s", c, s, p["fell_back"], res.get("answer")))
+        for p in res.get("budget_sweep", []):
+            at = f"{name}_gpu{p['gpu_mib']:g}"
+            metrics.update({f"{at}_{k}": v for k, v in _values(p["ratios"]).items()})
+            for c, s in p["summary"].items():
+                if c == "no_cache":  # the main run's: it needs no pools
+                    continue
+                metrics.update({f"{at}_{c}_{k}": s[k] for k in SWEEP_METRICS if s[k] is not None})
+                rows.append(_row(f"{name} @ GPU {p['gpu_mib']:g} MiB", c, s, p["fell_back"], res.get("answer")))
     return metrics, rows
 
 
@@ -532,24 +781,49 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
         metrics["prefill_graph_state_max_abs_diff"] = max(c["state_max_abs_diff"] for c in chk)
     metrics["model_params"] = float(model_info[0]["params"])
     metrics["state_bytes_per_request_native"] = float(results[0]["tier_bytes"]["state_native"])
+    metrics["repeats"] = float(args.repeats)
     metrics["total_s"] = time.perf_counter() - t_start
+    invalid = {r["name"]: r["ratios"].get("invalid", []) for r in results if r["ratios"].get("invalid")}
+    for r in results:
+        for p in r["sweep"] + r["budget_sweep"]:
+            at = f"{r['name']} @ {p['rate']:g}/s" if "rate" in p else f"{r['name']} @ GPU {p['gpu_mib']:g} MiB"
+            if p["ratios"].get("invalid"):
+                invalid[at] = p["ratios"]["invalid"]
+    peak = PEAK_FLOPS.get(device_tag())
     notes = (f"Scale `{args.scale}`; model {model_info[0]['params'] / 1e6:,.1f} M params, recurrent state "
              f"{results[0]['tier_bytes']['state_native'] / 1e6:.2f} MB per request (native); gated-delta "
              f"implementation: {', '.join(gd)}. Configurations: (1) no cache, (2) GPU-only radix cache with "
-             "states in their own dtype, (3) + int8 T1, (4) + T2 host mirror, at the same GPU budget per "
+             "states in their own dtype, (2b) (2) + a lossless host tier of (4)'s host bytes (SGLang's HiCache "
+             "for a hybrid model), (3) (2) with int8 T1, (4) (3) + T2 host mirror, at the same GPU budget per "
              "workload (split in benchmarks/workload_common.py). hit_rate = prompt tokens reused / prompt "
-             "tokens; TTFT from arrival (Poisson, asyncio-throttle) incl. queueing.")
-    path = write_results("workload", metrics, rows=rows, notes=notes, out_dir=args.out)
+             "tokens; TTFT from arrival (Poisson, asyncio-throttle) incl. queueing. Throughput "
+             "(`throughput_vs_*`, req_per_s) is the whole run's: requests / wall time, as SGLang's bench_multiturn "
+             "reports it; `*_round3plus_*` (req_per_s_r3+) is the steady window beside it. "
+             f"{args.repeats} repeat(s), configurations interleaved: each ratio is the median of the repeats' "
+             "with `_min` / `_max`; table rows are per-metric medians. (1)'s own efficiency: "
+             "`<workload>_no_cache_prefill_tokens_per_s` and `_mfu` (model FLOPs from the geometry, "
+             "benchmarks/bench_workload.py prefill_flops; peak "
+             + (f"{peak / 1e12:.0f} TFLOP/s dense bf16). " if peak else "unknown here, MFU undefined). ")
+             + (f"Refused (a side fell back to eager: null, info.invalid_comparisons): {invalid}." if invalid
+                else "No configuration fell back to eager calls: every comparison is valid."))
+    bench = "workload" + (f"-{args.tag}" if args.tag else "")
+    path = write_results(bench, metrics, rows=rows, notes=notes, out_dir=args.out)
     with open(path) as f:
         record = json.load(f)
     keep = ("workload", "engine", "model", "gpu_budget_mib", "host_budget_mib")
-    record["info"] = {"undefined_ratios": undefined_ratios(results), "scale": args.scale, "environment": env,
+    record["info"] = {"undefined_ratios": undefined_ratios(results), "invalid_comparisons": invalid,
+                      "fell_back": {r["name"]: r["fell_back"] for r in results if r["fell_back"]},
+                      "scale": args.scale, "environment": env, "repeats": args.repeats,
                       "gated_delta": gd, "models": model_info,
                       "decode_batch_flag": bool(args.decode_batch),
                       "decode_graphs_flag": bool(args.decode_graphs),
                       "prefill_graphs_flag": bool(args.prefill_graphs),
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
                                                 "tier_bytes": r["tier_bytes"], "longest_request": r["longest_request"],
+                                                "answer": r["answer"], "trace": r["trace"],
+                                                "no_cache_efficiency": r["efficiency"],
+                                                "budget_sweep_tiers": {f"{p['gpu_mib']:g}": p["tiers"]
+                                                                       for p in r["budget_sweep"]},
                                                 "tree_stats": r["tree_stats"],
                                                 "graph_decoder": r["graph_decoder"],
                                                 "graph_prefill": r["graph_prefill"],
@@ -586,6 +860,32 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "--sweep-configs: TTFT and throughput against load (metrics <workload>_rate<R>_*)")
     p.add_argument("--sweep-configs", nargs="+", default=["no_cache", "int8_t1_t2"], choices=wc.CONFIGS,
                    help="the configurations of the --rates runs")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="run every configuration this many times, interleaved; each ratio is the median with "
+                        "_min / _max (default 3: the headline)")
+    p.add_argument("--answers", nargs="+", type=int, default=None, metavar="N",
+                   help="run each workload with answers of these lengths instead of its file's (e.g. 64 8 256: the "
+                        "first is the headline; 8 is labelled the prefill-node case); results <workload>_ans<N>_*")
+    p.add_argument("--gpu-budgets", nargs="*", type=float, default=[], metavar="MIB",
+                   help="also run each workload at these GPU budgets (MiB, split as at the file's budget) with "
+                        "--budget-configs (metrics <workload>_gpu<MIB>_*; (1) needs no pools: the main run's)")
+    p.add_argument("--budget-configs", nargs="+", default=["gpu_only", "gpu_only_host", "int8_t1", "int8_t1_t2"],
+                   choices=wc.CONFIGS, help="the configurations of the --gpu-budgets runs")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay a Mooncake-format trace (benchmarks/traces.py) instead of the workloads' clients, "
+                        "with the first --workloads entry's model, engine and budgets")
+    p.add_argument("--trace-limit", type=int, default=64, help="the trace's first N requests")
+    p.add_argument("--trace-block", type=int, default=32,
+                   help="tokens per 512-token block of the trace (its prefix sharing kept, lengths scaled)")
+    p.add_argument("--trace-max-blocks", type=int, default=16, help="most blocks of one prompt (the rest cut)")
+    p.add_argument("--trace-max-answer", type=int, default=64, help="answers capped at this many tokens")
+    p.add_argument("--trace-rate", type=float, default=0.0,
+                   help="arrivals scaled to this many requests/s (0: --trace-load x (1)'s measured capacity)")
+    p.add_argument("--trace-load", type=float, default=1.0,
+                   help="with --trace-rate 0: the arrival rate as a multiple of (1)'s capacity (its throughput "
+                        "on the trace's first requests sent at once)")
+    p.add_argument("--tag", default=None,
+                   help="results named workload-<tag>-<device> (default: workload-<device>; 'mooncake' with --trace)")
     p.add_argument("--phase-timing", action="store_true",
                    help="EngineConfig.phase_timing: seconds per engine phase (syncs the device at each boundary, "
                         "so the run is slower; a development aid)")
@@ -599,6 +899,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if any(not r >= 0 for r in args.rates):  # NaN fails too
         p.error(f"--rates: arrival rates >= 0 (requests/s; 0: no gaps), got {args.rates}")
+    if args.repeats < 1:
+        p.error(f"--repeats: an int >= 1, got {args.repeats}")
+    if args.answers and any(a < 1 for a in args.answers):
+        p.error(f"--answers: lengths >= 1, got {args.answers}")
+    if any(not b > 0 for b in args.gpu_budgets):
+        p.error(f"--gpu-budgets: MiB > 0, got {args.gpu_budgets}")
+    if args.trace and args.answers:
+        p.error("--answers: the trace gives the answer lengths (capped by --trace-max-answer)")
+    if args.trace and args.tag is None:
+        args.tag = "mooncake"
     args.set = dict(kv.split("=", 1) for kv in args.set)
     return args
 
@@ -619,9 +929,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"{env['fla_importable']}")
     models: dict = {}
     results = []
-    for name in args.workloads:
-        res = run_workload(name, args, device, models)
+    runs = ([(args.workloads[0], None)] if args.trace
+            else [(n, a) for n in args.workloads for a in args.answers or [None]])
+    for name, answer in runs:
+        res = run_workload(name, args, device, models, answer)
         results.append(res)
+        name = res["name"]
         os.makedirs(args.out, exist_ok=True)
         chart(os.path.join(args.out, f"workload-{name}-{device_tag()}.png"), res)
         if res["sweep"]:
@@ -646,14 +959,29 @@ def main(argv: Optional[list[str]] = None) -> dict:
             if phases:
                 print(f"   {'':>24}  phases (s, of {s['wall_s']:.1f} s): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in phases))
-        r = {k: ("n/a" if v is None else f"{v:.2f}x") for k, v in res["ratios"].items()}
-        if r:
+        rt = res["ratios"]
+        r = {k: ("refused" if k in rt.get("invalid", []) else "n/a" if v is None else f"{v:.2f}x")
+             for k, v in rt.items() if k in RATIOS}
+        if {"ttft_p50_speedup_vs_nocache", "throughput_vs_nocache"} <= set(r):
+            spread = (f" [{rt['throughput_vs_nocache_min']:.2f}-{rt['throughput_vs_nocache_max']:.2f}]"
+                      if "throughput_vs_nocache_min" in rt else "")
             print(f"   (4) vs (1): TTFT p50 {r['ttft_p50_speedup_vs_nocache']} (rounds >= 3: "
-                  f"{r['ttft_p50_round3plus_speedup_vs_nocache']}), throughput {r['throughput_vs_nocache']} "
-                  f"(rounds >= 3: {r['throughput_round3plus_vs_nocache']}); (4) vs (2) hit rate "
+                  f"{r['ttft_p50_round3plus_speedup_vs_nocache']}), throughput (whole run) {r['throughput_vs_nocache']}"
+                  f"{spread} (rounds >= 3: {r['throughput_round3plus_vs_nocache']}); (4) vs (2) hit rate "
                   f"{r.get('hit_rate_vs_gpu_only', 'not run')}"
-                  + (f" (undefined: (2) reused nothing; (4) {res['ratios']['hit_rate_int8_t1_t2']:.3f})"
+                  + (f" (undefined: (2) reused nothing; (4) {rt['hit_rate_int8_t1_t2']:.3f})"
                      if r.get("hit_rate_vs_gpu_only") == "n/a" else ""))
+        if "throughput_vs_2b" in r:
+            print(f"   (4) vs (2b): throughput {r['throughput_vs_2b']} (rounds >= 3: "
+                  f"{r['throughput_round3plus_vs_2b']}), "
+                  f"TTFT p50 {r['ttft_p50_speedup_vs_2b']}, hit rate {r['hit_rate_vs_2b']} ((2b) reuses "
+                  f"{rt['hit_rate_2b']:.3f}); (2b) vs (1) throughput {r.get('throughput_2b_vs_nocache', 'n/a')}")
+        for p in res["budget_sweep"]:
+            pr = p["ratios"]
+            print(f"   @ GPU {p['gpu_mib']:g} MiB: " + ", ".join(
+                f"{wc.LABELS[c].split(' ', 1)[0]} hit {q['hit_rate']:.3f} {q['requests_per_s']:.2f} req/s"
+                for c, q in p["summary"].items() if c != "no_cache")
+                + (f"; (4) vs (2b) throughput {pr['throughput_vs_2b']:.2f}x" if pr.get("throughput_vs_2b") else ""))
         path, record, metrics = save(results, models, env, args, t_start)
     print(f"\nwrote {path} (+ .md, {len(results)} charts) in {metrics['total_s']:.1f} s")
     return record

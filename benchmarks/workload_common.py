@@ -1,20 +1,25 @@
-"""Shared by ``bench_workload.py`` and ``bench_capacity.py``: named workloads, the four configurations
+"""Shared by ``bench_workload.py`` and ``bench_capacity.py``: named workloads, the five configurations
 and how one GPU byte budget is split among their tiers, and the Poisson request driver.
 
-The four configurations, at one GPU budget (bytes):
+The five configurations, at one GPU budget (bytes):
 
-    no_cache     (1) no prefix cache: every prompt is computed whole
-    gpu_only     (2) radix cache, cached states in their own dtype (T1 codec ``lossless``), no host
-                     tier: what SGLang's ``MambaRadixCache`` keeps
-    int8_t1      (3) as (2), T1 in int8 (a state costs ~1/3.6 of its fp32 bytes)
-    int8_t1_t2   (4) as (3), plus the T2 host mirror (host budget, pinned RAM)
+    no_cache       (1)  no prefix cache: every prompt is computed whole
+    gpu_only       (2)  radix cache, cached states in their own dtype (T1 codec ``lossless``), no host
+                        tier: what SGLang's ``MambaRadixCache`` keeps
+    gpu_only_host  (2b) as (2), plus a host tier of the same bytes as (4)'s, states in their own dtype
+                        (lossless envelopes): what SGLang 0.5.23 runs with HiCache for a hybrid model
+    int8_t1        (3)  as (2), T1 in int8 (a state costs ~1/3.6 of its fp32 bytes)
+    int8_t1_t2     (4)  as (3), plus the T2 host mirror (host budget, pinned RAM)
+
+int8's own gain is (4) against (2b) and (3) against (2): the same GPU and host bytes on both sides.
 
 The split (``split_budget``), the same rule for every configuration::
 
     gpu budget = running reservation                          + cache share
                = max_running x (one T0 state slot, native dtype  |  kv_fraction     -> more T0 KV pages
                                 + KV pages of the longest request)|  1 - kv_fraction -> T1 state slots
-    host budget (config 4 only): kv_fraction -> T2 KV pages, the rest -> T2 state slots (int8 envelopes)
+    host budget ((2b) and (4)): kv_fraction -> T2 KV pages, the rest -> T2 state slots (envelopes of
+                                 T1's codec: lossless in (2b), int8 in (4))
 
 T0 is sized for the running requests identically in (2)-(4); the cache's share is split the same way,
 so (2) and (3) hold the same KV and differ only in how many states the same T1 bytes hold. (1) needs
@@ -24,8 +29,9 @@ no pools (its requests compute on the model's own cache).
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
+import heapq
+import itertools
 import json
 import math
 import os
@@ -35,9 +41,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 WORKLOADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
-CONFIGS = ("no_cache", "gpu_only", "int8_t1", "int8_t1_t2")
-LABELS = {"no_cache": "(1) no cache", "gpu_only": "(2) GPU-only, lossless", "int8_t1": "(3) + int8 T1",
-          "int8_t1_t2": "(4) + T2 host"}
+CONFIGS = ("no_cache", "gpu_only", "gpu_only_host", "int8_t1", "int8_t1_t2")
+LABELS = {"no_cache": "(1) no cache", "gpu_only": "(2) GPU-only, lossless",
+          "gpu_only_host": "(2b) + lossless host", "int8_t1": "(3) + int8 T1", "int8_t1_t2": "(4) + T2 host"}
 MiB = 1 << 20
 
 
@@ -86,7 +92,7 @@ class TierBytes:
 
 def split_budget(b: TierBytes, gpu_bytes: int, host_bytes: int, max_running: int, request_pages: int,
                  kv_fraction: float) -> dict[str, dict[str, Any]]:
-    """Tier sizes (``EngineConfig`` fields) of the four configurations at one budget (module docstring).
+    """Tier sizes (``EngineConfig`` fields) of the five configurations at one budget (module docstring).
 
     ``request_pages``: KV pages the longest request needs (prompt + answer). Slot 0 of every pool is a
     reserved sink, so each count is one less than its bytes would hold.
@@ -108,7 +114,10 @@ def split_budget(b: TierBytes, gpu_bytes: int, host_bytes: int, max_running: int
     host_kv = int(kv_fraction * host_bytes) // b.kv_page
     host_states = (host_bytes - host_kv * b.kv_page) // b.t1_int8
     out["int8_t1_t2"] = dict(out["int8_t1"], host_kv_pages=max(1, host_kv), host_states=max(1, host_states))
-    return out
+    # (2b): the same host bytes, KV split alike; its state slots hold lossless envelopes (fewer of them)
+    lossless_states = (host_bytes - host_kv * b.kv_page) // b.t1_lossless
+    out["gpu_only_host"] = dict(out["gpu_only"], host_kv_pages=max(1, host_kv), host_states=max(1, lossless_states))
+    return {c: out[c] for c in CONFIGS}
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -178,7 +187,8 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
     """SGLang's ``bench_multiturn`` shape: a ready queue holds each client's next request; a sender
     pops one at a time with exponential gaps (Poisson arrivals at ``request_rate`` per second, the
     long-run rate held by an ``asyncio_throttle.Throttler``) while fewer than ``max_parallel`` are in
-    flight; a finished request puts its client's next round in the queue. ``request_rate`` 0: no
+    flight; a finished request puts its client's next round in the queue, ready after a think time
+    (``think_time_s``: exponential draws of that mean, seeded; 0: at once). ``request_rate`` 0: no
     gaps (every ready request is sent at once, up to ``max_parallel``).
 
     The engine steps in the same event loop: a step blocks it, so a request due during a step is
@@ -191,9 +201,12 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
 
     rate, max_par, max_new = float(w.get("request_rate", 0)), int(w.get("max_parallel", 1 << 30)), w["max_new_tokens"]
     rng = random.Random(w.get("seed", 0) + 1)
+    think, think_rng = float(w.get("think_time_s", 0.0)), random.Random(w.get("seed", 0) + 2)
     order = list(range(len(clients)))
     rng.shuffle(order)  # interleave tasks / documents / system-prompt groups
-    ready = collections.deque((c, 0, 0.0) for c in order)  # (client, round, ready since: seconds since t0)
+    # (ready since: seconds since t0, order of arrival in the queue, client, round): earliest ready first
+    ready = [(0.0, i, c, 0) for i, c in enumerate(order)]
+    seq = itertools.count(len(ready))
     prompts: dict[int, list[int]] = {}
     live: dict[str, tuple[int, int]] = {}
     sent_at: dict[str, float] = {}
@@ -227,13 +240,13 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
         due = 0.0
         while state["sent"] < total:
             full = len(live) >= max_par
-            if not ready or full:
+            if not ready or full or ready[0][0] > now():  # nothing ready (a client still thinking)
                 await asyncio.sleep(0.0002)
                 continue
             if due > now():
                 await asyncio.sleep(due - now())
                 continue
-            cid, rnd, ready_at = ready.popleft()
+            ready_at, _, cid, rnd = heapq.heappop(ready)
             at = max(due, ready_at, state["room_at"])
             if throttler is not None:
                 t_in = time.perf_counter()
@@ -257,7 +270,8 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
                 on_done(Finished(cid, rnd, len(req.prompt), req.summary(), list(req.argmax),
                                  sent_at.pop(req.rid), t))
                 if rnd + 1 < len(clients[cid].questions):
-                    ready.append((cid, rnd + 1, t))
+                    gap = think_rng.expovariate(1.0 / think) if think > 0 else 0.0
+                    heapq.heappush(ready, (t + gap, next(seq), cid, rnd + 1))
             await asyncio.sleep(0)
 
     await asyncio.gather(sender(), stepper())
@@ -265,3 +279,82 @@ async def _drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[
 
 def drive(engine, clients: list[ClientPlan], w: dict, on_done: Callable[[Finished], None]) -> None:
     asyncio.run(_drive(engine, clients, w, on_done))
+
+
+# ------------------------------------------------------------------------------------------ traces
+@dataclasses.dataclass(frozen=True)
+class TraceItem:
+    """One trace request as the engine replays it: due ``at_s`` seconds after the start (the trace's
+    timestamp, scaled), ``prompt`` token ids and a teacher-forced ``answer``."""
+
+    at_s: float
+    prompt: list[int]
+    answer: list[int]
+
+
+def trace_items(trace, *, vocab: int, block: int, max_blocks: int, max_answer: int, rate: float,
+                seed: int = 0) -> list[TraceItem]:
+    """``trace`` (``benchmarks.traces.load_trace``'s requests) as the engine replays it.
+
+    Prompts: every 512-token block (hash id) becomes ``block`` tokens (``traces.block_tokens`` at that
+    block size: the same id the same tokens), at most ``max_blocks`` blocks of a prompt, the last block
+    cut in proportion to ``input_length``: the trace's prefix sharing kept exactly (two requests share k
+    blocks there, so they share k x ``block`` tokens here), lengths scaled by ``block / 512``. Answers:
+    ``output_length`` tokens capped at ``max_answer`` (at least 1), teacher-forced (seeded ids). Arrivals:
+    the timestamps scaled so that the mean rate over the trace is ``rate`` requests/s."""
+    from benchmarks import traces
+
+    if not trace:
+        raise ValueError("trace: expected at least one request, got none")
+    if not (block >= 1 and max_blocks >= 1 and max_answer >= 1 and rate > 0):
+        raise ValueError(f"block, max_blocks, max_answer >= 1 and rate > 0 expected, got {block}, {max_blocks}, "
+                         f"{max_answer}, {rate}")
+    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0
+    scale = (len(trace) - 1) / (rate * span_s) if span_s > 0 else 0.0  # trace seconds -> replay seconds
+    rng = random.Random(seed + 3)
+    out = []
+    for r in trace:
+        ids = r.hash_ids[:max_blocks]
+        toks = traces.block_tokens(ids, vocab=vocab, block=block, seed=seed).reshape(-1)
+        n = min(len(toks), max(1, math.ceil(r.input_length * block / traces.BLOCK)))
+        ans = [rng.randrange(3, vocab) for _ in range(max(1, min(r.output_length, max_answer)))]
+        out.append(TraceItem((r.timestamp_ms - trace[0].timestamp_ms) / 1000.0 * scale, toks[:n].tolist(), ans))
+    return out
+
+
+async def _drive_trace(engine, items: list[TraceItem], on_done: Callable[[Finished], None]) -> None:
+    """Open loop: each item is handed over at its due time (stamped with it, as ``_drive`` does), whatever
+    is in flight; the engine steps in the same loop. ``Finished.client`` is the item's index, round 0."""
+    from tiered_cache.engine.request import Request
+
+    t0 = time.perf_counter()
+    state = {"done": 0}
+    sent_at: dict[str, tuple[int, float]] = {}
+
+    async def sender() -> None:
+        for i, it in enumerate(items):
+            wait = it.at_s - (time.perf_counter() - t0)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            rid, at = f"t{i}", min(it.at_s, time.perf_counter() - t0)  # never a stamp from the future
+            sent_at[rid] = (i, at)
+            engine.submit(Request(rid=rid, prompt=list(it.prompt), max_new_tokens=len(it.answer),
+                                  forced_output=list(it.answer)), arrival=t0 + at)
+
+    async def stepper() -> None:
+        while state["done"] < len(items):
+            if not engine.has_work():
+                await asyncio.sleep(0.0002)
+                continue
+            for req in engine.step():
+                i, at = sent_at.pop(req.rid)
+                state["done"] += 1
+                on_done(Finished(i, 0, len(req.prompt), req.summary(), list(req.argmax), at,
+                                 time.perf_counter() - t0))
+            await asyncio.sleep(0)
+
+    await asyncio.gather(sender(), stepper())
+
+
+def drive_trace(engine, items: list[TraceItem], on_done: Callable[[Finished], None]) -> None:
+    asyncio.run(_drive_trace(engine, items, on_done))

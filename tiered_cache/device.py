@@ -130,9 +130,12 @@ def graph_pool() -> Any:
     return torch.cuda.graph_pool_handle()
 
 
-def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> contextlib.AbstractContextManager:
-    """The block's work on the current device is captured into ``graph``, not run (CUDA only)."""
-    return torch.cuda.graph(graph, pool=pool)
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None,
+                  mode: str = "thread_local") -> contextlib.AbstractContextManager:
+    """The block's work on the current device is captured into ``graph``, not run (CUDA only).
+    ``mode``: CUDA's capture mode; ``thread_local`` here (torch's default is ``global``), so a potentially
+    unsafe call made by another thread meanwhile (a storage worker's, a user's) cannot invalidate it."""
+    return torch.cuda.graph(graph, pool=pool, capture_error_mode=mode)
 
 
 def synchronize(device: DeviceLike = None) -> None:

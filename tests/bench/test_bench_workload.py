@@ -44,7 +44,7 @@ def test_bench_workload_tiny(tmp_path, keep_threads):
     from benchmarks.bench_workload import main
 
     rec = main(["--scale", "small", "--workloads", "multi_turn", "long_context_qa", "--set", "clients=3", "rounds=2",
-                "--out", str(tmp_path), "--no-progress", "--decode-graphs", "--prefill-graphs"])
+                "--out", str(tmp_path), "--no-progress", "--repeats", "1", "--decode-graphs", "--prefill-graphs"])
     m = rec["metrics"]
     for k in ("ttft_p50_speedup_vs_nocache", "throughput_vs_nocache", "throughput_round3plus_vs_nocache",
               "hit_rate_vs_gpu_only", "ttft_p50_s_no_cache",
@@ -165,7 +165,8 @@ def test_bench_workload_rate_sweep(tmp_path, keep_threads):
     from benchmarks.bench_workload import main
 
     rec = main(["--scale", "small", "--workloads", "multi_turn", "--set", "clients=2", "rounds=3",
-                "--configs", "no_cache", "int8_t1_t2", "--rates", "0", "40", "--out", str(tmp_path), "--no-progress"])
+                "--configs", "no_cache", "int8_t1_t2", "--rates", "0", "40", "--out", str(tmp_path), "--no-progress",
+                "--repeats", "1"])
     m = rec["metrics"]
     for r in ("0", "40"):
         assert m[f"multi_turn_rate{r}_throughput_round3plus_vs_nocache"] > 0
@@ -192,7 +193,8 @@ def test_bench_workload_timeline(tmp_path, keep_threads):
     from benchmarks.bench_workload import main
 
     main(["--scale", "small", "--workloads", "multi_turn", "--set", "clients=2", "rounds=2", "--configs", "no_cache",
-          "int8_t1_t2", "--timeline", str(tmp_path / "tl"), "--out", str(tmp_path), "--no-progress"])
+          "int8_t1_t2", "--timeline", str(tmp_path / "tl"), "--out", str(tmp_path), "--no-progress",
+          "--repeats", "1"])
     for c in ("no_cache", "int8_t1_t2"):
         tl = json.load(open(tmp_path / "tl" / f"timeline-multi_turn-{c}.json"))
         assert len(tl["turns"]) == 4 and sum(s["finished"] for s in tl["steps"]) == 4

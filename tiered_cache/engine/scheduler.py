@@ -85,6 +85,7 @@ class Engine:
             self.tiers = TieredCache.build(cfg.cache, kv=self.specs.full, state=self.specs.state, swa=self.specs.swa,
                                            device=self.device, model_id=model_id, tp=tp)
             self.cache, self.kind = self.tiers.tree, kind_for(self.tiers, self.adapter, self._phase)
+            self.runner.quiesce_with(self.tiers.transfer)  # no transfer in flight while a CUDA graph captures
             self.initial_free = self.free_sizes()
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ import torch
 from tiered_cache import device as dev
 from tiered_cache.engine.models import KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
 from tiered_cache.engine.runner.forward import cache_kwarg, conv_width, seen_tokens, store_decoded
+from tiered_cache.engine.runner.graph_prefill import capture_window
 from tiered_cache.errors import InvalidArgumentError
 
 GQA_ATTENTION = "tiered_cache_gqa_sdpa"
@@ -184,10 +185,12 @@ class GraphDecoder:
         self.capacity = 0  # tokens the key/value buffers hold per request
         self.buf: dict[str, dict[int, torch.Tensor]] = {}
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
-        self.stats = {"steps": 0, "captures": 0, "replays": 0, "rows_kept": 0}
+        self.stats = {"steps": 0, "captures": 0, "replays": 0, "rows_kept": 0, "capture_retries": 0}
         # per buffer row: (a weak reference to the cache it holds, the position it continues at)
         self._rows: list[Optional[tuple[Any, int]]] = [None] * max_batch
-        self.capture_error: Optional[str] = None  # set if a capture failed: the decoder then runs eagerly
+        self.capture_error: Optional[str] = None  # set if a capture failed twice: the decoder then runs eagerly
+        self.retried_error: Optional[str] = None  # the last capture error that a retry got past
+        self.quiesce: Optional[Any] = None  # a callable run before every capture (graph_prefill.capture_window)
 
     # ----------------------------------------------------------------------------- buffers
     def _ensure(self, caches: Sequence, need: int) -> None:
@@ -309,19 +312,28 @@ class GraphDecoder:
         store_decoded(caches, self.kinds, self.k_conv, new_k, new_v, bf["conv"], bf["rec"])
 
     def _replay(self, n: int, width: int) -> Optional[torch.Tensor]:
-        """Replay the (n, width) graph, capturing it first. None if the capture failed: the decoder
-        says so (``capture_error``, a warning) and runs eagerly from then on; the buffers are as
-        gathered, so the eager step still computes the right thing."""
+        """Replay the (n, width) graph, capturing it first (a failed capture is retried once,
+        ``stats["capture_retries"]``). None if it failed twice: the decoder says so (``capture_error``,
+        a warning) and runs eagerly from then on, a fallback a benchmark must not hide; the buffers are
+        as gathered, so the eager step still computes the right thing."""
         key = (n, width)
-        if key not in self.graphs:
+        for attempt in range(2):
+            if key in self.graphs:
+                break
             try:
                 self._capture(n, width)
             except RuntimeError as exc:
-                self.capture_error = f"{type(exc).__name__}: {exc}"[:500]
+                err = f"{type(exc).__name__}: {exc}"[:500]
+                dev.synchronize(self.device)
+                if attempt == 0:
+                    self.stats["capture_retries"] += 1
+                    self.retried_error = err
+                    continue
+                self.capture_error = err
                 self.use_graphs = False
                 self.graphs.clear()
-                dev.synchronize(self.device)
-                warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.capture_error}", stacklevel=2)
+                warnings.warn(f"CUDA graph capture failed twice, decoding eagerly: {self.capture_error}",
+                              stacklevel=2)
                 return None
         graph, out = self.graphs[key]
         graph.replay()
@@ -329,8 +341,9 @@ class GraphDecoder:
         return out
 
     def _capture(self, n: int, width: int) -> None:
-        """Warm up on a side stream (kernel selection, autotuning, workspaces), then capture. The
-        buffers are put back as gathered whatever happens (warm-up steps write into them)."""
+        """Warm up on a side stream (kernel selection, autotuning, workspaces), then capture inside
+        ``capture_window``. The buffers are put back as gathered whatever happens (warm-up steps write
+        into them)."""
         saved = {k: {i: t.clone() for i, t in self.buf[k].items()}
                  for k in ("keys", "values", "conv", "rec", "ids", "pos")}
         try:
@@ -343,7 +356,7 @@ class GraphDecoder:
             dev.current_stream(self.device).wait_stream(side)
             self._restore(saved)
             graph = dev.cuda_graph()
-            with dev.graph_capture(graph):
+            with capture_window(self.device, self.quiesce), dev.graph_capture(graph):
                 out = self._run(n, width)
             self.graphs[(n, width)] = (graph, out)
             self.stats["captures"] += 1

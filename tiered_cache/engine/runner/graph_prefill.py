@@ -20,8 +20,12 @@ Only calls of one sequence (batch 1, no ``cu_seqlens``), up to ``max_tokens`` to
 are replayed, with ``g``, ``beta`` and ``initial_state`` as tensors and every other keyword a hashable
 constant (part of the shape key); every other call runs as it came (``stats["eager"]``). At most
 ``max_graphs`` shapes are captured (one memory pool shared by all: each call's outputs are copied out
-right after its replay). A failed capture is reported
-(``capture_error``, a warning) and the rule runs eagerly from then on. On CPU (or ``use_graphs=False``)
+right after its replay). Every capture runs inside ``capture_window`` (what else could make a CUDA call
+meanwhile is stopped first: the engine's transfers, Python's garbage collector, other threads); a capture
+that fails anyway is retried once (``stats["capture_retries"]``, the error in ``retried_error``), and one
+that fails again is reported (``capture_error``, a warning) and the rule runs eagerly from then on: a
+fallback, which a benchmark comparing configurations must not hide (``bench_workload`` refuses the
+comparison). On CPU (or ``use_graphs=False``)
 the same padded static-buffer path runs eagerly, which is what the CPU tests compare with plain calls.
 
 The engine switches it on around its prefill forwards only (``EngineConfig.prefill_graphs``), through
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +50,47 @@ from tiered_cache.errors import InvalidArgumentError
 _TENSOR_ARGS = ("g", "beta", "initial_state")  # copied into static buffers; every other keyword is a constant
 _ACTIVE: contextvars.ContextVar[Optional[GraphChunkRule]] = contextvars.ContextVar("tiered_cache_graph_prefill",
                                                                                    default=None)
+
+
+@contextlib.contextmanager
+def capture_window(device: torch.device, quiesce: Optional[Callable[[], Any]]) -> Iterator[None]:
+    """Around a CUDA-graph capture (graph_prefill's and graph_decode's): what else could make a CUDA call
+    while it runs is stopped first, since one such call invalidates the capture
+    (``cudaErrorStreamCaptureInvalidated``: seen on the H200 in a configuration with a host tier).
+
+    - ``quiesce`` (the engine sets it: its cache's transfers waited for) runs first, so no transfer is in
+      flight and none of their completions (event queries, pinned index and checksum buffers freed) is
+      left to happen inside the window;
+    - Python's garbage collector is off inside: a collection there runs the finalizers of whatever cyclic
+      garbage it finds, and those make calls a capture forbids (a freed pinned buffer has the host
+      allocator query its events; a dropped host mirror unregisters its pinned memory);
+    - the capture itself is ``thread_local`` (``dev.graph_capture``): another thread's calls do not count.
+    """
+    if quiesce is not None:
+        quiesce()
+    dev.synchronize(device)
+    enabled = gc.isenabled()
+    gc.collect()  # now, outside the window, rather than inside it
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def transfers_waited(transfer: Any) -> Optional[Callable[[], None]]:
+    """A ``quiesce`` for ``capture_window``: wait until every ticket ``transfer`` (a ``TransferEngine``, or
+    None: nothing to wait for) has in flight is done. The finished tickets stay queued for the tree's
+    next ``poll``: nothing is consumed here."""
+    if transfer is None:
+        return None
+
+    def wait() -> None:
+        for t in transfer.pending_tickets():
+            transfer.wait(t)
+
+    return wait
 
 
 class _Key(NamedTuple):
@@ -99,8 +145,10 @@ class GraphChunkRule:
         self.entries: dict[_Key, _Entry] = {}
         self._inputs: dict[tuple, _Inputs] = {}
         self._inits: dict[tuple, torch.Tensor] = {}
-        self.stats = {"calls": 0, "replays": 0, "captures": 0, "eager": 0, "padded_tokens": 0}
-        self.capture_error: Optional[str] = None
+        self.stats = {"calls": 0, "replays": 0, "captures": 0, "eager": 0, "padded_tokens": 0, "capture_retries": 0}
+        self.capture_error: Optional[str] = None  # set when a capture failed twice: the rule then runs eagerly
+        self.retried_error: Optional[str] = None  # the last capture error that a retry got past
+        self.quiesce: Optional[Callable[[], Any]] = None  # run before every capture (capture_window)
         self._pool: Any = None  # the graphs' shared memory pool (dev.graph_pool), made at the first capture
 
     @contextlib.contextmanager
@@ -191,21 +239,29 @@ class GraphChunkRule:
 
         e.run = run
         if self.use_graphs:
-            try:
-                self._capture(e)
-            except RuntimeError as exc:
-                self.capture_error = f"{type(exc).__name__}: {exc}"[:500]
-                self.use_graphs = False
-                self.entries.clear()
-                dev.synchronize(self.device)
-                warnings.warn(f"CUDA graph capture of the chunk rule failed, running it eagerly: "
-                              f"{self.capture_error}", stacklevel=3)
-                return None
+            for attempt in range(2):
+                try:
+                    self._capture(e)
+                    break
+                except RuntimeError as exc:
+                    err = f"{type(exc).__name__}: {exc}"[:500]
+                    dev.synchronize(self.device)
+                    if attempt == 0:
+                        self.stats["capture_retries"] += 1
+                        self.retried_error = err
+                        continue
+                    self.capture_error = err
+                    self.use_graphs = False
+                    self.entries.clear()
+                    warnings.warn(f"CUDA graph capture of the chunk rule failed twice, running it eagerly: "
+                                  f"{self.capture_error}", stacklevel=3)
+                    return None
         self.entries[key] = e
         return e
 
     def _capture(self, e: _Entry) -> None:
-        """Warm up on a side stream (autotuning, workspaces), then capture into the shared pool."""
+        """Warm up on a side stream (autotuning, workspaces), then capture into the shared pool, inside
+        ``capture_window``."""
         if self._pool is None:
             self._pool = dev.graph_pool()
         side = dev.new_stream(self.device)
@@ -215,7 +271,7 @@ class GraphChunkRule:
                 e.run()
         dev.current_stream(self.device).wait_stream(side)
         graph = dev.cuda_graph()
-        with dev.graph_capture(graph, pool=self._pool):
+        with capture_window(self.device, self.quiesce), dev.graph_capture(graph, pool=self._pool):
             out = e.run()
         e.graph, e.out = graph, out
         self.stats["captures"] += 1
@@ -230,4 +286,4 @@ def routed(orig, query, key, value, *args, **kw):
     return rule(orig, query, key, value, *args, **kw)
 
 
-__all__ = ["GraphChunkRule", "routed"]
+__all__ = ["GraphChunkRule", "capture_window", "routed", "transfers_waited"]

@@ -26,7 +26,7 @@ from tiered_cache.engine.model_specs import ModelSpecs
 from tiered_cache.engine.runner import split_forward
 from tiered_cache.engine.runner.forward import decode_batch, forward_chunk, new_cache
 from tiered_cache.engine.runner.graph_decode import GraphDecoder
-from tiered_cache.engine.runner.graph_prefill import GraphChunkRule
+from tiered_cache.engine.runner.graph_prefill import GraphChunkRule, transfers_waited
 from tiered_cache.errors import InvalidArgumentError
 
 
@@ -70,6 +70,13 @@ class ModelRunner:
             if cfg.split_checkpoints and not self.split:
                 raise InvalidArgumentError("split_checkpoints", "None or False: this model's layers do not call "
                                            "the chunk rule and conv by name (split_supported)", True)
+
+    def quiesce_with(self, transfer) -> None:
+        """Both graph paths wait for ``transfer``'s tickets (a ``TransferEngine``; None: nothing to wait
+        for) before each capture (``graph_prefill.capture_window``)."""
+        for path in (self.graph_decoder, self.prefill_rule):
+            if path is not None:
+                path.quiesce = transfers_waited(transfer)
 
     def new_cache(self):
         """A fresh model cache for one request."""
