@@ -431,7 +431,11 @@ def _load(name: str, args: argparse.Namespace, answer: Optional[int]) -> dict:
     over = dict(args.set)
     if answer is not None:
         over["max_new_tokens"] = answer
-    return wc.load_workload(name, args.scale, over)
+    sec = wc.load_workload(name, args.scale, over)
+    for key, val in (("gpu_budget_mib", args.gpu_mib), ("host_budget_mib", args.host_mib)):
+        if val is not None:
+            sec[key] = val
+    return sec
 
 
 def trace_plan(args: argparse.Namespace, vocab: int, rate: float) -> list:
@@ -866,6 +870,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--answers", nargs="+", type=int, default=None, metavar="N",
                    help="run each workload with answers of these lengths instead of its file's (e.g. 64 8 256: the "
                         "first is the headline; 8 is labelled the prefill-node case); results <workload>_ans<N>_*")
+    p.add_argument("--gpu-mib", type=float, default=None, help="the GPU budget (MiB) instead of the file's")
+    p.add_argument("--host-mib", type=float, default=None, help="the host budget (MiB) of (2b) and (4) instead of "
+                                                                 "the file's")
     p.add_argument("--gpu-budgets", nargs="*", type=float, default=[], metavar="MIB",
                    help="also run each workload at these GPU budgets (MiB, split as at the file's budget) with "
                         "--budget-configs (metrics <workload>_gpu<MIB>_*; (1) needs no pools: the main run's)")
@@ -905,6 +912,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--answers: lengths >= 1, got {args.answers}")
     if any(not b > 0 for b in args.gpu_budgets):
         p.error(f"--gpu-budgets: MiB > 0, got {args.gpu_budgets}")
+    if any(v is not None and not v > 0 for v in (args.gpu_mib, args.host_mib)):
+        p.error(f"--gpu-mib / --host-mib: MiB > 0, got {args.gpu_mib} / {args.host_mib}")
     if args.trace and args.answers:
         p.error("--answers: the trace gives the answer lengths (capped by --trace-max-answer)")
     if args.trace and args.tag is None:

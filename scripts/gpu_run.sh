@@ -11,7 +11,7 @@
 #   the tests keep transformers' fp32 torch gated delta. bench_workload also needs asyncio-throttle (its
 #   Poisson arrival clock), which the GPU machine cannot download: put its wheel in .whl/ beside the
 #   flash-linear-attention ones (pip download asyncio-throttle -d .whl); without it the benchmark is skipped
-#   with that message.
+#   with that message. WORKLOAD_TIMEOUT: its time limit in seconds (default 540).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -47,7 +47,7 @@ WORKLOAD_ARGS=${WORKLOAD_ARGS:---scale full --workloads multi_turn --decode-grap
         continue
       fi
       # shellcheck disable=SC2086
-      PYTHONPATH=$site timeout 540 python3 benchmarks/bench_workload.py $WORKLOAD_ARGS --out "$OUT/results" 2>&1 | tail -40
+      PYTHONPATH=$site timeout "${WORKLOAD_TIMEOUT:-540}" python3 benchmarks/bench_workload.py $WORKLOAD_ARGS --out "$OUT/results" 2>&1 | tail -40
       continue
     fi
     timeout 330 python3 "benchmarks/bench_$b.py" --out "$OUT/results" 2>&1 | tail -40

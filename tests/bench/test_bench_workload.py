@@ -43,7 +43,7 @@ def test_split_budget_same_bytes_more_int8_states():
 def test_bench_workload_tiny(tmp_path, keep_threads):
     from benchmarks.bench_workload import main
 
-    rec = main(["--scale", "small", "--workloads", "multi_turn", "long_context_qa", "--set", "clients=3", "rounds=2",
+    rec = main(["--scale", "small", "--workloads", "multi_turn", "long_context_qa", "--set", "clients=2", "rounds=2",
                 "--out", str(tmp_path), "--no-progress", "--repeats", "1", "--decode-graphs", "--prefill-graphs"])
     m = rec["metrics"]
     for k in ("ttft_p50_speedup_vs_nocache", "throughput_vs_nocache", "throughput_round3plus_vs_nocache",
