@@ -45,6 +45,7 @@ from tiered_cache.config import WRITE_POLICIES  # noqa: E402
 
 GiB = cs.GiB
 HOST_CONFIGS = ("gpu_only_host", "int8_t1_t2")  # (2b), (4): the ones with a host tier
+_RUN: dict[str, Any] = {}  # the arguments (and the parsed trace), set before the workers fork
 
 
 # ------------------------------------------------------------------------------------------ trace
@@ -95,12 +96,20 @@ def synthetic_point(args: argparse.Namespace, cfg: str, gpu_gib: float, host_gib
                     requests: Optional[int] = None, keep_hits: bool = False) -> dict:
     """One configuration on the synthetic trace: ``--warm`` requests, then ``requests`` measured."""
     n = args.requests if requests is None else requests
-    label = f"{cs.LABELS[cfg]} GPU {gpu_gib:g} host {host_gib:g}" if args.progress else None
+    label = f"{cs.LABELS[cfg]} GPU {gpu_gib:g} host {host_gib:g}" if args.progress and args.workers <= 1 else None
     return simulate(Trace(args, seed=args.seed).take(args.warm + n), gpu_bytes=int(gpu_gib * GiB),
                        host_bytes=int(host_gib * GiB), config_name=cfg, fast=fast, page=args.page,
                        max_running=args.max_running, kv_fraction=args.kv_fraction, request_pages=Trace(args).longest(),
                        chunk_pages=args.chunk_pages, warm=args.warm, write_policy=args.write_policy,
                        keep_hits=keep_hits, progress=label)
+
+
+def _synthetic_job(sweep: str, g: float, h: float, cfg: str) -> dict:
+    """One point of the synthetic sweep (in a worker: reads ``_RUN``)."""
+    a = _RUN["args"]
+    r = synthetic_point(a, cfg, g, h, fast=a.fast)
+    r.pop("evictions")
+    return {"sweep": sweep, "config": cfg, "gpu_gib": g, "host_gib": h, **r}
 
 
 def chart(path: str, rows: list[dict], args: argparse.Namespace) -> None:
@@ -144,14 +153,8 @@ def run_synthetic(args: argparse.Namespace) -> str:
     points = [("gpu", g, host0 if cfg in HOST_CONFIGS else 0, cfg) for g in gpus for cfg in cs.SIM_CONFIGS]
     points += [("host", args.host_sweep_gpu, h, cfg) for h in sorted(set(args.host_gib)) if h != host0
                for cfg in HOST_CONFIGS]
-    rows = []
-    for sweep, g, h, cfg in points:
-        r = synthetic_point(args, cfg, g, h, fast=args.fast)
-        r.pop("evictions")
-        rows.append({"sweep": sweep, "config": cfg, "gpu_gib": g, "host_gib": h, **r})
-        print(f"  {cs.LABELS[cfg]:>24} GPU {g:5g} GiB host {h:5g} GiB: T0 {r['kv_pages']} pages, T1 {r['t1_states']} "
-              f"states -> hit {r['hit_rate']:.3f} (T2 {r['hit_rate_t2']:.3f}), state hits {r['state_hit_rate']:.3f}, "
-              f"{r['req_per_s']:.0f} req/s")
+    _RUN.update(args=args)
+    rows = run_jobs([(_synthetic_job, *p) for p in points], args.workers, t_start)
     metrics: dict[str, Optional[float]] = {}
     for r in rows:
         tag = f"{r['config']}_gpu{r['gpu_gib']:g}" + (f"_host{r['host_gib']:g}" if r["config"] in HOST_CONFIGS else "")
@@ -187,7 +190,6 @@ def _ratio(a: float, b: float) -> Optional[float]:
 
 
 # ------------------------------------------------------------------------------------------ real trace
-_RUN: dict[str, Any] = {}  # the parsed trace and the split settings, set before the workers fork
 
 
 def _trace_point(cfg: str, gpu_gib: float, host_gib: float) -> dict:
@@ -221,6 +223,21 @@ def _call(fn: Any, *point: Any) -> Any:
     return fn(*point)
 
 
+def run_jobs(jobs: list[tuple], workers: int, t_start: float) -> list[dict]:
+    """``fn(*point)`` for every ``(fn, *point)`` of ``jobs``, in order, over ``workers`` forked processes (they
+    inherit ``_RUN``), each point printed as it ends."""
+    if workers <= 1:
+        return [_call(*j) for j in jobs]
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                initializer=torch.set_num_threads, initargs=(1,)) as ex:
+        futs = [ex.submit(_call, *j) for j in jobs]
+        for f in cf.as_completed(futs):
+            r = f.result()
+            print(f"  {r['config']:>14} GPU {r['gpu_gib']} host {r['host_gib']}: hit {r['hit_rate']:.4f}, "
+                  f"{r['req_per_s']:.0f} req/s ({time.perf_counter() - t_start:.0f} s)", flush=True)
+        return [f.result() for f in futs]
+
+
 def unbounded_tiers(trace: list[SimRequest], max_running: int, page: int) -> dict[str, Any]:
     """Tier sizes that never evict on ``trace``: T0 KV for every page it writes (+ the running ones),
     T1 for every state it could cache (each chunk end, the branch point and the prompt end)."""
@@ -250,18 +267,7 @@ def run_trace(args: argparse.Namespace) -> str:
     jobs += [(_check_point, cfg, fast) for cfg in HOST_CONFIGS for fast in (True, False)]
     jobs += [(_trace_point, cfg, g, 0.0) for g in args.grid_gpu for cfg in ("gpu_only", "int8_t1")]
     jobs += [(_trace_point, cfg, g, h) for g in args.grid_gpu for h in args.grid_host for cfg in HOST_CONFIGS]
-    if args.workers <= 1:
-        done = [_call(*j) for j in jobs]
-    else:
-        ctx = multiprocessing.get_context("fork")
-        with cf.ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=torch.set_num_threads,
-                                    initargs=(1,)) as ex:
-            futs = [ex.submit(_call, *j) for j in jobs]
-            for f in cf.as_completed(futs):
-                r = f.result()
-                print(f"  {r['config']:>14} GPU {r['gpu_gib']} host {r['host_gib']}: hit {r['hit_rate']:.4f}, "
-                      f"{r['req_per_s']:.0f} req/s ({time.perf_counter() - t_start:.0f} s)", flush=True)
-            done = [f.result() for f in futs]
+    done = run_jobs(jobs, args.workers, t_start)
     ceiling, checks, rows = done[0], done[1:5], done[5:]
     attention = unbounded_reuse(raw)
     target = 0.9 * ceiling["hit_rate"]
@@ -345,7 +351,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--grid-gpu", type=float, nargs="+", default=[32, 64], help="--trace: GPU GiB of the grid")
     p.add_argument("--grid-host", type=float, nargs="+", default=[256, 512, 1024, 1536],
                    help="--trace: host GiB of the grid ((2b) and (4))")
-    p.add_argument("--workers", type=int, default=2, help="--trace: processes the grid points are spread over")
+    p.add_argument("--workers", type=int, default=2, help="processes the points are spread over")
     p.add_argument("--check-requests", type=int, default=1500,
                    help="--trace: synthetic requests run in the fast and the full mode to compare them")
     p.add_argument("--requests", type=int, default=2000, help="measured requests per point (up to 10^6)")
