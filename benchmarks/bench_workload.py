@@ -541,6 +541,8 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
             print(f"   (1) served {k} requests sent at once in {cal['wall_s']:.2f} s: arrivals scaled to "
                   f"{args.trace_load:g} x {k / cal['wall_s']:.2f} = {rate:.2f} requests/s")
         items = trace_plan(args, vocab, rate)
+        # an open loop: each configuration takes at least the arrivals' span, whatever its speed
+        print(f"   arrivals span {items[-1].at_s:.1f} s per configuration (--trace-limit / rate)")
         trace_info = {"file": os.path.basename(args.trace), "requests": n_req, "rate_per_s": rate,
                       "load": args.trace_load if args.trace_rate <= 0 else None, "block_tokens": args.trace_block,
                       "max_blocks": args.trace_max_blocks, "max_answer": args.trace_max_answer,
@@ -574,6 +576,12 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                         pstats.Stats(prof, stream=f).sort_stats(k).print_stats(45)
             else:
                 raw[cname] = run_config(model, ecfg, drive_for(w), n_req, lab, args.progress, timeline=timeline)
+            st = raw[cname]
+            # one line as each run ends, so a run cut short by a time limit still shows what it measured
+            print(f"   {lab}: {len(st['turns'])} requests in {st['wall_s']:.1f} s "
+                  f"({len(st['turns']) / st['wall_s']:.2f} req/s), reused {st['tokens']['reused']} of "
+                  f"{st['tokens']['prompt']} prompt tokens"
+                  + (f"; FELL BACK: {fell_back(st)}" if fell_back(st) else ""))
             if timeline:
                 os.makedirs(args.timeline, exist_ok=True)
                 with open(os.path.join(args.timeline, f"timeline-{label}-{cname}.json"), "w") as f:
