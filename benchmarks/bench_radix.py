@@ -20,10 +20,12 @@ tokens on both sides. Then ``--rounds`` interleaved rounds (the side that goes f
 - evict: ``evict(num_tokens=256)`` until what the round's inserts added is gone again; tokens evicted
   per second.
 
-Each ratio is SGLang's time over ours per round (> 1: ours is faster), reported as median, min and max
-over rounds. ``*_tree_only``: our time less the time spent inside the T1 pool (``Int8CheckpointPool``:
-the state's store, load, slot alloc/free and flag reads), i.e. the tree's bookkeeping alone; SGLang's
-tree holds no state, so the plain ratios carry our T1 cost and SGLang's carry none.
+Keys are made inside the timer, on both sides from the ids as SGLang's ``Req`` holds them (an
+``array("q")``: what our SGLang backend gets too), as each tree is called per request. Each ratio is
+SGLang's time over ours per round (> 1: ours is faster), reported as median, min and max over rounds.
+``*_tree_only``: our time less the time spent inside the T1 pool (``Int8CheckpointPool``: the state's
+store, load, slot alloc/free and flag reads), i.e. the tree's bookkeeping alone; SGLang's tree holds
+no state, so the plain ratios carry our T1 cost and SGLang's carry none.
 
 State spec is tiny on purpose: the host-side cost per call is measured, not the int8 kernels
 (``bench_kernels.py``). Without sglang the script says so and measures nothing.
@@ -135,11 +137,13 @@ class Ours:
         self.t1 = T1Timer(self.cache.ckpt)
         self.size = 0  # cached tokens
 
-    def key(self, toks: list[int]) -> Any:
-        return RadixKey(toks)
+    def held(self, toks: list[int]) -> Any:
+        """Token ids as SGLang's ``Req`` holds them (an ``array("q")``), which our SGLang backend makes keys of
+        (``integrations.sglang.backend.tree_key``)."""
+        return array("q", toks)
 
-    def turn(self, toks: list[int]) -> tuple[float, float]:
-        """One engine turn; -> (insert seconds, of them inside T1). False-y 0.0 when nothing was cached."""
+    def turn(self, toks: Any) -> tuple[float, float]:
+        """One engine turn; -> (insert seconds, of them inside T1)."""
         cache, ps = self.cache, PS
         m = cache.match_prefix(MatchPrefixParams(key=RadixKey(toks)))
         cache.inc_lock_ref(m.last_device_node)
@@ -147,9 +151,9 @@ class Ours:
         new, slot = cache.kv.alloc(aligned - hit), cache.states.alloc(1)
         assert new is not None and slot is not None, "the benchmark's pools are sized for the trace"
         value = torch.cat([m.device_indices, new])
-        params = InsertParams(key=RadixKey(toks[:aligned]), value=value, mamba_value=slot, prev_prefix_len=hit)
         t1, t0 = self.t1.s, time.perf_counter()
-        res = cache.insert(params)
+        res = cache.insert(InsertParams(key=RadixKey(toks[:aligned]), value=value, mamba_value=slot,
+                                        prev_prefix_len=hit))
         dt = time.perf_counter() - t0
         if res.cached_len < aligned:
             cache.kv.free(value[max(res.cached_len, hit):])
@@ -158,8 +162,9 @@ class Ours:
         self.size += res.cached_len - res.prefix_len
         return dt, self.t1.s - t1
 
-    def match(self, key: Any, req: Any) -> int:
-        return int(self.cache.match_prefix(MatchPrefixParams(key=key, req=req, cow_mamba=True)).kv_hit_length)
+    def match(self, toks: Any, req: Any) -> int:
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(toks), req=req, cow_mamba=True))
+        return int(m.kv_hit_length)
 
     def evict(self) -> int:
         n = self.cache.evict(EvictParams(num_tokens=EVICT_TOKENS)).num_tokens_evicted
@@ -185,29 +190,29 @@ class Sgl:
         self.cache = sgl["radix"].RadixCache(params)
         self.size = 0
 
-    def key(self, toks: list[int]) -> Any:
-        return self.sgl["radix"].RadixKey(token_ids=array("q", toks))
+    def held(self, toks: list[int]) -> Any:
+        """Token ids as SGLang's ``Req`` holds them (an ``array("q")``)."""
+        return array("q", toks)
 
-    def turn(self, toks: list[int]) -> tuple[float, float]:
-        b, cache = self.sgl["base"], self.cache
-        m = cache.match_prefix(b.MatchPrefixParams(key=self.key(toks)))
+    def turn(self, toks: Any) -> tuple[float, float]:
+        b, cache, key = self.sgl["base"], self.cache, self.sgl["radix"].RadixKey
+        m = cache.match_prefix(b.MatchPrefixParams(key=key(toks)))
         cache.inc_lock_ref(m.last_device_node)
         hit, aligned = m.device_prefix_len, len(toks) // PS * PS
         prefix = cache.path_device_indices(m.last_device_node)[:hit]
         new = self.alloc.alloc(aligned - hit)
         assert new is not None, "the benchmark's pools are sized for the trace"
         value = torch.cat([prefix, new])
-        params = b.InsertParams(key=self.key(toks[:aligned]), value=value)
         t0 = time.perf_counter()
-        res = cache.insert(params)
+        res = cache.insert(b.InsertParams(key=key(toks[:aligned]), value=value))
         self.alloc.free_segment(value[hit:res.prefix_len], start_pos=hit)  # _insert_cache's duplicate free
         dt = time.perf_counter() - t0
         cache.dec_lock_ref(m.last_device_node)
         self.size += aligned - res.prefix_len
         return dt, 0.0
 
-    def match(self, key: Any, req: Any) -> int:
-        m = self.cache.match_prefix(self.sgl["base"].MatchPrefixParams(key=key))
+    def match(self, toks: Any, req: Any) -> int:
+        m = self.cache.match_prefix(self.sgl["base"].MatchPrefixParams(key=self.sgl["radix"].RadixKey(toks)))
         self.cache.path_device_indices(m.last_device_node)
         return int(m.device_prefix_len)
 
@@ -228,8 +233,8 @@ def check_same_hits(ours: Ours, sgl: Sgl, queries: list[list[int]]) -> int:
     """Every query matches the same number of KV tokens on both sides (raises otherwise); -> tokens hit."""
     total = 0
     for q in queries:
-        a = int(ours.cache.match_prefix(MatchPrefixParams(key=RadixKey(q))).kv_hit_length)
-        b = sgl.match(sgl.key(q), None)
+        a = int(ours.cache.match_prefix(MatchPrefixParams(key=RadixKey(ours.held(q)))).kv_hit_length)
+        b = sgl.match(sgl.held(q), None)
         if a != b:
             raise AssertionError(f"match of a {len(q)}-token query: ours {a} tokens, SGLang {b}")
         total += a
@@ -250,8 +255,8 @@ def run_size(target: int, rounds: int, ops: int, sgl_mods: dict[str, Any], seed:
     trace = Trace(seed)
     while ours.size < target:
         toks = trace.next_turn()
-        ours.turn(toks)
-        sgl.turn(toks)
+        ours.turn(ours.held(toks))
+        sgl.turn(sgl.held(toks))
     if ours.size != sgl.size:
         raise AssertionError(f"grown trees differ: ours {ours.size} tokens cached, SGLang {sgl.size}")
     cached = ours.size
@@ -266,7 +271,7 @@ def run_size(target: int, rounds: int, ops: int, sgl_mods: dict[str, Any], seed:
         queries = [trace.query() for _ in range(ops)]
         t: dict[str, float] = {}
         for side in sides:
-            keys = [(side.key(q), req) for q in queries]
+            keys = [(side.held(q), req) for q in queries]
             t1 = ours.t1.s
             t[side.name] = _timed(side.match, keys)
             t[side.name + "_t1"] = ours.t1.s - t1
@@ -277,7 +282,8 @@ def run_size(target: int, rounds: int, ops: int, sgl_mods: dict[str, Any], seed:
         turns = [list(trace.next_turn()) for _ in range(ops)]
         start = {s.name: s.size for s in sides}
         for side in sides:
-            got = [side.turn(toks) for toks in turns]
+            held = [side.held(toks) for toks in turns]
+            got = [side.turn(toks) for toks in held]
             t[side.name] = sum(g[0] for g in got)
             t[side.name + "_t1"] = sum(g[1] for g in got)
         r["insert"].append(t["sglang"] / t["ours"])

@@ -39,13 +39,13 @@ def test_same_hits_both_sides_and_the_check_catches_a_difference():
     trace = bench_radix.Trace(3)
     while ours.size < 2000:
         toks = trace.next_turn()
-        ours.turn(toks)
-        theirs.turn(toks)
+        ours.turn(ours.held(toks))
+        theirs.turn(theirs.held(toks))
     assert ours.size == theirs.size
     queries = [trace.query() for _ in range(30)]
     assert bench_radix.check_same_hits(ours, theirs, queries) > 0
     extra = trace.chats[0] + trace.turn()  # cached on SGLang's side only: its queries now hit more there
-    theirs.turn(extra)
+    theirs.turn(theirs.held(extra))
     with pytest.raises(AssertionError, match="ours .* SGLang"):
         bench_radix.check_same_hits(ours, theirs, [extra + trace.turn()])
 

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
-from tiered_cache.radix.params import InsertParams, RadixKey
+from tiered_cache.radix.params import InsertParams, RadixKey, checked_ids
 from tiered_cache.tiers.protocols import StateSide
-from tiered_cache.validate import _INT_TORCH, int_list, is_int
+from tiered_cache.validate import _INT_TORCH, is_int
 
 
-def common_len(node_key: list[int], key: list[int], start: int, end: int, page_size: int) -> int:
-    """Tokens of ``node_key`` equal to ``key[start:end]``, rounded down to whole pages.
+def common_len(node_key: Sequence[int], key: Sequence[int], start: int, end: int, page_size: int) -> int:
+    """Tokens of ``node_key`` equal to ``key[start:end]``, rounded down to whole pages; both lists, or both
+    int64 arrays (compared in C, without a Python int per token).
 
     List slices compare in C; the galloping step keeps a long partial match off the Python loop.
     """
@@ -30,12 +32,14 @@ def common_len(node_key: list[int], key: list[int], start: int, end: int, page_s
     return i // page_size * page_size
 
 
-def insert_args(params: Any, page_size: int, device: Any, ids: tuple[str, ...]) -> tuple[list[int], Any, int, int]:
+def insert_args(params: Any, page_size: int, device: Any, ids: tuple[str, ...],
+                as_array: bool = False) -> tuple[Any, Any, int, int]:
     """An ``InsertParams``' key, its T0 ids (the fields ``ids``, one per token) and ``prev_prefix_len``,
-    checked. -> (token ids, tenant salt, prev_prefix_len, page-aligned key length)."""
+    checked. -> (token ids: a list, an int64 array with ``as_array``; tenant salt, prev_prefix_len,
+    page-aligned key length)."""
     if not isinstance(params, InsertParams):
         raise InvalidTypeError("params", "an InsertParams", type(params).__name__)
-    toks, salt = parse_key(params.key)
+    toks, salt = (parse_key_array if as_array else parse_key)(params.key)
     n = len(toks)
     for arg in ids:
         check_value(arg, getattr(params, arg), n, device)
@@ -55,21 +59,36 @@ def check_prev_prefix_len(prev: Any, n: int, page_size: int) -> None:
 def parse_key(key: Any, arg: str = "key") -> tuple[list[int], Optional[str]]:
     """-> (token ids as Python ints, tenant salt). Integers only (``validate.int_list``): a str, float,
     bool, None or nested sequence is an ``InvalidTypeError`` naming ``key`` (``key.token_ids``)."""
-    salt = None
+    toks, _, salt = _parse(key, arg, True)
+    assert toks is not None
+    return toks, salt
+
+
+def parse_key_array(key: Any, arg: str = "key") -> tuple[array, Optional[str]]:
+    """``parse_key`` with the ids as an int64 ``array``: a key made of an array (SGLang's ``Req`` holds
+    one) is matched without making a Python int per token."""
+    _, arr, salt = _parse(key, arg, False)
+    return arr, salt
+
+
+def _parse(key: Any, arg: str, want_list: bool) -> tuple[Optional[list[int]], array, Optional[str]]:
+    salt, checked = None, None
     if isinstance(key, RadixKey):
-        key, salt = key.token_ids, key.extra_key
+        salt, checked = key.extra_key, key.checked()  # checked when made: not again on every call
         if salt is not None and not isinstance(salt, str):
             raise InvalidTypeError(f"{arg}.extra_key", "a str or None", salt)
-        arg = f"{arg}.token_ids"
-    if key is None or isinstance(key, (str, bytes)):
-        raise InvalidTypeError(arg, "a RadixKey or a sequence of int token ids", desc(key))
-    toks = int_list(arg, key)
-    try:
-        array("q", toks)  # the int64 range, in one C pass (min and max would be two)
-    except OverflowError:
+        key, arg = key.token_ids, f"{arg}.token_ids"
+    if checked is None:
+        if key is None or isinstance(key, (str, bytes)):
+            raise InvalidTypeError(arg, "a RadixKey or a sequence of int token ids", desc(key))
+        checked = [key, *checked_ids(arg, key)]
+    _, toks, arr = checked
+    if arr is None:
         raise InvalidArgumentError(arg, "token ids in the int64 range",
-                                   [t for t in toks if not -2**63 <= t < 2**63][:8]) from None
-    return toks, salt
+                                   [t for t in toks if not -2**63 <= t < 2**63][:8])
+    if want_list and toks is None:
+        toks = checked[1] = arr.tolist()
+    return toks, arr, salt
 
 
 def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:

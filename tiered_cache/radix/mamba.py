@@ -14,6 +14,7 @@ reused only by a longer match that ends at a state::
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -24,7 +25,7 @@ from tiered_cache.radix.checks import (
     check_state_allocated,
     common_len,
     insert_args,
-    parse_key,
+    parse_key_array,
     state_slot,
 )
 from tiered_cache.radix.frees import Frees
@@ -172,7 +173,7 @@ class MambaRule:
         tree, host = self.tree, self.host
         if not isinstance(params, MatchPrefixParams):
             raise InvalidTypeError("params", "a MatchPrefixParams", type(params).__name__)
-        toks, salt = parse_key(params.key)
+        toks, salt = parse_key_array(params.key)  # an int64 array: no Python int made per token
         req: Any = params.req
         cow = params.cow_mamba
         if not isinstance(cow, bool):
@@ -185,7 +186,7 @@ class MambaRule:
                 dst = self.req_slot(req)
         # Every check is done: what follows may change the tree.
         if host.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
-            host.t3.maybe_prefetch(toks, salt, req)
+            host.t3.maybe_prefetch(toks.tolist(), salt, req)
         self.flags.poll()
         while True:
             path, values, kv_len, dev, dev_len, dev_k, best, best_len = self._walk(toks, salt, len(toks))
@@ -229,7 +230,7 @@ class MambaRule:
             check_state_allocated(self.states, slot, "req.mamba_pool_idx")
         return slot
 
-    def _walk(self, toks: list[int], salt: Optional[str], end: int):
+    def _walk(self, toks: array, salt: Optional[str], end: int):
         """Read-only walk. -> (nodes on the path, device values of fully matched nodes, page-aligned
         tokens whose KV matched in any tier, deepest node with a T1 state reachable on the device,
         its depth, its #values, deepest node with a state in any tier, its depth)."""
@@ -250,7 +251,7 @@ class MambaRule:
             v = child.value
             if v is None and child.host_kv is None:
                 break  # dead: matches nothing
-            m = common_len(child.key, toks, i, end, ps)
+            m = common_len(child.akey, toks, i, end, ps)
             path.append(child)
             if m < len(child.key):
                 return path, values, i + m, dev, dev_len, dev_k, best, best_len
@@ -278,7 +279,7 @@ class MambaRule:
         ``prefix_len == cached_len == prev_prefix_len`` and the caller keeps ``value[prev_prefix_len:]``.
         """
         tree = self.tree
-        toks, salt, prev, aligned = insert_args(params, tree.page_size, tree.device, ("value",))
+        toks, salt, prev, aligned = insert_args(params, tree.page_size, tree.device, ("value",), as_array=True)
         n, value = len(toks), params.value  # a tensor: insert_args checked it
         assert value is not None
         slot = None if params.mamba_value is None else state_slot(self.states, "mamba_value", params.mamba_value)

@@ -4,7 +4,8 @@ A node says where its data lives; it decides nothing. Data of a span can be in s
 (a host copy stays when the device copy is loaded back), and data *in flight* is kept apart from data
 the node owns, because the tree changes where a node lives only when the ticket completes::
 
-    key            token ids of the span (``len`` a multiple of page_size, > 0 except the root)
+    key            token ids of the span (``len`` a multiple of page_size, > 0 except the root);
+                   ``akey`` the same as an int64 ``array`` (walks compare a query's array slices in C)
     value          T0 virtual KV ids of the span (LongTensor) or None: not on the device
     value_pending  T0 ids a load back is writing (owned by the load until its ticket completes)
     host_kv        T2 host pages of the span, one slot per page (a list: a split partitions it)
@@ -24,6 +25,7 @@ its host copy corrupt while a request held it locked. It matches nothing and goe
 from __future__ import annotations
 
 import itertools
+from array import array
 from typing import Any, Optional
 
 import torch
@@ -33,18 +35,19 @@ _ids = itertools.count()
 
 class TreeNode:
     __slots__ = (
-        "id", "parent", "children", "ck", "key", "value", "value_pending", "host_kv", "host_pending", "payload",
+        "id", "parent", "children", "ck", "key", "akey", "value", "value_pending", "host_kv", "host_pending", "payload",
         "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
     )
 
     def __init__(self, owner: Any, parent: Optional[TreeNode], key: list[int], value: Optional[torch.Tensor],
-                 payload: Any) -> None:
+                 payload: Any, akey: Optional[array] = None) -> None:
         self.id = next(_ids)
         self.owner = owner  # the (tree, epoch) that made it: a node of another cache or of a reset tree is refused
         self.parent: TreeNode = parent  # type: ignore[assignment]  # None at the root only: walks stop there
         self.children: dict[Any, TreeNode] = {}
         self.ck: Any = None  # this node's key in parent.children (``RadixTree.child_key``)
         self.key = key
+        self.akey = array("q", key) if akey is None else akey
         self.value = value
         self.value_pending: Optional[torch.Tensor] = None
         self.host_kv: Optional[list[int]] = None

@@ -16,6 +16,7 @@ Ownership, in one place (see ``HiMambaRadixCache`` for the full contract):
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -24,6 +25,22 @@ import torch
 from tiered_cache.config import PREFETCH_POLICIES, WRITE_POLICIES
 from tiered_cache.errors import InvalidTypeError
 from tiered_cache.validate import choice_arg, float_arg, int_arg, int_list
+
+
+def checked_ids(arg: str, values: Any) -> tuple[Optional[list[int]], Optional[array]]:
+    """Token ids ``values`` checked (integers only: ``validate.int_list``'s typed errors) -> (them as a list,
+    or None when they came as an integer ``array`` and no list was needed; them as an int64 ``array``, or
+    None when one does not fit int64). An array is copied in C: no Python int is made per id."""
+    if isinstance(values, array) and values.typecode in "bBhHiIlLqQ":
+        try:
+            return None, values[:] if values.typecode == "q" else array("q", values)
+        except OverflowError:
+            return values.tolist(), None
+    ids = int_list(arg, values)
+    try:
+        return ids, array("q", ids)
+    except OverflowError:
+        return ids, None
 
 
 def _bool(arg: str, v: Any) -> None:
@@ -38,17 +55,28 @@ def _salt(arg: str, v: Any) -> None:
 
 @dataclasses.dataclass
 class RadixKey:
-    """Token ids under an optional tenant salt (SGLang's ``extra_key``). Different salts share nothing."""
+    """Token ids under an optional tenant salt (SGLang's ``extra_key``). Different salts share nothing.
+
+    The ids are checked (integers only, ``validate.int_list``) and copied once, when the key is made;
+    the cache reads that copy, so a long prompt is not checked again on every call. Assign a new
+    ``token_ids`` to change the key (it is then checked again when read); changing the given list in
+    place afterwards does not change the key."""
 
     token_ids: Sequence[int]
     extra_key: Optional[str] = None
+    _checked: list = dataclasses.field(init=False, repr=False, compare=False)  # [of, list or None, array or None]
 
     def __post_init__(self) -> None:
-        # Integers only (validate.int_list); the cache checks again when it reads the key.
         if self.token_ids is None or isinstance(self.token_ids, (str, bytes)):
             raise InvalidTypeError("token_ids", "a sequence of int token ids", self.token_ids)
-        int_list("token_ids", self.token_ids)
+        self._checked = [self.token_ids, *checked_ids("token_ids", self.token_ids)]
         _salt("extra_key", self.extra_key)
+
+    def checked(self) -> Optional[list]:
+        """The ids as checked when the key was made: [token_ids then, a list or None, an int64 array or None
+        (not in range)], or None when ``token_ids`` was reassigned since. The cache keeps a list it makes
+        in slot 1."""
+        return self._checked if self.token_ids is self._checked[0] else None
 
     def __len__(self) -> int:
         return len(self.token_ids)

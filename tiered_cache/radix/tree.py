@@ -11,14 +11,15 @@ job (``host.py``, ``evict.py``); both change nodes only through the methods here
 Locks: ``lock(node)`` adds one to ``full_lock_ref`` of every node from ``node`` to the root and one
 to ``node.mamba_lock_ref``, which protects the node's payload. A tombstone may be locked (the engine
 locks where its prefix ends); a locked tombstone may become a leaf when its children go, and is
-removed when its last lock is released. Otherwise no leaf is a tombstone.
-
-Dropping a leaf removes it, then any parents it leaves as childless unlocked idle tombstones.
+removed when its last lock is released. Otherwise no leaf is a tombstone. Dropping a leaf removes
+it, then any parents it leaves as childless unlocked idle tombstones. Walks take the tokens as a list
+or an int64 ``array`` (compared with the nodes' ``akey`` in C: no Python int made per token).
 """
 
 from __future__ import annotations
 
 import collections
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -84,15 +85,13 @@ class RadixTree:
             f.flush()
         self.epochs += 1
         self.token = object()  # new owner tag: nodes of the old tree are refused from now on
-        self.root = TreeNode(self.token, None, [], self.empty, self.rule.payload())
+        self.root = TreeNode(self.token, None, [], self.empty, self.rule.payload(), array("q"))
         self.policy.clear()
         self.owned[:] = False
-        self.full_evictable = self.full_protected = 0
-        self.state_evictable = self.state_protected = 0
+        self.full_evictable = self.full_protected = self.state_evictable = self.state_protected = 0
         self.freed = {"kv": 0, "state": 0, "swa": 0}
 
-    def pages_of(self, ids: torch.Tensor) -> np.ndarray:
-        """The KV page ids of whole-page token ids ``ids`` (any device), on the host."""
+    def pages_of(self, ids: torch.Tensor) -> np.ndarray:  # whole-page token ids (any device) -> page ids, on the host
         return ids[::self.page_size].cpu().numpy() // self.page_size
 
     # ----------------------------------------------------------------------------- keys
@@ -141,7 +140,7 @@ class RadixTree:
             child = self.child(node, toks, i, salt)
             if child is None:
                 break
-            m = common_len(child.key, toks, i, aligned, ps)
+            m = common_len(child.akey if type(toks) is array else child.key, toks, i, aligned, ps)
             path.append(child)
             pending = pending or child.value_pending is not None
             on_dev = on_dev and (child.value is not None or child.value_pending is not None)
@@ -175,7 +174,7 @@ class RadixTree:
         child = self.child(node, toks, i, salt)
         if child is None:
             return None
-        m = common_len(child.key, toks, i, end, self.page_size)
+        m = common_len(child.akey if type(toks) is array else child.key, toks, i, end, self.page_size)
         lower = None
         if m < len(child.key):
             lower, child = child, self.split(child, m)
@@ -196,14 +195,15 @@ class RadixTree:
             raise InvalidArgumentError(arg, "a node locked by inc_lock_ref", node)
 
     # ----------------------------------------------------------------------------- structure
-    def link(self, parent: TreeNode, key: list[int], value: Optional[torch.Tensor], salt: Optional[str]) -> TreeNode:
-        """A new node under ``parent`` (nothing counted, listed or touched yet)."""
-        x = TreeNode(self.token, parent, key, value, self.rule.payload())
+    def link(self, parent: TreeNode, key: Any, value: Optional[torch.Tensor], salt: Optional[str]) -> TreeNode:
+        """A new node under ``parent`` (nothing counted, listed or touched yet); ``key`` a list or an array."""
+        akey = key if type(key) is array else None  # the list made once, here
+        x = TreeNode(self.token, parent, key.tolist() if akey is not None else key, value, self.rule.payload(), akey)
         x.ck = self.child_key(key, 0, parent is self.root, salt)
         parent.children[x.ck] = x
         return x
 
-    def new_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, salt: Optional[str],
+    def new_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, salt: Optional[str],
                  fill: Any = None) -> TreeNode:
         """A device leaf taking a copy of the caller's ids ``value``; ``fill(leaf)`` gives it its payload."""
         leaf = self.link(parent, key, value.clone(), salt)
@@ -236,11 +236,11 @@ class RadixTree:
         per page), data in flight and the payload (``payload.split``) are partitioned at the same page."""
         parent, k = child.parent, m // self.page_size
         new = TreeNode(self.token, parent, child.key[:m], None if child.value is None else child.value[:m].clone(),
-                       child.payload.split(m, k))
+                       child.payload.split(m, k), child.akey[:m])
         new.ck = child.ck
         new.full_lock_ref = child.full_lock_ref  # every lock below child is below new too
         new.hit_count = child.hit_count
-        child.key = child.key[m:]
+        child.key, child.akey = child.key[m:], child.akey[m:]
         if child.value is not None:
             child.value = child.value[m:].clone()
         if child.value_pending is not None:
