@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Optional
 
 import torch
@@ -448,12 +448,13 @@ def trace_plan(args: argparse.Namespace, vocab: int, rate: float) -> list:
 
 
 def run_workload(name: str, args: argparse.Namespace, device: torch.device, models: dict,
-                 answer: Optional[int] = None) -> dict:
+                 answer: Optional[int] = None, on_repeat: Optional[Callable[[dict], Any]] = None) -> dict:
     """One workload (its model, engine and budgets from ``workloads/<name>.json``) under every
     configuration, ``--repeats`` times (the configurations interleaved within each repeat), plus the
     ``--rates`` and ``--gpu-budgets`` sweeps (one run a point). ``answer``: its answers' length instead of
-    the file's. With ``--trace``: the trace's requests instead of the file's clients (model, engine and
-    budgets still the file's)."""
+    the file's. ``on_repeat``: called with the result so far after each repeat (``main`` writes it). With
+    ``--trace``: the trace's requests instead of the file's clients (model, engine and budgets still the
+    file's)."""
     from tiered_cache.engine.model_specs import spec_for
 
     sec = _load(name, args, answer)
@@ -555,6 +556,19 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
         def drive_for(wd: dict):
             return lambda eng, done: wc.drive(eng, clients, wd, done)
 
+    def result(reps: list[dict], last: dict, sweep: list, budget_sweep: list, eff: Optional[dict]) -> dict:
+        s = median_summary([r["summary"] for r in reps])
+        return {"name": label, "workload": name, "answer": int(w["max_new_tokens"]) if not args.trace else None,
+                "summary": s, "ratios": aggregate([r["ratios"] for r in reps]), "repeats": len(reps),
+                "fell_back": {c: why for r in reps for c, why in r["fell_back"].items()}, "tiers": tiers,
+                "tier_bytes": dataclasses.asdict(tb), "longest_request": longest, "requests": n_req, "section": sec,
+                "model": minfo, "trace": trace_info, "efficiency": eff,
+                "tree_stats": {c: last[c].get("tree", {}) for c in configs},
+                "graph_decoder": {c: last[c].get("graph_decoder") for c in configs},
+                "graph_prefill": {c: last[c].get("graph_prefill") for c in configs},
+                "engine_counts": {c: last[c].get("engine_counts") for c in configs}, "sweep": sweep,
+                "budget_sweep": budget_sweep}
+
     configs = [c for c in wc.CONFIGS if c in args.configs]
     reps: list[dict] = []
     for rep in range(args.repeats):
@@ -592,11 +606,12 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
             print(f"   REFUSED: {wc.LABELS[c]}{tag} fell back to eager ({why}): every comparison it is in is "
                   "left out (null, info.invalid_comparisons)")
         reps.append({"summary": s_rep, "ratios": ratios(s_rep, fb), "fell_back": fb})
+        if on_repeat is not None:  # what is measured so far, written: a run cut short keeps its repeats
+            on_repeat(result(reps, raw, [], [], None))
     s = median_summary([r["summary"] for r in reps])
     for c in configs:
         if c != "no_cache" and (s[c]["prefill_tokens_saved"] or 0) <= 0:
             print(f"   warning: {c} reused no tokens")
-    fell = {c: why for r in reps for c, why in r["fell_back"].items()}
     sweep = []
     for rate_r in args.rates or []:  # the same requests at other arrival rates: TTFT and throughput against load
         wr = dict(w, request_rate=float(rate_r))
@@ -627,16 +642,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
               + (f" = {100 * eff['mfu']:.1f} % of {eff['peak_flops'] / 1e12:.0f} TFLOP/s" if eff["mfu"] else
                  " (no peak known for this device: MFU undefined)")
               + f"; whole run {eff['run_computed_tokens_per_s']:,.0f} computed tokens/s")
-    last = raw
-    return {"name": label, "workload": name, "answer": int(w["max_new_tokens"]) if not args.trace else None,
-            "summary": s, "ratios": aggregate([r["ratios"] for r in reps]), "repeats": len(reps),
-            "fell_back": fell, "tiers": tiers, "tier_bytes": dataclasses.asdict(tb), "longest_request": longest,
-            "requests": n_req, "section": sec, "model": minfo, "trace": trace_info, "efficiency": eff,
-            "tree_stats": {c: last[c].get("tree", {}) for c in configs},
-            "graph_decoder": {c: last[c].get("graph_decoder") for c in configs},
-            "graph_prefill": {c: last[c].get("graph_prefill") for c in configs},
-            "engine_counts": {c: last[c].get("engine_counts") for c in configs}, "sweep": sweep,
-            "budget_sweep": budget_sweep}
+    return result(reps, raw, sweep, budget_sweep, eff)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -793,7 +799,8 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
         metrics["prefill_graph_state_max_abs_diff"] = max(c["state_max_abs_diff"] for c in chk)
     metrics["model_params"] = float(model_info[0]["params"])
     metrics["state_bytes_per_request_native"] = float(results[0]["tier_bytes"]["state_native"])
-    metrics["repeats"] = float(args.repeats)
+    repeats = min(r["repeats"] for r in results)  # fewer than asked in a file written part way
+    metrics["repeats"] = float(repeats)
     metrics["total_s"] = time.perf_counter() - t_start
     invalid = {r["name"]: r["ratios"].get("invalid", []) for r in results if r["ratios"].get("invalid")}
     for r in results:
@@ -811,7 +818,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
              "tokens; TTFT from arrival (Poisson, asyncio-throttle) incl. queueing. Throughput "
              "(`throughput_vs_*`, req_per_s) is the whole run's: requests / wall time, as SGLang's bench_multiturn "
              "reports it; `*_round3plus_*` (req_per_s_r3+) is the steady window beside it. "
-             f"{args.repeats} repeat(s), configurations interleaved: each ratio is the median of the repeats' "
+             f"{repeats} repeat(s), configurations interleaved: each ratio is the median of the repeats' "
              "with `_min` / `_max`; table rows are per-metric medians. (1)'s own efficiency: "
              "`<workload>_no_cache_prefill_tokens_per_s` and `_mfu` (model FLOPs from the geometry, "
              "benchmarks/bench_workload.py prefill_flops; peak "
@@ -825,7 +832,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
     keep = ("workload", "engine", "model", "gpu_budget_mib", "host_budget_mib")
     record["info"] = {"undefined_ratios": undefined_ratios(results), "invalid_comparisons": invalid,
                       "fell_back": {r["name"]: r["fell_back"] for r in results if r["fell_back"]},
-                      "scale": args.scale, "environment": env, "repeats": args.repeats,
+                      "scale": args.scale, "environment": env, "repeats": repeats,
                       "gated_delta": gd, "models": model_info,
                       "decode_batch_flag": bool(args.decode_batch),
                       "decode_graphs_flag": bool(args.decode_graphs),
@@ -949,7 +956,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     runs = ([(args.workloads[0], None)] if args.trace
             else [(n, a) for n in args.workloads for a in args.answers or [None]])
     for name, answer in runs:
-        res = run_workload(name, args, device, models, answer)
+        res = run_workload(name, args, device, models, answer,
+                           on_repeat=lambda part: save(results + [part], models, env, args, t_start))
         results.append(res)
         name = res["name"]
         os.makedirs(args.out, exist_ok=True)
