@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -117,6 +118,171 @@ def bench_case(dt_name: str, n: int, shape: dict[str, int], device: torch.device
     return out
 
 
+def gpu_ms_per_call(fn: Callable[[], None], k: int, reps: int) -> float:
+    """Median GPU milliseconds per call of ``k`` calls submitted back to back between two CUDA events:
+    host time the GPU waits for (launch gaps, a sync) counts, as it would in an engine."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(k):
+            fn()
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1) / k)
+    return statistics.median(out)
+
+
+def host_us_per_call(fn: Callable[[], None], k: int) -> float:
+    """Median host microseconds of one call (no sync inside: what the submitting thread spends)."""
+    out = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def bench_api(dt_name: str, n: int, shape: dict[str, int], conv: tuple, device: torch.device,
+              reps: int, k: int) -> dict[str, float]:
+    """T1 through the paths an engine calls: ``store_from_active`` / ``load_to_active`` over a T0
+    ``UnifiedPool`` state side with virtual ids given as host lists, against a device copy of as many
+    bytes (read + written, halved), both timed as ``k`` calls back to back (GPU time per call). Checked
+    first against the reference on the same tensors; ``api_host_us_per_call``: the host time of a store."""
+    from tiered_cache.specs import KVSpec
+    from tiered_cache.tiers.unified_pool import UnifiedPool
+
+    dtype = DTYPES[dt_name]
+    L, H, dv, dk = shape["layers"], shape["heads"], shape["dv"], shape["dk"]
+    spec = StateSpec(L, (H, dk, dv), dtype, conv_shapes=conv, conv_dtype=torch.bfloat16, value_axis=2)
+    kv = KVSpec(num_layers=1, kv_heads=1, head_dim=16, dtype=torch.bfloat16)
+    t0 = UnifiedPool(kv, spec, low_slots=1, high_slots=2 * n, device=device)
+    side = t0.side("mamba")
+    gen = torch.Generator(device="cpu").manual_seed(100 + n)
+    vids = side.alloc(2 * n).tolist()
+    temporal, convs = side.temporal_view_all(), [side.conv_view_all(i) for i in range(len(conv))]
+    rows_all = side.translate(torch.tensor(vids, device=device))
+    gdev = torch.Generator(device=device).manual_seed(n)  # GBs of random states: made on the device
+    temporal[:, rows_all] = torch.randn(temporal[:, rows_all].shape, generator=gdev, device=device).to(dtype)
+    for c in convs:
+        c[:, rows_all] = torch.randn(c[:, rows_all].shape, generator=gdev, device=device).to(c.dtype)
+    pick = torch.randperm(2 * n, generator=gen)
+    src = [vids[i] for i in pick[:n].tolist()]
+    dst = [vids[i] for i in pick[n:].tolist()]
+    pool = Int8CheckpointPool(spec, n, device)
+    got = pool.alloc_ids(n)
+    assert got is not None
+    slots = [got[1][i] for i in torch.randperm(n, generator=gen).tolist()]
+
+    # correctness before timing: the store's codes and scales, the loaded states and conv windows, against
+    # the reference on the physical rows
+    pool.store_from_active(side, src, slots)
+    r_src, r_dst = side.translate(torch.tensor(src, device=device)), side.translate(torch.tensor(dst, device=device))
+    sl = torch.tensor(slots, device=device)
+    q_ref, s_ref = torch.empty_like(pool.qdata), torch.empty_like(pool.scale)
+    quantize_store_reference(temporal, r_src, q_ref, s_ref, sl, value_axis=2)
+    assert torch.equal(pool.qdata[:, sl], q_ref[:, sl]) and torch.equal(pool.scale[:, sl], s_ref[:, sl]), "api store"
+    temporal[:, r_dst] = float("nan")
+    pool.load_to_active(slots, side, dst)
+    want = torch.empty_like(temporal)
+    dequantize_load_reference(q_ref, s_ref, sl, want, r_dst, value_axis=2)
+    assert torch.equal(temporal[:, r_dst], want[:, r_dst]), "api load"
+    assert all(torch.equal(c[:, r_dst], c[:, r_src]) for c in convs), "api conv"
+    del q_ref, s_ref, want
+
+    isz, elems = dtype.itemsize, n * L * H * dv * dk
+    conv_bytes = n * L * sum(math.prod(c) for c in conv) * 2  # bf16 windows
+    moved = elems * isz + elems + n * L * H * dk * isz + 2 * conv_bytes  # read + written, either way
+    copy_a = torch.empty(moved // 2, dtype=torch.uint8, device=device)
+    copy_b = torch.empty_like(copy_a)
+    copy_ms = gpu_ms_per_call(lambda: copy_b.copy_(copy_a), k, reps)
+    p = f"{dt_name}_n{n}"
+    out: dict[str, float] = {f"api_copy_{p}_ms": copy_ms}
+    calls = {"store": lambda: pool.store_from_active(side, src, slots),
+             "load": lambda: pool.load_to_active(slots, side, dst)}
+    for op, fn in calls.items():
+        ms = gpu_ms_per_call(fn, k, reps)
+        out[f"api_{op}_{p}_ms"] = ms
+        out[f"api_{op}_{p}_vs_copy"] = copy_ms / ms
+        out[f"api_{op}_{p}_host_us"] = host_us_per_call(fn, 3 * k)
+    if dt_name != "fp32":  # the store's other formulation, for the choice of the default
+        alt = None if quant._STREAM_STORE[dtype] is not None else (32, 64, 4)
+        saved = quant._STREAM_STORE[dtype]
+        quant._STREAM_STORE[dtype] = alt
+        try:
+            ms = gpu_ms_per_call(calls["store"], k, reps)
+        finally:
+            quant._STREAM_STORE[dtype] = saved
+        out[f"api_store_{p}_{'one_pass' if alt is None else 'two_pass'}_vs_copy"] = copy_ms / ms
+    if n == 16:  # the same with ids as device tensors (read back for their checks: a sync per call)
+        src_t, dst_t, sl_t = (torch.tensor(x, device=device) for x in (src, dst, slots))
+        out[f"api_store_{p}_devids_vs_copy"] = copy_ms / gpu_ms_per_call(
+            lambda: pool.store_from_active(side, src_t, sl_t), k, reps)
+        out[f"api_load_{p}_devids_vs_copy"] = copy_ms / gpu_ms_per_call(
+            lambda: pool.load_to_active(sl_t, side, dst_t), k, reps)
+    return out
+
+
+def _sweep_dtype(dt_name: str, shape: dict[str, int], device: torch.device, n: int = 16) -> dict[str, float]:
+    dtype = DTYPES[dt_name]
+    L, H, dv, dk = shape["layers"], shape["heads"], shape["dv"], shape["dk"]
+    src = torch.randn((2 * n, L, H, dv, dk), device=device, dtype=dtype).transpose(0, 1)
+    rows = torch.randperm(2 * n, device=device)[:n]
+    pool = Int8CheckpointPool(StateSpec(L, (H, dv, dk), dtype), n, device)
+    slots = pool.alloc(n)
+    q_ref, s_ref = torch.empty_like(pool.qdata), torch.empty_like(pool.scale)
+    quantize_store_reference(src, rows, q_ref, s_ref, slots)
+    elems = n * L * H * dv * dk
+    moved = elems * dtype.itemsize + elems + n * L * H * dk * dtype.itemsize
+    a_ = torch.empty(moved // 2, dtype=torch.uint8, device=device)
+    b_ = torch.empty_like(a_)
+    copy_ms = time_ms(lambda: b_.copy_(a_), device, 1)
+    configs: list[tuple[str, Optional[tuple[int, int, int]], int, int]] = [("one_pass", None, 8192, 4)]
+    if dt_name == "fp32":
+        configs += [("two_pass", c, 0, 0) for c in ((32, 64, 4), (64, 64, 8))]
+    else:
+        configs += [("one_pass", None, 16384, 8)]
+        configs += [("two_pass", c, 0, 0) for c in ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8), (32, 32, 4))]
+    out: dict[str, float] = {}
+    for kind, stream, tile, warps in configs:
+        quant._STREAM_STORE[dtype] = stream
+        if stream is None:
+            quant._STORE_TILE, quant._STORE_WARPS = tile, warps
+        tag = f"{tile}_w{warps}" if stream is None else f"{stream[0]}x{stream[1]}_w{stream[2]}"
+        pool.qdata[:, slots] = 0
+        quant.quantize_store(src, rows, pool.qdata, pool.scale, slots, backend="triton")
+        exact = torch.equal(pool.qdata[:, slots], q_ref[:, slots]) and torch.equal(pool.scale[:, slots],
+                                                                                  s_ref[:, slots])
+        out[f"sweep_store_{dt_name}_{kind}_{tag}_bit_exact"] = float(exact)
+        if not exact:  # reported, not timed: a formulation that differs from the reference is no candidate
+            print(f"sweep: {dt_name} {kind} {tag} differs from the reference")
+            continue
+        ms = time_ms(lambda: quant.quantize_store(src, rows, pool.qdata, pool.scale, slots, backend="triton",
+                                                  check_ids=False), device, 1)
+        out[f"sweep_store_{dt_name}_{kind}_{tag}_vs_copy"] = copy_ms / ms
+    return out
+
+
+def store_sweep(shape: dict[str, int], device: torch.device) -> dict[str, float]:
+    """The store's formulations (one-pass tile / warps, two-pass rows a step / warps), 16 states, each
+    checked bit-exact against the reference first, timed against a device copy of its bytes."""
+    out: dict[str, float] = {}
+    saved = quant._STORE_TILE, quant._STORE_WARPS, dict(quant._STREAM_STORE)
+    try:
+        for dt_name in DTYPES:
+            out.update(_sweep_dtype(dt_name, shape, device))
+            quant._STORE_TILE, quant._STORE_WARPS = saved[0], saved[1]
+            quant._STREAM_STORE.update(saved[2])
+            torch.cuda.empty_cache()
+    finally:
+        quant._STORE_TILE, quant._STORE_WARPS = saved[0], saved[1]
+        quant._STREAM_STORE.update(saved[2])
+    return out
+
+
 def capacity_metrics(shape: dict[str, int], conv: tuple) -> dict[str, float]:
     """States per GiB of a T1 pool: int8 envelopes vs lossless fp32 / bf16 ones (same conv window)."""
     def slot(dtype: torch.dtype, codec: str, convs: tuple) -> int:
@@ -168,6 +334,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run through the interpreter)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU: do_bench)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the bf16 store's tile and warps")
     args = parser.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if args.small:
@@ -183,11 +350,26 @@ def main(argv: Optional[list[str]] = None) -> dict:
             metrics.update(bench_case(dt, n, shape, device, args.reps))
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the case's GBs are garbage now: give them back before the next
+    if device.type == "cuda" and not args.small:
+        for dt in args.dtypes:
+            for n in (1, 4, 16, 64):
+                metrics.update(bench_api(dt, n, shape, conv, device, 5, 20))
+                torch.cuda.empty_cache()
+        if args.sweep:
+            metrics.update(store_sweep(shape, device))
     named: dict[str, float] = {}
     for dt in args.dtypes:
         for op in ("store", "load"):
             for what in ("GBps", "vs_torch", "vs_copy"):
                 named[f"{op}_{dt}_{what}"] = min(metrics[f"{op}_{dt}_{n}_{what}"] for n in states)
+    if any(k.startswith("api_") for k in metrics):
+        for dt in args.dtypes:
+            for n in (1, 4, 16, 64):
+                for op in ("store", "load"):
+                    named[f"api_{op}_{dt}_n{n}_vs_copy"] = metrics[f"api_{op}_{dt}_n{n}_vs_copy"]
+        for n in (1, 4, 16, 64):
+            named[f"api_host_us_per_call_n{n}"] = max(metrics[f"api_{op}_{dt}_n{n}_host_us"]
+                                                      for dt in args.dtypes for op in ("store", "load"))
     named.update(capacity_metrics(shape, conv))
     metrics = {**named, **metrics}
     record = {

@@ -1,20 +1,27 @@
 """T2 transfer benchmark: scattered demote / promote against a contiguous pinned copy, on one GPU.
 
 Data: Qwen3-Next-80B-like int8 state envelopes (36 layers x [32, 128, 128] + scales + conv windows,
-~21 MB each) and full-attention KV pages (12 layers, 2 KV heads x 256, bf16, 16 tokens: 384 KiB).
+~21 MB each) and full-attention KV pages (12 layers, 2 KV heads x 256, bf16) of three sizes: 16 tokens
+(384 KiB, the engine's page; keys without suffix), 32 tokens (768 KiB, ``_768k``) and 64 tokens
+(1.5 MiB, ``_1536k``: an SGLang-sized page), the same bytes per call for each size.
 All in one run:
 - baseline: contiguous pinned copies of the same number of bytes, each direction and both at once;
 - ours: scattered T1 -> T2 demote, T2 -> T1 promote (checksummed), both directions at once, for the
-  ``copy``, ``staging``, ``kernel`` and ``auto`` methods; KV pages the same way, and KV pages whose
-  host slots are consecutive ("kv-runs");
+  ``copy``, ``staging``, ``kernel``, ``batch`` (``cudaMemcpyBatchAsync``, where present) and ``auto``
+  methods, and for KV pages the mixes ``kernel`` one way / ``batch`` the other; KV pages whose host
+  slots are consecutive ("kv-runs");
+- correctness before timing, per method and page size: the landed bytes equal the demoted ones (compared
+  on the device, not only through the checksum), and every checksum passes;
 - each timed two ways against the baseline timed the same way: one call then a wait ("single
   call"), and ``PIPELINE`` calls in flight then one wait ("sustained");
-- the headline state metrics (``d2h_GBps``, ``h2d_GBps``, ``bidir_GBps`` and their ``*_vs_contiguous``):
-  sustained state moves timed in ``--rounds`` rounds, each round the baseline then ours back to back
-  (medians; the ratio is the median of the rounds' ratios);
-- the mapped-memory kernel's settings swept (programs x words per step x warps);
+- the headline metrics (``d2h_GBps``, ``h2d_GBps``, ``bidir_GBps`` for states, ``kv_d2h_GBps``,
+  ``kv_h2d_GBps``, ``kv_bidir_GBps`` and their size suffixes for KV pages, each with ``*_vs_contiguous``):
+  sustained moves by the default method (``auto``), checksums on, timed in ``--rounds`` rounds, each
+  round the baseline then ours back to back (medians; the ratio is the median of the rounds' ratios);
+- the mapped-memory kernel's settings swept (programs x words per step x warps), 384 KiB pages;
 - a bf16 GEMM on the compute stream alone, then while transfers run (``gemm_slowdown``: GPU time by
-  CUDA events; ``gemm_slowdown_wall``: wall clock);
+  CUDA events; ``gemm_slowdown_wall``: wall clock), and the rate those transfers reached meanwhile
+  (``transfer_GBps_during_gemm``);
 - the checksum's cost: the same state moves with checksums switched off, in interleaved rounds
   (``checksum_overhead``: the median round's time with / without - 1), the same for KV pages
   (``checksum_overhead_kv``: sustained both ways; ``checksum_overhead_kv_single_call`` beside it), and
@@ -137,25 +144,100 @@ def checksum_overheads(eng, moves: dict, rounds: int) -> dict:
     return out
 
 
+PAGE_SIZES = {"": 16, "_768k": 32, "_1536k": 64}  # tokens per KV page: 384 KiB, 768 KiB, 1.5 MiB
+KV = KVSpec(num_layers=12, kv_heads=2, head_dim=256, dtype=torch.bfloat16)  # Qwen3-Next-80B's full attention
+STATE = StateSpec(num_layers=36, temporal_shape=(32, 128, 128), temporal_dtype=torch.float32,
+                  conv_shapes=((8192, 3),), conv_dtype=torch.bfloat16, value_axis=2)
+MIXES = {"kernel+batch": {"d2h": "kernel", "h2d": "batch"}, "batch+kernel": {"d2h": "batch", "h2d": "kernel"}}
+
+
+def _engine(dev, method: str, staging: int, tune=None) -> TransferEngine:
+    m = MIXES.get(method, {"d2h": method, "h2d": method})
+    eng = TransferEngine(dev, method=m, staging_bytes=staging)
+    if tune is not None:
+        c = eng.copier
+        c.kernel_programs, c.kernel_block_words, c.kernel_warps = tune
+    return eng
+
+
+class KVCase:
+    """Scattered KV pages of one size: ``n`` source pages, ``n`` destination pages, ``2 n`` host slots, all
+    in random order (no two neighbours adjacent on either side), random bytes."""
+
+    def __init__(self, dev, page_size: int, n: int, g: torch.Generator) -> None:
+        self.pool = UnifiedPool(KV, STATE, low_slots=2 * n, high_slots=1, page_size=page_size, device=dev)
+        self.full = self.pool.side("full")
+        self.mirror = HostMirror([RegionSpec("full", self.full.entry_bytes, 2 * n)])
+        self.region = self.mirror.region("full")
+        toks = self.full.alloc(page_size * 2 * n)
+        rb = self.full.rows_bytes()
+        # random bytes made on the device (GBs on the CPU would take seconds), seeded
+        rb.copy_(torch.randint(0, 256, rb.shape, dtype=torch.uint8, device=dev,
+                               generator=torch.Generator(device=dev).manual_seed(page_size)))
+        pages = toks.view(-1, page_size)
+        perm = torch.randperm(2 * n, generator=g)
+        self.src, self.dst = pages[perm[:n]].reshape(-1), pages[perm[n:]].reshape(-1)
+        got = self.region.alloc(2 * n)
+        self.hs = [got[i] for i in torch.randperm(2 * n, generator=g).tolist()]
+        self.n, self.nbytes = n, n * self.full.entry_bytes
+        self.src_rows = self.full.translate(self.src[::page_size]) // page_size
+        self.dst_rows = self.full.translate(self.dst[::page_size]) // page_size
+
+    def submit(self, eng, direction: str):
+        if direction == "d2h":
+            return demote_kv(eng, self.full, self.src, self.region, self.hs[:self.n])
+        if direction == "d2h_b":
+            return demote_kv(eng, self.full, self.src, self.region, self.hs[self.n:])
+        return load_kv(eng, self.region, self.hs[:self.n], self.full, self.dst, layerwise=False)
+
+    def run(self, eng, direction: str) -> None:
+        if direction == "bidir":
+            a_, b_ = self.submit(eng, "d2h_b"), self.submit(eng, "h2d")
+            eng.wait(a_)
+            eng.wait(b_)
+        else:
+            eng.wait(self.submit(eng, direction))
+
+    def pipelined(self, eng, direction: str) -> None:
+        for _ in range(PIPELINE):
+            if direction == "bidir":
+                self.submit(eng, "d2h_b")
+                self.submit(eng, "h2d")
+            else:
+                self.submit(eng, direction)
+        eng.wait_all()
+
+    def check(self, eng) -> None:
+        """Correctness before timing: demote, poison the destination pages, load; the landed bytes equal
+        the source pages' byte for byte (on the device) and every checksum passed."""
+        rb = self.full.rows_bytes()
+        eng.wait(self.submit(eng, "d2h"))
+        eng.wait(self.submit(eng, "d2h_b"))
+        rb[self.dst_rows] = 0xA5
+        t = self.submit(eng, "h2d")
+        eng.wait(t)
+        assert all(t.ok), "kv round trip: a checksum failed"
+        assert torch.equal(rb[self.dst_rows], rb[self.src_rows]), "kv round trip: landed bytes differ"
+
+    def close(self) -> None:
+        self.mirror.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--states", type=int, default=32, help="state envelopes per call")
-    p.add_argument("--pages", type=int, default=2048, help="KV pages per call")
+    p.add_argument("--pages", type=int, default=2048, help="384 KiB KV pages per call (larger pages: as many bytes)")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds of the headline state moves")
+    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds of the headline moves")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the copy kernel's settings sweep")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_transfer needs a GPU; nothing measured")
         return
     dev = torch.device("cuda")
-    st = StateSpec(num_layers=36, temporal_shape=(32, 128, 128), temporal_dtype=torch.float32,
-                   conv_shapes=((8192, 3),), conv_dtype=torch.bfloat16, value_axis=2)
-    kv = KVSpec(num_layers=12, kv_heads=2, head_dim=256, dtype=torch.bfloat16)
-    n_st, n_pg = a.states, a.pages
-    t1 = Int8CheckpointPool(st, 2 * n_st, device=dev)
-    pool = UnifiedPool(kv, st, low_slots=2 * n_pg, high_slots=1, page_size=16, device=dev)
-    full = pool.side("full")
+    n_st = a.states
+    t1 = Int8CheckpointPool(STATE, 2 * n_st, device=dev)
     metrics: dict = {}
 
     # pinning: pin_memory vs cudaHostRegister, 1 GiB each
@@ -166,215 +248,168 @@ def main() -> None:
         m.close()
         del m
 
-    mirror = HostMirror([RegionSpec("state", t1.slot_bytes, 2 * n_st), RegionSpec("full", full.entry_bytes, 2 * n_pg)])
-    sreg, kreg = mirror.region("state"), mirror.region("full")
-    # scattered ids on both sides: a random permutation, so no two neighbours are adjacent in memory
+    smirror = HostMirror([RegionSpec("state", t1.slot_bytes, 2 * n_st)])
+    sreg = smirror.region("state")
     g = torch.Generator().manual_seed(0)
     t1_ids = t1.alloc(2 * n_st).tolist()
-    t1.envelopes.copy_(torch.randint(0, 256, t1.envelopes.shape, dtype=torch.uint8, generator=g).to(dev))
+    t1.envelopes.copy_(torch.randint(0, 256, t1.envelopes.shape, dtype=torch.uint8, device=dev,
+                                     generator=torch.Generator(device=dev).manual_seed(0)))
     src_st = [t1_ids[i] for i in torch.randperm(2 * n_st, generator=g)[:n_st].tolist()]
     dst_st = [i for i in t1_ids if i not in set(src_st)]
     got = sreg.alloc(2 * n_st)
     hs_st = [got[i] for i in torch.randperm(2 * n_st, generator=g).tolist()]
-    toks = full.alloc(16 * 2 * n_pg)
-    full.rows_bytes().copy_(torch.randint(0, 256, full.rows_bytes().shape, dtype=torch.uint8, generator=g).to(dev))
-    pages = toks.view(-1, 16)
-    perm = torch.randperm(2 * n_pg, generator=g)
-    src_pg, dst_pg = pages[perm[:n_pg]].reshape(-1), pages[perm[n_pg:]].reshape(-1)
-    got = kreg.alloc(2 * n_pg)
-    hs_pg = [got[i] for i in torch.randperm(2 * n_pg, generator=g).tolist()]
-    st_bytes, pg_bytes = n_st * t1.slot_bytes, n_pg * full.entry_bytes
+    st_bytes = n_st * t1.slot_bytes
+    staging = max(st_bytes, a.pages * KV.bytes_per_slot(16))
+    probe = TransferEngine(dev).copier.batch
+    metrics["batch_dma_available"] = float(probe.available)
+    if not probe.available:
+        print("batch DMA unavailable:", probe.error)
+    methods = ["copy", "staging", "kernel", "auto"] + (["batch", *MIXES] if probe.available else [])
 
-    # baseline: contiguous pinned copies of the same bytes
-    for name, nbytes in (("state", st_bytes), ("kv", pg_bytes)):
-        metrics.update(contiguous_baseline(name, nbytes, dev, a.reps))
+    def st_submit(eng, direction):
+        if direction == "d2h":
+            return demote_states(eng, t1, src_st, sreg, hs_st[:n_st])
+        if direction == "d2h_b":
+            return demote_states(eng, t1, src_st, sreg, hs_st[n_st:])
+        return promote_states(eng, sreg, hs_st[:n_st], t1, dst_st)
 
     def run_states(eng, direction):
-        if direction == "d2h":
-            eng.wait(demote_states(eng, t1, src_st, sreg, hs_st[:n_st]))
-        elif direction == "h2d":
-            eng.wait(promote_states(eng, sreg, hs_st[:n_st], t1, dst_st))
-        else:
-            a_ = demote_states(eng, t1, src_st, sreg, hs_st[n_st:])
-            b_ = promote_states(eng, sreg, hs_st[:n_st], t1, dst_st)
-            eng.wait(a_)
-            eng.wait(b_)
-
-    def run_kv(eng, direction):
-        if direction == "d2h":
-            eng.wait(demote_kv(eng, full, src_pg, kreg, hs_pg[:n_pg]))
-        elif direction == "h2d":
-            eng.wait(load_kv(eng, kreg, hs_pg[:n_pg], full, dst_pg, layerwise=False))
-        else:
-            a_ = demote_kv(eng, full, src_pg, kreg, hs_pg[n_pg:])
-            b_ = load_kv(eng, kreg, hs_pg[:n_pg], full, dst_pg, layerwise=False)
-            eng.wait(a_)
-            eng.wait(b_)
-
-    def pipelined(fn, eng, direction):
-        """``PIPELINE`` submissions of ``fn``'s moves, then one wait for all (the same slots each time:
-        the host slots are busy only until each ticket completes, so later calls queue behind)."""
         if direction == "bidir":
-            for _ in range(PIPELINE):
-                submit(fn, eng, "d2h_b")
-                submit(fn, eng, "h2d")
+            a_, b_ = st_submit(eng, "d2h_b"), st_submit(eng, "h2d")
+            eng.wait(a_)
+            eng.wait(b_)
         else:
-            for _ in range(PIPELINE):
-                submit(fn, eng, direction)
+            eng.wait(st_submit(eng, direction))
+
+    def st_pipelined(eng, direction):
+        for _ in range(PIPELINE):
+            if direction == "bidir":
+                st_submit(eng, "d2h_b")
+                st_submit(eng, "h2d")
+            else:
+                st_submit(eng, direction)
         eng.wait_all()
 
-    def submit(fn, eng, direction):
-        states = fn is run_states
-        if direction == "d2h":
-            return (demote_states(eng, t1, src_st, sreg, hs_st[:n_st]) if states
-                    else demote_kv(eng, full, src_pg, kreg, hs_pg[:n_pg]))
-        if direction == "d2h_b":
-            return (demote_states(eng, t1, src_st, sreg, hs_st[n_st:]) if states
-                    else demote_kv(eng, full, src_pg, kreg, hs_pg[n_pg:]))
-        return (promote_states(eng, sreg, hs_st[:n_st], t1, dst_st) if states
-                else load_kv(eng, kreg, hs_pg[:n_pg], full, dst_pg, layerwise=False))
+    metrics.update(contiguous_baseline("state", st_bytes, dev, a.reps))
+    rows: list[dict] = []
 
-    # the mapped-memory kernel's settings: few programs leave SMs to compute; block and warps set how
-    # many reads each program keeps in flight over PCIe
-    eng = TransferEngine(dev, method={"d2h": "kernel", "h2d": "kernel"})
-    run_kv(eng, "d2h")
-    sweep = {}
-    for progs in (8, 16, 32, 132):
-        for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
-            c = eng.copier
-            c.kernel_programs, c.kernel_block_words, c.kernel_warps = progs, block, warps
-            d = pg_bytes / timed(lambda: run_kv(eng, "d2h"), a.reps) / 1e9
-            h = pg_bytes / timed(lambda: run_kv(eng, "h2d"), a.reps) / 1e9
-            metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_d2h_GBps"] = d
-            metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_h2d_GBps"] = h
-            sweep[(progs, block, warps)] = d + h
-    # the best setting with at most 32 programs (a quarter of the SMs at most)
-    best_progs, best_block, best_warps = max((k for k in sweep if k[0] <= 32), key=sweep.get)
-    metrics.update(kernel_programs=best_progs, kernel_block_words=best_block, kernel_warps=best_warps)
+    def timed_rows(what, method, one, sustained, nbytes, base):
+        for d in ("d2h", "h2d", "bidir"):
+            k = 2 if d == "bidir" else 1
+            gbps = k * nbytes / timed(lambda d=d: one(d), a.reps) / 1e9
+            rows.append({"method": method, "data": what, "direction": d, "GBps": round(gbps, 2),
+                         "vs_contiguous": round(gbps / base[f"contig_{d}_GBps"], 3)})
+            gbps = k * PIPELINE * nbytes / timed(lambda d=d: sustained(d), a.reps) / 1e9
+            rows.append({"method": method, "data": f"{what} sustained", "direction": d, "GBps": round(gbps, 2),
+                         "vs_contiguous": round(gbps / base[f"contig_{d}_sustained_GBps"], 3)})
 
-    def tuned(eng):
-        c = eng.copier
-        c.kernel_programs, c.kernel_block_words, c.kernel_warps = best_progs, best_block, best_warps
-        return eng
+    def interleaved_headline(pre, sfx, nbytes, ours):
+        """``{pre}{d}_GBps{sfx}`` and ``{pre}{d}_vs_contiguous{sfx}``: sustained, interleaved rounds."""
+        base = contiguous_fns(nbytes, dev)
+        for d in ("d2h", "h2d", "bidir"):
+            k = (2 if d == "bidir" else 1) * PIPELINE * nbytes / 1e9
+            b, o, ratio, low = interleaved(base[f"{d}_sustained"], lambda d=d: ours(d), a.rounds)
+            metrics[f"contig_{pre}{d}_interleaved_GBps{sfx}"] = k / b
+            metrics[f"{pre}{d}_GBps{sfx}"] = round(k / o, 2)
+            metrics[f"{pre}{d}_vs_contiguous{sfx}"] = round(ratio, 3)
+            metrics[f"{pre}{d}_vs_contiguous_lowest_round{sfx}"] = round(low, 3)
 
-    rows = []
-    for method in ("copy", "staging", "kernel", "auto"):
-        eng = tuned(TransferEngine(dev, method={"d2h": method, "h2d": method}, staging_bytes=max(st_bytes, pg_bytes)))
-        run_states(eng, "d2h")  # first demote makes the host copies valid for the promotes
-        run_kv(eng, "d2h")
-        eng.wait(demote_states(eng, t1, src_st, sreg, hs_st[n_st:]))
-        eng.wait(demote_kv(eng, full, src_pg, kreg, hs_pg[n_pg:]))
-        # correctness before timing: promoted bytes equal the demoted ones
-        t = promote_states(eng, sreg, hs_st[:n_st], t1, dst_st)
-        eng.wait(t)
-        assert all(t.ok) and torch.equal(t1.envelopes[dst_st], t1.envelopes[src_st]), "state round trip broke"
-        t = load_kv(eng, kreg, hs_pg[:n_pg], full, dst_pg)
-        eng.wait(t)
-        assert all(t.ok), "kv round trip broke"
-        for what, fn, nbytes in (("state", run_states, st_bytes), ("kv", run_kv, pg_bytes)):
-            for d in ("d2h", "h2d", "bidir"):
-                sec = timed(lambda fn=fn, eng=eng, d=d: fn(eng, d), a.reps)
-                gbps = (2 if d == "bidir" else 1) * nbytes / sec / 1e9
-                rows.append({"method": method, "data": what, "direction": d, "GBps": round(gbps, 2),
-                             "vs_contiguous": round(gbps / metrics[f"contig_{what}_{d}_GBps"], 3)})
-                # sustained: PIPELINE calls submitted back to back, then one wait (against the same
-                # number of contiguous copies back to back)
-                sec = timed(lambda fn=fn, eng=eng, d=d: pipelined(fn, eng, d), a.reps)
-                gbps = (2 if d == "bidir" else 1) * PIPELINE * nbytes / sec / 1e9
-                rows.append({"method": method, "data": f"{what} sustained", "direction": d, "GBps": round(gbps, 2),
-                             "vs_contiguous": round(gbps / metrics[f"contig_{what}_{d}_sustained_GBps"], 3)})
+    # ---- KV pages, each size: the kernel sweep (384 KiB), every method checked then timed, the headline
+    tune = (16, 2048, 4)  # the kernel's settings unless the sweep runs (its pick on the H200, 2026-12-01)
+    for sfx, ps in PAGE_SIZES.items():
+        case = KVCase(dev, ps, a.pages * 16 // ps, g)
+        base = {k.replace(f"contig_kv{sfx}_", "contig_"): v
+                for k, v in contiguous_baseline(f"kv{sfx}", case.nbytes, dev, a.reps).items()}
+        metrics.update({k.replace("contig_", f"contig_kv{sfx}_"): v for k, v in base.items()})
+        if sfx == "" and a.sweep:
+            eng = _engine(dev, "kernel", staging)
+            case.check(eng)
+            sweep = {}
+            for progs in (8, 16, 32, 132):
+                for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
+                    c = eng.copier
+                    c.kernel_programs, c.kernel_block_words, c.kernel_warps = progs, block, warps
+                    d = case.nbytes / timed(lambda eng=eng, case=case: case.run(eng, "d2h"), a.reps) / 1e9
+                    h = case.nbytes / timed(lambda eng=eng, case=case: case.run(eng, "h2d"), a.reps) / 1e9
+                    metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_d2h_GBps"] = d
+                    metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_h2d_GBps"] = h
+                    sweep[(progs, block, warps)] = d + h
+            # the best setting with at most 32 programs (a quarter of the SMs at most)
+            tune = max((k for k in sweep if k[0] <= 32), key=sweep.get)
+            metrics.update(kernel_programs=tune[0], kernel_block_words=tune[1], kernel_warps=tune[2])
+        for method in methods:
+            eng = _engine(dev, method, staging, tune)
+            try:
+                case.check(eng)
+            except (AssertionError, RuntimeError) as exc:  # reported, never timed; auto failing ends the run
+                print(f"kv{sfx} {method}: {exc}")
+                metrics[f"kv{sfx}_{method}_round_trip_failed"] = 1.0
+                if method == "auto":
+                    raise
+                continue
+            timed_rows(f"kv{sfx}", method, lambda d, eng=eng, case=case: case.run(eng, d),
+                       lambda d, eng=eng, case=case: case.pipelined(eng, d), case.nbytes, base)
+        eng = _engine(dev, "auto", staging, tune)
+        case.check(eng)
+        interleaved_headline("kv_", sfx, case.nbytes, lambda d, eng=eng, case=case: case.pipelined(eng, d))
+        metrics[f"kv{sfx}_page_bytes"] = case.full.entry_bytes
+        if sfx != "":
+            case.close()
+            del case
+            torch.cuda.empty_cache()
+        else:
+            kv = case  # kept for kv-runs, the checksum overheads and the GEMM
+
     # KV pages whose host slots are consecutive, as one node's pages get them from the host allocator
-    # (lowest free ids first): "auto" moves each run as one DMA copy through the staging buffer.
-    eng = tuned(TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes)))
-    run_a, run_b = sorted(hs_pg[:n_pg]), sorted(hs_pg[n_pg:])
-    eng.wait(demote_kv(eng, full, src_pg, kreg, run_a))
-    t = load_kv(eng, kreg, run_a, full, dst_pg, layerwise=False)
+    # (lowest free ids first).
+    eng = _engine(dev, "auto", staging, tune)
+    run_a, run_b = sorted(kv.hs[:kv.n]), sorted(kv.hs[kv.n:])
+    eng.wait(demote_kv(eng, kv.full, kv.src, kv.region, run_a))
+    t = load_kv(eng, kv.region, run_a, kv.full, kv.dst, layerwise=False)
     eng.wait(t)
     assert all(t.ok), "kv round trip (runs) broke"
 
     def kv_runs(d):
         if d in ("d2h", "bidir"):
-            demote_kv(eng, full, src_pg, kreg, run_b)
+            demote_kv(eng, kv.full, kv.src, kv.region, run_b)
         if d in ("h2d", "bidir"):
-            load_kv(eng, kreg, run_a, full, dst_pg, layerwise=False)
+            load_kv(eng, kv.region, run_a, kv.full, kv.dst, layerwise=False)
         eng.wait_all()
 
     for d in ("d2h", "h2d", "bidir"):
-        gbps = (2 if d == "bidir" else 1) * pg_bytes / timed(lambda d=d: kv_runs(d), a.reps) / 1e9
+        gbps = (2 if d == "bidir" else 1) * kv.nbytes / timed(lambda d=d: kv_runs(d), a.reps) / 1e9
         rows.append({"method": "auto", "data": "kv-runs", "direction": d, "GBps": round(gbps, 2),
                      "vs_contiguous": round(gbps / metrics[f"contig_kv_{d}_GBps"], 3)})
         metrics[f"kv_runs_{d}_GBps"] = gbps
 
-    # The headline numbers are what the engine runs by default (method "auto"), sustained: several
-    # calls in flight, as the engine keeps them, against as many contiguous copies back to back.
-    # The single-call numbers (one call, then a wait) are kept beside them.
-    def row(data, d, method="auto"):
-        return next(r for r in rows if r["data"] == data and r["direction"] == d and r["method"] == method)
-
-    for d in ("d2h", "h2d", "bidir"):
-        for data, key in (("state", ""), ("kv", "kv_")):
-            r, one = row(f"{data} sustained", d), row(data, d)
-            metrics[f"{key}{d}_GBps"] = r["GBps"]
-            metrics[f"{key}{d}_vs_contiguous"] = r["vs_contiguous"]
-            metrics[f"{key}{d}_single_call_GBps"] = one["GBps"]
-            metrics[f"{key}{d}_single_call_vs_contiguous"] = one["vs_contiguous"]
-
-    # The headline state numbers, sustained, timed again with the baseline interleaved: on these
-    # machines the PCIe rate drifts between measurements taken seconds apart (the same sustained
-    # both-ways state moves measured 79-97 GB/s across calls, and 86-98 GB/s within one process), so
-    # each round times the contiguous copies and then ours back to back, and the ratio is the median
-    # of the rounds' ratios (the lowest round's ratio is kept beside it). The sequential numbers above
-    # stay in the JSON as ``state_sustained_*_auto_GBps``.
-    base = contiguous_fns(st_bytes, dev)
-    eng_i = tuned(TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes)))
-    run_states(eng_i, "d2h")
-    for d in ("d2h", "h2d", "bidir"):
-        k = (2 if d == "bidir" else 1) * PIPELINE * st_bytes / 1e9
-        b, o, ratio, low = interleaved(base[f"{d}_sustained"], lambda d=d: pipelined(run_states, eng_i, d), a.rounds)
-        metrics[f"contig_state_{d}_interleaved_GBps"] = k / b
-        metrics[f"state_{d}_interleaved_GBps"] = k / o
-        metrics[f"state_{d}_interleaved_vs_contiguous"] = ratio
-        metrics[f"state_{d}_interleaved_vs_contiguous_lowest"] = low
-        metrics[f"{d}_GBps"] = round(k / o, 2)
-        metrics[f"{d}_vs_contiguous"] = round(ratio, 3)
-    del base
+    # ---- states: every method checked then timed, then the interleaved headline
+    sbase = {k.replace("contig_state_", "contig_"): v for k, v in metrics.items() if k.startswith("contig_state_")}
+    for method in [m for m in methods if m not in MIXES]:
+        eng = _engine(dev, method, staging, tune)
+        eng.wait(st_submit(eng, "d2h"))
+        eng.wait(st_submit(eng, "d2h_b"))
+        t = st_submit(eng, "h2d")
+        eng.wait(t)
+        assert all(t.ok) and torch.equal(t1.envelopes[dst_st], t1.envelopes[src_st]), "state round trip broke"
+        timed_rows("state", method, lambda d, eng=eng: run_states(eng, d), lambda d, eng=eng: st_pipelined(eng, d),
+                   st_bytes, sbase)
+    eng_i = _engine(dev, "auto", staging, tune)
+    interleaved_headline("", "", st_bytes, lambda d: st_pipelined(eng_i, d))
     for r in rows:
         metrics[f"{r['data'].replace(' ', '_')}_{r['direction']}_{r['method']}_GBps"] = r["GBps"]
 
     # checksum overhead: the same scattered state moves and KV pages, both ways, against themselves
     # with the checksum kernels switched off, in interleaved rounds (``checksum_overheads``).
-    eng = tuned(TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes)))
+    eng = _engine(dev, "auto", staging, tune)
     metrics.update(checksum_overheads(eng, {
-        "checksum_overhead": lambda: pipelined(run_states, eng, "bidir"),
+        "checksum_overhead": lambda: st_pipelined(eng, "bidir"),
         "checksum_overhead_single_call": lambda: run_states(eng, "bidir"),
-        "checksum_overhead_kv": lambda: pipelined(run_kv, eng, "bidir"),
-        "checksum_overhead_kv_single_call": lambda: run_kv(eng, "bidir"),
+        "checksum_overhead_kv": lambda: kv.pipelined(eng, "bidir"),
+        "checksum_overhead_kv_single_call": lambda: kv.run(eng, "bidir"),
     }, a.rounds))
 
-    # Diagnostic: which direction's checksums stall sustained both-ways moves. Demotes and promotes go
-    # through two engines (each its own in-flight bound), checksums on or off per direction.
-    e_d, e_p = eng, tuned(TransferEngine(dev, staging_bytes=max(st_bytes, pg_bytes)))
-
-    def split_bidir():
-        for _ in range(PIPELINE):
-            demote_states(e_d, t1, src_st, sreg, hs_st[n_st:])
-            promote_states(e_p, sreg, hs_st[:n_st], t1, dst_st)
-        e_d.wait_all()
-        e_p.wait_all()
-
-    try:  # a diagnostic: should it break, say so and keep the run's other numbers
-        for d_on, h_on in ((True, True), (True, False), (False, True), (False, False)):
-            e_d.checksums, e_p.checksums = d_on, h_on
-            gbps = 2 * PIPELINE * st_bytes / timed(split_bidir, a.reps) / 1e9
-            metrics[f"diag_bidir_two_engines_checksums_d2h_{'on' if d_on else 'off'}_h2d_{'on' if h_on else 'off'}"
-                    "_GBps"] = gbps
-    except Exception as exc:  # noqa: BLE001
-        print(f"diag_bidir failed: {exc!r}")
-        metrics["diag_bidir_failed"] = 1.0
-    finally:
-        e_d.checksums = e_p.checksums = True
-
-    # GEMM alone vs with transfers running on the copy streams
+    # GEMM alone vs with transfers running on the copy streams (a thread keeps them going), and the
+    # rate those transfers reached while the GEMMs ran
     x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     y = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
@@ -399,32 +434,40 @@ def main() -> None:
     alone = timed(gemms, a.reps)
     alone_gpu = gpu_ms()
     stop = threading.Event()
+    moved = [0]
 
     def mover():
-        while not stop.is_set():  # both kinds: DMA copies for states, the few-program kernel for pages
+        while not stop.is_set():  # both kinds: DMA copies for states, KV pages by the default method
             run_states(eng, "bidir")
-            run_kv(eng, "bidir")
+            moved[0] += 2 * st_bytes
+            kv.run(eng, "bidir")
+            moved[0] += 2 * kv.nbytes
 
     th = threading.Thread(target=mover)
     th.start()
     time.sleep(0.2)
+    b0, t0 = moved[0], time.perf_counter()
     busy = timed(gemms, a.reps)
     busy_gpu = gpu_ms()
+    b1, t1_ = moved[0], time.perf_counter()
     stop.set()
     th.join()
     metrics["gemm_alone_ms"] = alone_gpu
     metrics["gemm_with_transfers_ms"] = busy_gpu
     metrics["gemm_slowdown"] = busy_gpu / alone_gpu - 1
     metrics["gemm_slowdown_wall"] = busy / alone - 1  # wall clock: includes the GIL the mover thread holds
+    metrics["transfer_GBps_during_gemm"] = (b1 - b0) / (t1_ - t0) / 1e9  # both ways, moves finished meanwhile
     metrics["state_envelope_bytes"] = t1.slot_bytes
-    metrics["kv_page_bytes"] = full.entry_bytes
     path = write_results("transfer", metrics, rows=rows, out_dir=a.out,
-                         notes=f"{n_st} scattered state envelopes, {n_pg} scattered KV pages per call.")
+                         notes=f"{n_st} scattered state envelopes, {a.pages} scattered 384 KiB KV pages per call "
+                               "(as many bytes of 768 KiB and 1.5 MiB pages).")
     for r in rows:
         print(r)
     for k, v in metrics.items():
         print(f"{k:36s} {v:,.4f}")
     print("wrote", path)
+    kv.close()
+    smirror.close()
 
 
 if __name__ == "__main__":

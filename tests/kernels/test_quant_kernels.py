@@ -23,6 +23,15 @@ from tiered_cache.kernels.reference import (
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 gpu = pytest.mark.gpu
+# The store's two formulations: the one-pass kernel (None) and the two-pass one at a few step sizes.
+FORMULATIONS = [None, (16, 64, 4), (64, 128, 8)]
+
+
+@pytest.fixture(params=FORMULATIONS, ids=lambda f: "one-pass" if f is None else f"two-pass-{f[0]}x{f[1]}")
+def formulation(request, monkeypatch):
+    """Runs the test once per store formulation (``quant._STREAM_STORE`` for every dtype)."""
+    monkeypatch.setattr(quant, "_STREAM_STORE", {d: request.param for d in DTYPES})
+    return request.param
 
 
 def state_shape(L, R, H, dv, dk, value_axis):
@@ -83,7 +92,7 @@ def run_store_load(poison, L, R, S, H, dv, dk, dtype, value_axis, rows, slots, d
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("value_axis", [1, 2])
 @pytest.mark.parametrize("dv,dk", [(80, 96), (128, 64), (64, 256)])
-def test_kernels_match_reference(poison, dtype, value_axis, dv, dk):
+def test_kernels_match_reference(poison, formulation, dtype, value_axis, dv, dk):
     run_store_load(poison, L=2, R=5, S=4, H=2, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
                    rows=[3, 0, 4], slots=[2, 1, 3], seed=dv * 7 + dk)
 
@@ -98,7 +107,7 @@ def test_round_trip_relative_error(poison, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_zero_state_stays_zero(poison, dtype):
+def test_zero_state_stays_zero(poison, formulation, dtype):
     # The one test with zeros on purpose: amax clamps to 1e-8 (fp16: the scale floor), q = 0, back to 0.
     src = torch.zeros(2, 2, 2, 64, 80, dtype=dtype)
     q, s = poisoned_codes(poison, 2, 2, 2, 64, 80, dtype)
@@ -109,7 +118,7 @@ def test_zero_state_stays_zero(poison, dtype):
     assert (dst == 0).all() and not dst.signbit().any()
 
 
-def test_fp16_tiny_values_do_not_divide_by_zero(poison):
+def test_fp16_tiny_values_do_not_divide_by_zero(poison, formulation):
     # fp16 (amax / 127) underflows to 0 below amax ~7.6e-6; the scale floor keeps x / scale finite.
     src = (rand_states((1, 1, 1, 64, 64), torch.float32, seed=5) * 1e-7).to(torch.float16)
     q, s = poisoned_codes(poison, 1, 1, 1, 64, 64, torch.float16)
@@ -120,7 +129,7 @@ def test_fp16_tiny_values_do_not_divide_by_zero(poison):
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and (s > 0).all()
 
 
-def test_ties_round_half_to_even(poison):
+def test_ties_round_half_to_even(poison, formulation):
     # scale = 2**-4 exactly (amax = 127 / 16); x = (k + 0.5) * scale lands exactly on a tie.
     dk = 8
     col = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]) / 16
@@ -132,6 +141,74 @@ def test_ties_round_half_to_even(poison):
     assert q[0, 0, 0, :, 0].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
     q_ref, s_ref = quantize_reference(src)
     assert torch.equal(q, q_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("value_axis", [1, 2])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_store_flags_non_finite_states_in_every_formulation(poison, formulation, dtype, value_axis, value):
+    """One bad value anywhere in a state clears that slot's flag and no other; finite states stay bit-exact
+    with the reference (the two-pass kernel sees it through a NaN-keeping amax)."""
+    gen = torch.Generator().manual_seed(int(value_axis * 10 + DTYPES.index(dtype)))
+    dv, dk = 40, 24  # masked tiles, several row steps
+    shape = state_shape(2, 5, 2, dv, dk, value_axis)
+    src = rand_states(shape, dtype, seed=3, k_axis=-1 if value_axis == 1 else -2)
+    bad_row = 3
+    idx = tuple(int(torch.randint(n, (1,), generator=gen)) for n in shape[2:])
+    src[(1, bad_row, *idx)] = value
+    rows, slots = torch.tensor([3, 0, 4, 1]), torch.tensor([2, 5, 1, 6])
+    q, s = poisoned_codes(poison, 2, 8, 2, dv, dk, dtype)
+    q_ref, s_ref = q.clone(), s.clone()
+    fin, fin_ref = torch.ones(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
+    quant.quantize_store(src, rows, q, s, slots, value_axis, backend="triton", finite=fin)
+    quantize_store_reference(src, rows, q_ref, s_ref, slots, value_axis, finite=fin_ref)
+    assert torch.equal(fin, fin_ref) and fin.tolist() == [1, 1, 0, 1, 1, 1, 1, 1]
+    good = slots[rows != bad_row]
+    assert torch.equal(q[:, good], q_ref[:, good]) and torch.equal(bits(s[:, good]), bits(s_ref[:, good]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("value_axis", [1, 2])
+@pytest.mark.parametrize("bad", [None, "temporal", "conv"])
+def test_store_and_load_with_the_conv_window_in_one_launch(poison, formulation, dtype, value_axis, bad):
+    """``quantize_store_checked`` / ``dequantize_load_checked`` with ``conv``: the temporal codes and the conv
+    window (its bits) land as the separate kernels' twins put them, into poisoned outputs; a NaN in either
+    field clears the slot's flag, and only that slot's."""
+    L, R, S, H, dv, dk = 2, 5, 7, 2, 24, 40
+    rows, slots = torch.tensor([4, 1, 3]), torch.tensor([6, 2, 5])
+    src = rand_states(state_shape(L, R, H, dv, dk, value_axis), dtype, seed=9, k_axis=-1 if value_axis == 1 else -2)
+    conv_src = torch.randn(R, L, 10, 3, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).transpose(0, 1)
+    if bad == "temporal":
+        src[1, 3, 0, 2, 1] = float("nan")
+    elif bad == "conv":
+        conv_src[0, 3, 7, 2] = float("inf")
+    q, s = poisoned_codes(poison, L, S, H, dv, dk, dtype)
+    conv_t1 = poison((L, S, 10, 3), torch.bfloat16)
+    q_ref, s_ref, conv_ref = q.clone(), s.clone(), conv_t1.clone()
+    fin, fin_ref = torch.ones(S, dtype=torch.uint8), torch.ones(S, dtype=torch.uint8)
+    state = quant.validate_quantize_store(src, rows, q, s, slots, value_axis, finite=fin)
+    quant.quantize_store_checked(src, state, rows, q, s, slots, value_axis, "triton", fin, conv=(conv_src, conv_t1))
+    quantize_store_reference(src, rows, q_ref, s_ref, slots, value_axis, fin_ref)
+    copy_rows_reference(conv_src, rows, conv_ref, slots, fin_ref)
+    assert torch.equal(fin, fin_ref) and fin.tolist() == [1 if bad is None or i != 5 else 0 for i in range(S)]
+    good = slots if bad is None else slots[rows != 3]
+    assert torch.equal(q[:, good], q_ref[:, good]) and torch.equal(bits(s[:, good]), bits(s_ref[:, good]))
+    assert torch.equal(bits(conv_t1), bits(conv_ref))  # the conv bits, poison elsewhere included
+    others = torch.ones(S, dtype=torch.bool)
+    others[slots] = False
+    assert (q[:, others] == poison.value(torch.int8)).all()
+
+    dst, conv_dst = poison.like(src), poison.like(conv_src)
+    dst_ref, conv_dst_ref = dst.clone(), conv_dst.clone()
+    state = quant.validate_dequantize_load(q_ref, s_ref, slots, dst, rows, value_axis)
+    quant.dequantize_load_checked(q_ref, s_ref, slots, dst, state, rows, value_axis, "triton",
+                                  conv=(conv_ref, conv_dst))
+    dequantize_load_reference(q_ref, s_ref, slots, dst_ref, rows, value_axis)
+    copy_rows_reference(conv_ref, slots, conv_dst_ref, rows)
+    keep = torch.ones(R, dtype=torch.bool)
+    keep[3] = bad != "temporal"  # a NaN scale's NaNs need not agree bit for bit
+    assert torch.equal(bits(dst[:, keep]), bits(dst_ref[:, keep])) and torch.equal(bits(conv_dst), bits(conv_dst_ref))
+    assert torch.equal(bits(conv_dst[:, rows]), bits(conv_src[:, rows]))
 
 
 def test_reference_math_is_the_documented_one():
@@ -249,7 +326,7 @@ def test_copy_rows_bad_input(poison):
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("value_axis", [1, 2])
-def test_gpu_qwen3_next_sized(poison, dtype, value_axis):
+def test_gpu_qwen3_next_sized(poison, formulation, dtype, value_axis):
     # 36 layers x 32 heads x 128 x 128, 16 scattered states out of 40 rows, into 20 slots.
     perm = torch.randperm(40)[:16].tolist()
     slots = torch.randperm(20)[:16].tolist()
@@ -262,7 +339,7 @@ def test_gpu_qwen3_next_sized(poison, dtype, value_axis):
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dv,dk", [(80, 96), (96, 80), (256, 64), (64, 256), (256, 256)])
-def test_gpu_head_dims(poison, dtype, dv, dk):
+def test_gpu_head_dims(poison, formulation, dtype, dv, dk):
     for value_axis in (1, 2):
         run_store_load(poison, L=4, R=70, S=66, H=8, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
                        rows=torch.randperm(70)[:64].tolist(), slots=torch.randperm(66)[:64].tolist(),

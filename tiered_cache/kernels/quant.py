@@ -51,6 +51,12 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # 16384 / 8: 3.0), the load at 16384 / 8 warps (3.9 TB/s; 8192: 3.7, 4096: 2.7). Big tiles keep enough
 # bytes in flight per SM; more warps on the store split its amax reduction over more shared memory.
 _STORE_TILE, _STORE_WARPS = 8192, 4
+# The two-pass store (``_quantize_store_stream_kernel``) per state dtype: (rows a step, k-channels a
+# program, warps), or None for the one-pass kernel. The one-pass store of 2-byte states ran at 0.59 of a
+# device copy on the H200 (as many elements a second as fp32: its registers bound the bytes in flight);
+# bench_kernels.py --sweep measures both formulations there.
+_STREAM_STORE: dict[torch.dtype, Optional[tuple[int, int, int]]] = {
+    torch.float32: None, torch.bfloat16: None, torch.float16: None}
 _LOAD_TILE, _LOAD_WARPS = 16384, 8
 _COPY_TILE = 4096
 # Exponent bits of the float dtypes whose copies are checked for NaN/inf (FLAG_DTYPES), read as integers.
@@ -131,6 +137,79 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
 
 
 @triton.jit
+def _max_nan(a, b):
+    """``max`` that keeps NaN (the hardware max drops it): a non-finite input then shows in the amax."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+                                  s_l, s_r, s_h, s_v, s_k,
+                                  q_l, q_s, q_h, q_v, q_k,
+                                  c_l, c_s, c_h, c_k,
+                                  SUB_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
+                                  MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr,
+                                  FLAG: tl.constexpr):
+    """The store in two passes over a ``[d_v, BLOCK_K]`` column block, ``SUB_V`` rows a step: the amax
+    first (only ``BLOCK_K`` running maxima live), then the codes from a second read, which the L2 cache
+    serves. Few registers per element, so many programs per SM keep many bytes in flight: the one-pass
+    kernel holds its whole tile in registers and, with 2-byte states, half the bytes per SM. The math is
+    the one-pass kernel's, step for step: the codes are bit-identical. Non-finite inputs show as a NaN
+    or inf amax of their column (NaN-keeping max), which clears the slot's flag."""
+    pid = tl.program_id(0).to(tl.int64)
+    h = pid % H
+    n = (pid // H) % N
+    layer = pid // (H * N)
+    row = tl.load(rows_ptr + n).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < D_K
+    src = src_ptr + layer * s_l + row * s_r + h * s_h + offs_k[None, :] * s_k
+    q_dst = q_ptr + layer * q_l + slot * q_s + h * q_h + offs_k[None, :] * q_k
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for v0 in range(0, D_V, SUB_V):
+        offs_v = v0 + tl.arange(0, SUB_V)
+        if EVEN:
+            x = tl.load(src + offs_v[:, None] * s_v).to(tl.float32)
+        else:
+            m = (offs_v[:, None] < D_V) & mask_k[None, :]
+            x = tl.load(src + offs_v[:, None] * s_v, mask=m, other=0.0).to(tl.float32)
+        amax = _max_nan(amax, tl.reduce(tl.abs(x), 0, _max_nan))
+    if FLAG:
+        bad = tl.max(((amax - amax) != 0.0).to(tl.int32), axis=0)  # NaN or inf in some column
+        tl.store(fin_ptr + slot, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
+    amax = tl.maximum(amax, 1e-8)
+    scale = _round_to_dtype(tl.math.div_rn(amax, 127.0), KIND)
+    if MIN_SCALE > 0.0:
+        scale = tl.maximum(scale, MIN_SCALE)
+    s_dst = s_ptr + layer * c_l + slot * c_s + h * c_h + offs_k * c_k
+    if EVEN:
+        tl.store(s_dst, scale.to(s_ptr.dtype.element_ty))
+    else:
+        tl.store(s_dst, scale.to(s_ptr.dtype.element_ty), mask=mask_k)
+    rcp = tl.math.div_rn(1.0, scale)
+    for v0 in range(0, D_V, SUB_V):
+        offs_v = v0 + tl.arange(0, SUB_V)
+        if EVEN:
+            x = tl.load(src + offs_v[:, None] * s_v).to(tl.float32)
+        else:
+            m = (offs_v[:, None] < D_V) & mask_k[None, :]
+            x = tl.load(src + offs_v[:, None] * s_v, mask=m, other=0.0).to(tl.float32)
+        if FMA_DIV:  # as the one-pass kernel: x / scale correctly rounded, one div_rn per channel
+            r = tl.broadcast_to(rcp[None, :], (SUB_V, BLOCK_K))
+            q0 = x * r
+            y = tl.fma(tl.fma(-q0, tl.broadcast_to(scale[None, :], (SUB_V, BLOCK_K)), x), r, q0)
+        else:
+            y = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], (SUB_V, BLOCK_K)))
+        y = (y + 12582912.0) - 12582912.0
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        if EVEN:
+            tl.store(q_dst + offs_v[:, None] * q_v, y.to(tl.int8))
+        else:
+            tl.store(q_dst + offs_v[:, None] * q_v, y.to(tl.int8), mask=m)
+
+
+@triton.jit
 def _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_V, D_K,
                             q_l, q_s, q_h, q_v, q_k,
                             c_l, c_s, c_h, c_k,
@@ -179,6 +258,67 @@ def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, fin_ptr, N, C, s_l,
         # The bits of a float: NaN and +-inf are the values whose exponent bits are all ones.
         bad = tl.max(((vals & EXP_MASK) == EXP_MASK).to(tl.int32), axis=0)
         tl.store(fin_ptr + slot, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
+
+
+@triton.jit
+def _conv_rows(p, src_ids_ptr, dst_ids_ptr, src_ptr, dst_ptr, fin_ptr, N, C, s_l, s_r, d_l, d_r, CB,
+               BLOCK: tl.constexpr, EXP_MASK: tl.constexpr):
+    """Block ``p`` of the conv-window copy that rides along a store or load launch (``_copy_rows_kernel``'s
+    work, one ``BLOCK`` of one (layer, state) row per program): ``dst[layer, dst_ids[n]] = src[layer,
+    src_ids[n]]``, bits; with ``EXP_MASK`` a NaN / inf clears ``fin[dst_ids[n]]``."""
+    p = p.to(tl.int64)
+    blk = p % CB
+    n = (p // CB) % N
+    layer = p // (CB * N)
+    src_id = tl.load(src_ids_ptr + n).to(tl.int64)
+    dst_id = tl.load(dst_ids_ptr + n).to(tl.int64)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    vals = tl.load(src_ptr + layer * s_l + src_id * s_r + offs, mask=mask, other=0)
+    tl.store(dst_ptr + layer * d_l + dst_id * d_r + offs, vals, mask=mask)
+    if EXP_MASK != 0:
+        bad = tl.max(((vals & EXP_MASK) == EXP_MASK).to(tl.int32), axis=0)
+        tl.store(fin_ptr + dst_id, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
+
+
+@triton.jit
+def _store_with_conv_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+                            s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
+                            cv_src, cv_dst, C, cv_sl, cv_sr, cv_dl, cv_dr, CB, QP,
+                            BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
+                            MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr, FLAG: tl.constexpr,
+                            STREAM: tl.constexpr, CONV_BLOCK: tl.constexpr, CONV_MASK: tl.constexpr):
+    """One launch for a whole store: programs ``< QP`` quantize the temporal state (the one-pass kernel,
+    or with ``STREAM`` the two-pass one, ``BLOCK_V`` then being its rows a step), the rest copy the conv
+    window. One launch instead of two: each costs tens of microseconds of host time."""
+    if tl.program_id(0) < QP:
+        if STREAM:
+            _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+                                          s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
+                                          BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG)
+        else:
+            _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+                                   s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
+                                   BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG)
+    elif tl.program_id(1) == 0:
+        _conv_rows(tl.program_id(0) - QP, rows_ptr, slots_ptr, cv_src, cv_dst, fin_ptr, N, C, cv_sl, cv_sr,
+                   cv_dl, cv_dr, CB, CONV_BLOCK, CONV_MASK)
+
+
+@triton.jit
+def _load_with_conv_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_V, D_K,
+                           q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k, d_l, d_r, d_h, d_v, d_k,
+                           cv_src, cv_dst, C, cv_sl, cv_sr, cv_dl, cv_dr, CB, QP,
+                           BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr, EVEN: tl.constexpr,
+                           CONV_BLOCK: tl.constexpr):
+    """One launch for a whole load: the dequantize, and the conv window copied back."""
+    if tl.program_id(0) < QP:
+        _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_V, D_K,
+                                q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k, d_l, d_r, d_h, d_v, d_k,
+                                BLOCK_V, BLOCK_K, KIND, EVEN)
+    elif tl.program_id(1) == 0:
+        _conv_rows(tl.program_id(0) - QP, slots_ptr, rows_ptr, cv_src, cv_dst, dst_ptr, N, C, cv_sl, cv_sr,
+                   cv_dl, cv_dr, CB, CONV_BLOCK, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,23 +493,62 @@ def quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tenso
     state ``i`` holds a NaN or an inf, and left as it is otherwise (see ``_ref_quant``).
     """
     state = validate_quantize_store(src, src_rows, qdata, scale, dst_slots, value_axis, check_ids, finite)
+    quantize_store_checked(src, state, src_rows, qdata, scale, dst_slots, value_axis, backend, finite)
+
+
+def _conv_args(src: torch.Tensor, dst: torch.Tensor, n: int) -> tuple[list, int, int]:
+    """A conv window's copy as kernel arguments: bit views ``[L, rows, C]``, their strides, and blocks."""
+    bits = _BITS[src.element_size()]
+    sv = src.view(src.shape[0], src.shape[1], -1).view(bits)
+    dv_ = dst.view(dst.shape[0], dst.shape[1], -1).view(bits)
+    c = sv.shape[2]
+    block = min(_COPY_TILE if src.device.type == "cuda" else 1 << 16, triton.next_power_of_2(c))
+    cb = triton.cdiv(c, block)
+    return [sv, dv_, c, sv.stride(0), sv.stride(1), dv_.stride(0), dv_.stride(1), cb], block, sv.shape[0] * n * cb
+
+
+def quantize_store_checked(src: torch.Tensor, state: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor,
+                           scale: torch.Tensor, dst_slots: torch.Tensor, value_axis: int, backend: str,
+                           finite: Optional[torch.Tensor],
+                           conv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+    """``quantize_store`` after ``validate_quantize_store`` passed on these arguments (``state``: what it
+    returned): for callers that validated a layout once and own the id tensors, so no per-call check
+    costs host time. Nothing here is checked again. ``conv``: ``(src, dst)`` of a conv window checked by
+    ``validate_copy_rows`` for the same ids, copied (and flagged) by the same launch."""
     n = src_rows.numel()
     if n == 0:
         return
     if not use_triton(src.device, backend):
         quantize_store_reference(src, src_rows, qdata, scale, dst_slots, value_axis, finite)
+        if conv is not None:
+            copy_rows_reference(conv[0], src_rows, conv[1], dst_slots, finite)
         return
     L, _, H, dv, dk = state.shape
-    block_v, block_k = _tile(dv, dk, src.device, _STORE_TILE)
-    grid = (L * n * H, triton.cdiv(dk, block_k))
-    _quantize_store_kernel[grid](
-        state, src_rows, qdata, scale, dst_slots, qdata if finite is None else finite, n, H, dv, dk,
-        *state.stride(), *qdata.stride(),
-        scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4),
-        BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype),
-        FMA_DIV=src.device.type == "cuda", EVEN=_even(dv, dk, block_v, block_k), FLAG=finite is not None,
-        num_warps=_STORE_WARPS,
-    )
+    stream = _STREAM_STORE.get(src.dtype)
+    if stream is not None:
+        block_v, block_k, warps = stream
+        block_v = min(block_v, triton.next_power_of_2(dv))
+        block_k = min(block_k, triton.next_power_of_2(dk)) if src.device.type == "cuda" else triton.next_power_of_2(dk)
+        even = dv % block_v == 0 and dk % block_k == 0
+    else:
+        block_v, block_k = _tile(dv, dk, src.device, _STORE_TILE)
+        warps, even = _STORE_WARPS, _even(dv, dk, block_v, block_k)
+    fin = qdata if finite is None else finite
+    args = [state, src_rows, qdata, scale, dst_slots, fin, n, H, dv, dk, *state.stride(), *qdata.stride(),
+            scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4)]
+    qp = L * n * H
+    meta = dict(KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype), FMA_DIV=src.device.type == "cuda", EVEN=even,
+                FLAG=finite is not None, num_warps=warps)
+    if conv is not None:
+        cargs, cblock, cp = _conv_args(conv[0], conv[1], n)
+        mask = 0 if finite is None else _EXP_MASK.get(conv[0].dtype, 0)
+        _store_with_conv_kernel[(qp + cp, triton.cdiv(dk, block_k))](
+            *args, *cargs, qp, BLOCK_V=block_v, BLOCK_K=block_k, STREAM=stream is not None, CONV_BLOCK=cblock,
+            CONV_MASK=mask, **meta)
+    elif stream is not None:
+        _quantize_store_stream_kernel[(qp, triton.cdiv(dk, block_k))](*args, SUB_V=block_v, BLOCK_K=block_k, **meta)
+    else:
+        _quantize_store_kernel[(qp, triton.cdiv(dk, block_k))](*args, BLOCK_V=block_v, BLOCK_K=block_k, **meta)
 
 
 def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
@@ -377,22 +556,34 @@ def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.T
                     check_ids: bool = True) -> None:
     """Dequantize ``qdata/scale[:, src_slots[i]]`` into ``dst[:, dst_rows[i]]`` (dtype of ``dst``), one launch."""
     state = validate_dequantize_load(qdata, scale, src_slots, dst, dst_rows, value_axis, check_ids)
+    dequantize_load_checked(qdata, scale, src_slots, dst, state, dst_rows, value_axis, backend)
+
+
+def dequantize_load_checked(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
+                            state: torch.Tensor, dst_rows: torch.Tensor, value_axis: int, backend: str,
+                            conv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+    """``dequantize_load`` after ``validate_dequantize_load`` passed (``state``: what it returned); ``conv``:
+    ``(T1 conv field, T0 conv view)`` checked by ``validate_copy_rows``, copied back by the same launch."""
     n = src_slots.numel()
     if n == 0:
         return
     if not use_triton(dst.device, backend):
         dequantize_load_reference(qdata, scale, src_slots, dst, dst_rows, value_axis)
+        if conv is not None:
+            copy_rows_reference(conv[0], src_slots, conv[1], dst_rows)
         return
     L, _, H, dv, dk = state.shape
     block_v, block_k = _tile(dv, dk, dst.device, _LOAD_TILE)
-    grid = (L * n * H, triton.cdiv(dk, block_k))
-    _dequantize_load_kernel[grid](
-        qdata, scale, src_slots, state, dst_rows, n, H, dv, dk,
-        *qdata.stride(), scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4),
-        *state.stride(),
-        BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[dst.dtype], EVEN=_even(dv, dk, block_v, block_k),
-        num_warps=_LOAD_WARPS,
-    )
+    args = [qdata, scale, src_slots, state, dst_rows, n, H, dv, dk, *qdata.stride(), scale.stride(0), scale.stride(1),
+            scale.stride(2), scale.stride(4), *state.stride()]
+    meta = dict(BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[dst.dtype], EVEN=_even(dv, dk, block_v, block_k),
+                num_warps=_LOAD_WARPS)
+    qp = L * n * H
+    if conv is not None:
+        cargs, cblock, cp = _conv_args(conv[0], conv[1], n)
+        _load_with_conv_kernel[(qp + cp, triton.cdiv(dk, block_k))](*args, *cargs, qp, CONV_BLOCK=cblock, **meta)
+    else:
+        _dequantize_load_kernel[(qp, triton.cdiv(dk, block_k))](*args, **meta)
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
@@ -404,6 +595,12 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     row that received a NaN or an inf (float dtypes of ``FLAG_DTYPES``; other dtypes are not checked).
     """
     validate_copy_rows(src, src_rows, dst, dst_rows, check_ids, finite=finite)
+    copy_rows_checked(src, src_rows, dst, dst_rows, backend, finite)
+
+
+def copy_rows_checked(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
+                      backend: str, finite: Optional[torch.Tensor]) -> None:
+    """``copy_rows`` after ``validate_copy_rows`` passed on these arguments."""
     n = src_rows.numel()
     if n == 0:
         return

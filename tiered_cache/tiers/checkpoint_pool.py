@@ -30,18 +30,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import numpy as np
 import torch
 
 from tiered_cache import device as dev
 from tiered_cache.config import BACKENDS, CODECS
-from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError, SlotStateError
-from tiered_cache.kernels import quant, use_triton
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError
+from tiered_cache.kernels import use_triton
 from tiered_cache.specs import StateSpec, align_up
+from tiered_cache.tiers import t1_args
 from tiered_cache.tiers.finite_flags import FiniteFlags
 from tiered_cache.tiers.protocols import StateSide
 from tiered_cache.tiers.slots import SlotAllocator
-from tiered_cache.validate import _INT_TORCH, choice_arg, int_arg, int_list
+from tiered_cache.tiers.t1_args import ActiveViews
+from tiered_cache.validate import choice_arg, int_arg
 
 IdsLike = Union[torch.Tensor, Sequence[int]]
 
@@ -55,17 +56,6 @@ class EnvelopeField:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ActiveViews:
-    """T0-like views indexed by *physical* row, for callers without a ``StateSide`` (tests, adapters).
-
-    ``temporal [L, R, *spec.temporal_shape]`` and one ``[L, R, *conv_shape]`` per conv window.
-    """
-
-    temporal: torch.Tensor
-    convs: tuple[torch.Tensor, ...] = ()
 
 
 # Where T0 states are read from / written to: a T0 side (virtual ids) or plain views (physical rows).
@@ -138,6 +128,7 @@ class Int8CheckpointPool:
         # slots under an in-flight T2 transfer from being freed.
         self.allocator = SlotAllocator(num_slots, name="checkpoint")
         self.flags = FiniteFlags(self.capacity, self.device)
+        self._args = t1_args.CallArgs(self)  # per-call checks; each T0 side's layout checked once
 
     # ---------------------------------------------------------------------------- sizes, bytes
     @staticmethod
@@ -190,7 +181,7 @@ class Int8CheckpointPool:
     def free(self, ids: IdsLike) -> None:
         """Return slots from ``alloc``. Unknown, free or repeated ids raise ``SlotStateError``; a slot a
         transfer still reads or writes raises ``SlotBusyError``; nothing changes."""
-        host = self._host_ids("ids", ids)
+        host = t1_args.host_ids("ids", ids, self.device)
         self.allocator.free(host)
         self.flags.forget(host.tolist())
 
@@ -224,35 +215,22 @@ class Int8CheckpointPool:
     def store_from_active(self, side: ActiveLike, active_ids: IdsLike, ckpt_slots: IdsLike) -> None:
         """Checkpoint: quantize (or copy) the T0 states ``active_ids`` into slots ``ckpt_slots``.
 
-        ``side``: a T0 ``StateSide`` (``active_ids`` are its *virtual* ids, translated once), or
-        ``ActiveViews`` / a temporal tensor (``active_ids`` are physical rows). Every check runs before
-        the first launch: a bad argument raises and writes nothing.
+        ``side``: a T0 ``StateSide`` (``active_ids`` are its *virtual* ids, translated on its host table),
+        or ``ActiveViews`` / a temporal tensor (``active_ids`` are physical rows). Every check runs before
+        the first launch: a bad argument raises and writes nothing (``t1_args.py`` says what is checked
+        once per side and what per call). Host id lists cost no device sync; device tensors are read back.
         """
-        temporal, convs, rows = self._resolve_active(side, active_ids, unique=False)
-        slots, host_slots = self._checked_slots("ckpt_slots", ckpt_slots, unique=True)
-        if rows.numel() != slots.numel():
-            raise InvalidArgumentError("ckpt_slots", f"{rows.numel()} ids, as many as active_ids", slots.numel())
-        va = self.spec.value_axis
-        if self.codec == "int8":
-            qdata, scale = self._temporal
-            quant.validate_quantize_store(temporal, rows, qdata, scale, slots, va, check_ids=False)
-        else:
-            (data,) = self._temporal
-            quant.validate_copy_rows(temporal, rows, data, slots, check_ids=False, names=("side", "data"))
-        for c_src, c_dst in zip(convs, self.conv):
-            quant.validate_copy_rows(c_src, rows, c_dst, slots, check_ids=False, names=("side", "conv"))
-        self.stats["stores"] += rows.numel()
-        self.stats["store_bytes"] += rows.numel() * self.slot_bytes
-        if rows.numel() == 0:
+        lay = self._args.layout(side)
+        rows = self._args.rows(side, lay, active_ids, unique=False)
+        host_slots = self._args.slots("ckpt_slots", ckpt_slots, unique=True)
+        if rows.size != host_slots.size:
+            raise InvalidArgumentError("ckpt_slots", f"{rows.size} ids, as many as active_ids", host_slots.size)
+        self.stats["stores"] += rows.size
+        self.stats["store_bytes"] += rows.size * self.slot_bytes
+        if rows.size == 0:
             return
-        fin = self.flags.arm(slots)
-        if self.codec == "int8":
-            quant.quantize_store(temporal, rows, qdata, scale, slots, va, backend=self.backend, check_ids=False,
-                                 finite=fin)
-        else:
-            quant.copy_rows(temporal, rows, data, slots, backend=self.backend, check_ids=False, finite=fin)
-        for c_src, c_dst in zip(convs, self.conv):
-            quant.copy_rows(c_src, rows, c_dst, slots, backend=self.backend, check_ids=False, finite=fin)
+        rows_t, slots_t = self._args.to_device(rows, host_slots)
+        t1_args.kernels_store(self, lay, rows_t, slots_t, self.flags.arm(slots_t))
         self.flags.sent(host_slots.tolist())
 
     def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
@@ -261,130 +239,17 @@ class Int8CheckpointPool:
         The checkpoints stay (copy-on-write); one slot may be loaded into several active states.
         ``side`` and ``active_ids`` as in ``store_from_active``; ``active_ids`` must be distinct.
         """
-        slots, _ = self._checked_slots("ckpt_slots", ckpt_slots, unique=False)
-        temporal, convs, rows = self._resolve_active(side, active_ids, unique=True)
-        if rows.numel() != slots.numel():
-            raise InvalidArgumentError("active_ids", f"{slots.numel()} ids, as many as ckpt_slots", rows.numel())
-        va = self.spec.value_axis
-        if self.codec == "int8":
-            qdata, scale = self._temporal
-            quant.validate_dequantize_load(qdata, scale, slots, temporal, rows, va, check_ids=False)
-        else:
-            (data,) = self._temporal
-            quant.validate_copy_rows(data, slots, temporal, rows, check_ids=False, names=("data", "side"))
-        for c_src, c_dst in zip(self.conv, convs):
-            quant.validate_copy_rows(c_src, slots, c_dst, rows, check_ids=False, names=("conv", "side"))
-        self.stats["loads"] += rows.numel()
-        self.stats["load_bytes"] += rows.numel() * self.slot_bytes
-        if rows.numel() == 0:
+        host_slots = self._args.slots("ckpt_slots", ckpt_slots, unique=False)
+        lay = self._args.layout(side)
+        rows = self._args.rows(side, lay, active_ids, unique=True)
+        if rows.size != host_slots.size:
+            raise InvalidArgumentError("active_ids", f"{host_slots.size} ids, as many as ckpt_slots", rows.size)
+        self.stats["loads"] += rows.size
+        self.stats["load_bytes"] += rows.size * self.slot_bytes
+        if rows.size == 0:
             return
-        if self.codec == "int8":
-            quant.dequantize_load(qdata, scale, slots, temporal, rows, va, backend=self.backend, check_ids=False)
-        else:
-            quant.copy_rows(data, slots, temporal, rows, backend=self.backend, check_ids=False)
-        for c_src, c_dst in zip(self.conv, convs):
-            quant.copy_rows(c_src, slots, c_dst, rows, backend=self.backend, check_ids=False)
-
-    # ----------------------------------------------------------------------------- checks
-    def _host_ids(self, name: str, ids: IdsLike) -> np.ndarray:
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1 or ids.dtype not in _INT_TORCH:
-                raise InvalidTypeError(name, "a 1-D integer tensor", (ids.dtype, tuple(ids.shape)))
-            return ids.detach().to("cpu", torch.int64).numpy()
-        vals = int_list(name, ids)  # strings, floats, bools, None, nested sequences: InvalidTypeError
-        if vals and (min(vals) < -2**63 or max(vals) >= 2**63):
-            raise InvalidArgumentError(name, "ids in the int64 range", [v for v in vals if abs(v) >= 2**63][:16])
-        return np.asarray(vals, dtype=np.int64)
-
-    def _device_ids(self, name: str, ids: IdsLike) -> torch.Tensor:
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1 or ids.dtype not in _INT_TORCH:
-                raise InvalidTypeError(name, "a 1-D integer tensor", (ids.dtype, tuple(ids.shape)))
-            if ids.device != self.device:
-                raise InvalidArgumentError(name, f"a tensor on {self.device}", ids.device)
-            return ids if ids.dtype in (torch.int32, torch.int64) else ids.to(torch.int64)
-        return dev.host_to_device(torch.from_numpy(self._host_ids(name, ids)), self.device)
-
-    def _checked_slots(self, name: str, ids: IdsLike, unique: bool) -> tuple[torch.Tensor, np.ndarray]:
-        # Host ids (lists) are checked where they are and sent once, without blocking (pinned memory);
-        # device tensors are read back for the check.
-        if isinstance(ids, torch.Tensor):
-            slots = self._device_ids(name, ids)
-            host = slots.detach().to("cpu", torch.int64).numpy()
-        else:
-            host = self._host_ids(name, ids)
-            slots = None
-        out = host[(host < 1) | (host > self.num_slots)]
-        if out.size:
-            raise InvalidArgumentError(name, f"checkpoint slot ids in [1, {self.num_slots}]", out.tolist())
-        unalloc = host[~self.allocator._allocated[host]]
-        if unalloc.size:
-            raise SlotStateError(name, "allocated checkpoint slots", unalloc.tolist())
-        if unique and np.unique(host).size != host.size:
-            raise InvalidArgumentError(name, "distinct destination slots", host.tolist())
-        return slots if slots is not None else dev.host_to_device(torch.from_numpy(host), self.device), host
-
-    def _resolve_active(self, side: ActiveLike, active_ids: IdsLike, unique: bool
-                        ) -> tuple[torch.Tensor, Sequence[torch.Tensor], torch.Tensor]:
-        """-> (temporal view, conv views, physical rows), all checked against the spec and device."""
-        spec, n_conv = self.spec, len(self.spec.conv_shapes)
-        host_ids = not isinstance(active_ids, torch.Tensor)
-        ids = None if host_ids else self._device_ids("active_ids", active_ids)
-        host: Optional[np.ndarray] = None
-        if isinstance(side, StateSide):
-            if side.spec != spec:
-                raise InvalidArgumentError("side", f"a T0 side whose spec is {spec}", side.spec)
-            temporal = side.temporal_view_all()
-            convs: Sequence[torch.Tensor] = [side.conv_view_all(i) for i in range(n_conv)]
-            what = "live virtual ids of the T0 side"  # translate maps a free id to -1
-            # Translated on the host (the allocator's table): a device tensor is read back once, as its
-            # rows would be for the range check.
-            vids = self._host_ids("active_ids", active_ids)
-            if vids.size and not vids.all():
-                raise InvalidArgumentError("active_ids", "active state ids (slot 0 is the sink, never active)",
-                                           vids.tolist())
-            try:
-                host = side.translate_host(vids)
-            except InvalidArgumentError:
-                raise InvalidArgumentError("active_ids", "virtual ids of the T0 side", vids.tolist()) from None
-            host_ids = True
-        elif isinstance(side, ActiveViews) or isinstance(side, torch.Tensor):
-            temporal = side.temporal if isinstance(side, ActiveViews) else side
-            convs = tuple(side.convs) if isinstance(side, ActiveViews) else ()
-            what = "physical rows"
-            if host_ids:
-                host = self._host_ids("active_ids", active_ids)
-        else:
-            raise InvalidTypeError("side", "a T0 state side (StateSide), ActiveViews or a temporal tensor",
-                                   type(side).__name__)
-        self._check_view("side.temporal", temporal, spec.temporal_shape, spec.temporal_dtype)
-        if len(convs) != n_conv:
-            raise InvalidArgumentError("side", f"{n_conv} conv views (spec.conv_shapes)", len(convs))
-        for i, c in enumerate(convs):
-            self._check_view(f"side.convs[{i}]", c, spec.conv_shapes[i], spec.conv_dtype, temporal.shape[1])
-        if host is None:  # physical rows given as a device tensor
-            assert ids is not None
-            rows = ids
-            host = rows.detach().to("cpu", torch.int64).numpy()
-        if host.size and (host.min() < 0 or host.max() >= temporal.shape[1]):
-            raise InvalidArgumentError("active_ids", f"{what} (rows in [0, {temporal.shape[1]}))", host.tolist())
-        if unique and np.unique(host).size != host.size:
-            raise InvalidArgumentError("active_ids", "distinct destination states", host.tolist())
-        if host_ids:
-            rows = dev.host_to_device(torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64)), self.device)
-        return temporal, convs, rows
-
-    def _check_view(self, name: str, t: object, inner: tuple[int, ...], dtype: torch.dtype,
-                    rows: Optional[int] = None) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise InvalidTypeError(name, "a tensor", type(t).__name__)
-        want = (self.spec.num_layers, t.shape[1] if rows is None else rows, *inner) if t.dim() >= 2 else None
-        if want is None or tuple(t.shape) != want:
-            raise InvalidArgumentError(name, f"shape [L={self.spec.num_layers}, rows, *{inner}]", tuple(t.shape))
-        if t.dtype != dtype:
-            raise InvalidArgumentError(name, f"dtype {dtype}", t.dtype)
-        if t.device != self.device:
-            raise InvalidArgumentError(name, f"a tensor on {self.device}", t.device)
+        rows_t, slots_t = self._args.to_device(rows, host_slots)
+        t1_args.kernels_load(self, lay, slots_t, rows_t)
 
     def __repr__(self) -> str:
         return (f"Int8CheckpointPool({self.codec}, {self.num_slots} slots x {self.slot_bytes} B = "

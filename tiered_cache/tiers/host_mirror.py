@@ -71,6 +71,7 @@ class HostRegion:
             self.chunks.append(_host_alloc(n * spec.slot_bytes, pin, self._registered))
             left -= n
         self.pinned = pin != "none"
+        self._chunk_ptrs: Optional[np.ndarray] = None  # chunks' addresses, made on first use (they never move)
         self.allocator = SlotAllocator(spec.num_slots, name=f"host {spec.name}")
         self.checksums = np.zeros(self.capacity, dtype=np.int64)
         self.valid = np.zeros(self.capacity, dtype=bool)
@@ -107,6 +108,13 @@ class HostRegion:
         first = np.flatnonzero(starts)
         lengths = np.diff(np.append(first, s.size))
         return list(zip(first.tolist(), s[first].tolist(), lengths.tolist()))
+
+    def slot_addresses(self, slots: Sequence[int]) -> np.ndarray:
+        """The host address of each slot's first byte (int64), for DMA calls that take raw pointers."""
+        c, k = np.divmod(np.asarray(slots, dtype=np.int64), self.per_chunk)
+        if self._chunk_ptrs is None:
+            self._chunk_ptrs = np.array([t.data_ptr() for t in self.chunks], dtype=np.int64)
+        return self._chunk_ptrs[c] + k * self.slot_bytes
 
     def run_view(self, first_slot: int, n: int) -> torch.Tensor:
         c, r = divmod(first_slot, self.per_chunk)

@@ -8,6 +8,9 @@ consecutive ids (``HostRegion.runs``). Three ways to move them (``method``):
               reverse): few calls, but the bytes cross HBM twice
     kernel    a few programs that read or write the mapped pinned host memory directly
               (``kernels/hostcopy.py``): no per-call cost, takes a few SMs from compute
+    batch     every row (or run of rows adjacent on both sides) as one entry of one
+              ``cudaMemcpyBatchAsync`` call (``batch_dma.py``): DMA, no SMs, one call per move; only
+              where ``cuda-bindings`` offers it (``auto`` falls back to ``kernel`` elsewhere)
 
 ``bench_transfer.py`` measures all three against a contiguous pinned copy; ``DEFAULT_METHOD``'s comment
 gives the choice. Everything here runs on the caller's current stream (the engine's copy stream).
@@ -24,14 +27,18 @@ from tiered_cache import device as dev
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.hostcopy import copy_items
 from tiered_cache.tiers.host_mirror import HostRegion
+from tiered_cache.transfer.batch_dma import BatchDMA
 
-# ``auto`` picks by row size, from bench_transfer.py on the H200 (benchmarks/results/transfer-h200.md):
+# ``auto`` picks by row size and direction, from bench_transfer.py on the H200 (benchmarks/results/transfer-h200.md):
 # rows of AUTO_COPY_MIN_BYTES or more (state envelopes, ~21 MB for Qwen3-Next-80B) go as one DMA copy
-# each: they reach ~0.95 of a contiguous pinned copy and use no SMs. Smaller rows (KV pages, ~384 KiB)
-# pay a fixed cost per copy call (~14 GB/s per-page copies, ~19 through a staging buffer when host
-# slots are scattered), so they go through the few-program mapped-memory kernel.
+# each: they reach ~0.95 of a contiguous pinned copy and use no SMs. Smaller rows (KV pages, 384 KiB to
+# 1.5 MiB) pay a fixed cost per copy call (per-page copies 19-41 GB/s sustained, 2026-12-01), so: H2D as
+# one ``cudaMemcpyBatchAsync`` per move where it exists (46-50 GB/s sustained against 36-37 for the kernel),
+# D2H through the few-program mapped-memory kernel (41-43 GB/s against 35-42 for batched DMA), and both
+# ways at once the two side by side, DMA engines one way and a few SMs the other. Without batched DMA
+# both directions take the kernel (or the staging buffer for long host runs).
 DEFAULT_METHOD = {"d2h": "auto", "h2d": "auto"}
-METHODS = ("auto", "copy", "staging", "kernel")
+METHODS = ("auto", "copy", "staging", "kernel", "batch")
 AUTO_COPY_MIN_BYTES = 2 << 20
 
 
@@ -56,6 +63,7 @@ class ScatterCopier:
         self.staging_programs = 4 * dev.multiprocessor_count(device) if device.type == "cuda" else 4
         self._staging: dict[str, torch.Tensor] = {}
         self._staging_bytes = staging_bytes
+        self.batch = BatchDMA(device)  # probed on first use; unavailable on CPU and without cuda-bindings
 
     def pick(self, direction: str, row_bytes: int, runs: list, sub: bool) -> str:
         method = self.method[direction]
@@ -64,8 +72,12 @@ class ScatterCopier:
                 return "copy"
             # Small rows: consecutive host slots go as one DMA copy per run through the staging
             # buffer when runs are long; scattered ones through the few-program kernel.
+            if direction == "h2d" and self.batch.available:
+                return "batch"
             run_bytes = row_bytes * sum(k for _, _, k in runs) / max(1, len(runs))
             method = "staging" if run_bytes >= AUTO_COPY_MIN_BYTES and not sub else "kernel"
+        if method == "batch" and not self.batch.available:
+            method = "kernel"  # no cuda-bindings (or no CUDA): the few-program kernel instead
         if method == "staging" and sub:
             method = "kernel"  # a layer's sub-range of each row has no contiguous staging form
         if method == "kernel" and not use_triton(self.device, self.backend):
@@ -86,6 +98,9 @@ class ScatterCopier:
             return
         if method == "staging":
             self._staging_copy(direction, rows_view, rows_t, region, slots, keep)
+            return
+        if method == "batch":
+            self._batch(direction, rows_view, rows_l, region, slots, off, n)
             return
         for pos, s0, k in runs:
             for j in range(k):  # device rows are scattered: one copy per row
@@ -163,6 +178,15 @@ class ScatterCopier:
             else:
                 copy_items(host_words, h_t, dev_words, d_t, n // 4, self.kernel_programs, self.kernel_block_words,
                            self.kernel_warps)
+
+    def _batch(self, direction, rows_view, rows_l, region, slots, off, n) -> None:
+        """One ``cudaMemcpyBatchAsync`` for all rows on the current stream; rows adjacent on both sides
+        merge into one copy. The host chunks belong to the region and the device rows to their side,
+        so nothing needs keeping past the call."""
+        dev_addr = rows_view.data_ptr() + np.asarray(rows_l, dtype=np.int64) * rows_view.stride(0) + off
+        host_addr = region.slot_addresses(slots) + off
+        dst, src = (host_addr, dev_addr) if direction == "d2h" else (dev_addr, host_addr)
+        self.batch.copy(dst, src, n, dev.current_stream(self.device))
 
     def _get_staging(self, direction: str, row_bytes: int) -> torch.Tensor:
         """The direction's staging buffer (one per direction: D2H and H2D run at the same time)."""
