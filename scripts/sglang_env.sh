@@ -82,6 +82,7 @@ log "installing $(ls "$SGL"/wheels/*.whl | wc -l) wheels into $DIR"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
     --target "$DIR" "$SGL"/wheels/*.whl >&2
 log "unpacking $TARBALL"
-tar -xJf "$SGL/$TARBALL" -C "$DIR"
+# Python's tarfile, not tar: the machine may lack xz.
+"$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$SGL/$TARBALL" "$DIR"
 echo "$stamp" >"$DIR/.sgl-stamp"
 echo "$DIR"
