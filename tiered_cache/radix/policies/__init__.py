@@ -3,7 +3,7 @@
     admission.py  StateAdmission: which offered states the tree keeps (chunk ends, leaf + branch, blocks)
     facts.py      NodeFacts: the node facts the cost-aware policies read (prefix, anchor, children, tiers)
     scored.py     PrefixCosts (costs of a victim from the model geometry), MarconiPolicy, SegLenPolicy
-    tiered.py     TieredPolicy: tier-aware Greedy-Dual-Size-Frequency ("ours")
+    tiered.py     TieredPolicy: tier-aware expected saving per byte ("ours")
     tuning.py     AlphaTuner: Marconi's online alpha, by replaying the recent window over a grid
 """
 

@@ -8,6 +8,7 @@ are candidates and when they were used (``policy.EvictionPolicy``). These few fa
     anchor(x)   prefix of x's nearest ancestor a model can resume from (0: the root): evicting x's
                 state or KV makes its next hit recompute ``[anchor, prefix)``
     span(x)     tokens of x's own span; children(x); hits(x) (matches that resumed at x)
+    dropped_with(x): device tokens of the tombstones that go with the leaf x when it is dropped
     t1(x) / t2(x) / host_kv(x) / on_device(x): where x's data lives
 """
 
@@ -37,6 +38,17 @@ class NodeFacts:
         while y.parent is not None and not y.payload.resumable:
             y = y.parent
         return 0 if y.parent is None else self.prefix(y)
+
+    @staticmethod
+    def dropped_with(x: Any) -> int:
+        """Device tokens of the ancestors that go when the leaf ``x`` is dropped: the unlocked idle
+        one-child tombstones right above it (``RadixTree.after_child_removed`` removes them)."""
+        tok, y = 0, x.parent
+        while (y.parent is not None and len(y.children) == 1 and not y.payload.resumable and not y.full_lock_ref
+               and not y.tickets):
+            tok += len(y.key) if y.value is not None else 0
+            y = y.parent
+        return tok
 
     @staticmethod
     def span(x: Any) -> int:

@@ -98,13 +98,13 @@ class ScoredPolicy(LRUPolicy):
         cand = self._cand[resource]
         if not cand:
             return None
-        x = self.choose(resource, sorted(cand, key=lambda n: n.id))
+        x = self.choose(resource, list(cand))
         cand.discard(x)
         self.counts[resource] += 1
         return x
 
     def choose(self, resource: str, cands: list[Any]) -> Any:
-        """The victim among ``cands`` (sorted by node id); least recently used here."""
+        """The victim among ``cands`` (in no order: ties go by recency, then node id); least recently used here."""
         return self.least_recent(resource, cands)
 
     def observe(self, request: Any) -> None:
@@ -123,14 +123,17 @@ class ScoredPolicy(LRUPolicy):
         return self.costs.saved(f.anchor(x), f.prefix(x))
 
     def freed_bytes(self, resource: str, x: Any) -> int:
-        """Bytes of ``resource``'s tier that evicting ``x`` frees (a dropped leaf frees its KV and its T1 state)."""
+        """Bytes of ``resource``'s tier that evicting ``x`` frees: a dropped leaf frees its KV, its T1 state
+        and the KV of the tombstones that go with it (``NodeFacts.dropped_with``)."""
         f, c = self.facts, self.costs
         kv = f.span(x) * c.kv_bytes
         if resource == "state":
             leaf_goes = not self.tiered and not f.children(x) and not f.t2(x) and f.on_device(x)
-            return c.t1_state_bytes + (kv if leaf_goes else 0)
+            return c.t1_state_bytes + ((f.span(x) + f.dropped_with(x)) * c.kv_bytes if leaf_goes else 0)
         if resource == "kv":
-            return kv + (c.t1_state_bytes if f.t1(x) and not f.host_kv(x) else 0)
+            if f.host_kv(x):  # demoted: only its own KV leaves the device
+                return kv
+            return (f.span(x) + f.dropped_with(x)) * c.kv_bytes + (c.t1_state_bytes if f.t1(x) else 0)
         if resource == "state_host":
             return c.host_state_bytes
         return kv
