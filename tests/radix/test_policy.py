@@ -260,3 +260,21 @@ def test_tiered_policy_with_t2_costs_a_copy():
     assert p.cost_s("state", x) == pytest.approx(c.host_state_bytes / c.pcie_bytes_per_s)
     assert q.cost_s("state", x) == pytest.approx(c.saved(0, 8) / c.prefill_flops_per_s)
     assert p.cost_s("state", x) < q.cost_s("state", x)
+
+
+def test_cli_flags_reach_the_cache_config():
+    """``tiered-cache stress --eviction-policy ... --state-admission ...``: the cached run's CacheConfig."""
+    import argparse
+
+    from tiered_cache.engine.stress import add_arguments, configs
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--device", "cpu", "--eviction-policy", "tiered", "--state-admission", "block",
+                         "--admission-block", "64", "--cost-model", "marconi-7b"])
+    cached = configs(args, torch.device("cpu"))[1]
+    got = cached.cache
+    assert (got.eviction_policy, got.state_admission, got.admission_block, got.cost_model) == (
+        "tiered", "block", 64, "marconi-7b")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--eviction-policy", "lfu"])

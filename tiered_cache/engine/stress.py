@@ -25,7 +25,15 @@ from typing import Any
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.config import CODECS, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
+from tiered_cache.config import (
+    CODECS,
+    COST_MODELS,
+    EVICTION_POLICIES,
+    PREFETCH_POLICIES,
+    STATE_ADMISSIONS,
+    WRITE_POLICIES,
+    CacheConfig,
+)
 from tiered_cache.errors import InvalidArgumentError, MemoryBudgetError, UsageError
 from tiered_cache.validate import float_arg, int_arg
 
@@ -85,6 +93,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with one write and read before the run)")
     g.add_argument("--prefetch-policy", default="best_effort", choices=PREFETCH_POLICIES,
                    help="T3 -> T2 prefetch on a T2 miss")
+    g.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
+                   help="which cached node gives up a resource next (radix.policies: marconi, seglen, tiered)")
+    g.add_argument("--cost-model", default="qwen3-next-80b", choices=COST_MODELS,
+                   help="the geometry whose FLOPs the cost-aware policies count (tiered_cache.costs)")
+    g.add_argument("--state-admission", default="chunk", choices=STATE_ADMISSIONS,
+                   help="which offered states the tree keeps: every chunk end, leaf + branch points, or + blocks")
+    g.add_argument("--admission-block", type=int, default=512, help="tokens between kept states for block")
     g = p.add_argument_group("runs")
     g.add_argument("--repeats", type=int, default=2,
                    help="cached and no-cache runs, alternated, each timed (wall and CPU: min / median / max)")
@@ -143,7 +158,9 @@ def configs(args: argparse.Namespace, device: torch.device):
         tiers = CacheConfig(page_size=args.page_size, kv_pages=args.kv_pages, t0_states=args.t0_states,
                             t1_states=args.t1_states, codec=args.codec, host_kv_pages=args.host_kv_pages,
                             host_states=args.host_states, write_policy=args.write_policy, storage_url=args.storage,
-                            prefetch_policy=args.prefetch_policy)
+                            prefetch_policy=args.prefetch_policy, eviction_policy=args.eviction_policy,
+                            cost_model=args.cost_model, state_admission=args.state_admission,
+                            admission_block=args.admission_block)
         cached = EngineConfig(use_cache=True, cache=tiers, **common)
         base = EngineConfig(use_cache=False, cache=CacheConfig(page_size=args.page_size), **common)
     except InvalidArgumentError as e:
