@@ -1,7 +1,7 @@
 """Capacity simulation: hit rate against GPU and host memory, on the real cache structures, no model.
 
     python benchmarks/bench_capacity.py                  # synthetic multi-turn trace, CPU, a few minutes
-    python benchmarks/bench_capacity.py --trace ../shared/traces/mooncake_conversation_trace.jsonl
+    python benchmarks/bench_capacity.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit 4000
     python benchmarks/bench_capacity.py --requests 1000000 --gpu-gib 16 --host-gib 256   # one point, long
 
 The simulation itself (the configurations' real tiers at Qwen3-Next-80B byte budgets, the engine's
@@ -204,10 +204,11 @@ def _trace_point(cfg: str, gpu_gib: float, host_gib: float) -> dict:
 
 def _ceiling_point() -> dict:
     a = _RUN["args"]
-    r = cs.simulate_tiers(_RUN["trace"], unbounded_tiers(_RUN["trace"], a.max_running, BLOCK), page=BLOCK,
-                          fast=True, write_policy=a.write_policy)
+    tiers = unbounded_tiers(_RUN["trace"], a.max_running, BLOCK)
+    r = cs.simulate_tiers(_RUN["trace"], tiers, page=BLOCK, fast=True, write_policy=a.write_policy)
     r.pop("evictions")
-    return {"config": "unbounded", "gpu_gib": None, "host_gib": 0, **r}
+    sizes = {k: tiers.get(k, 0) for k in ("kv_pages", "t1_states", "host_kv_pages", "host_states")}
+    return {"config": "unbounded", "gpu_gib": None, "host_gib": 0, **sizes, **r}  # the grid rows' columns
 
 
 def _check_point(cfg: str, fast: bool) -> dict:
@@ -348,8 +349,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None, help="a Mooncake-format trace: run its grid instead of the synthetic trace")
     p.add_argument("--limit", type=int, default=None, help="--trace: only its first N requests")
-    p.add_argument("--grid-gpu", type=float, nargs="+", default=[32, 64], help="--trace: GPU GiB of the grid")
-    p.add_argument("--grid-host", type=float, nargs="+", default=[256, 512, 1024, 1536],
+    p.add_argument("--grid-gpu", type=float, nargs="+", default=[32], help="--trace: GPU GiB of the grid")
+    p.add_argument("--grid-host", type=float, nargs="+", default=[128, 256, 512, 1024],
                    help="--trace: host GiB of the grid ((2b) and (4))")
     p.add_argument("--workers", type=int, default=2, help="processes the points are spread over")
     p.add_argument("--check-requests", type=int, default=1500,
