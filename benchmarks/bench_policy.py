@@ -1,6 +1,6 @@
 """Admission and eviction policies in the capacity simulation: token hit rate and FLOPs saved (issue 23).
 
-    python benchmarks/bench_policy.py            # CPU, ~20 minutes (nice -n 10)
+    python benchmarks/bench_policy.py            # CPU, ~20 minutes on a shared 2-core machine (nice -n 10)
     python benchmarks/bench_policy.py --quick    # one point per scenario, for a look
 
 Each point runs a trace through a ``TieredCache`` on CPU (the real tree over a real ``UnifiedPool`` (T0),
@@ -36,6 +36,7 @@ all prompts. Ratios are taken at every point of the grid; the headline is the wo
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import heapq
 import math
 import os
@@ -293,9 +294,9 @@ def worst(rows: list[dict], num: str, den: str, key: str) -> Optional[float]:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one rate, one budget per scenario, fewer requests")
-    p.add_argument("--requests", type=int, default=1000, help="measured requests per point")
-    p.add_argument("--warm", type=int, default=500, help="requests run before measuring")
-    p.add_argument("--window", type=int, default=500, help="Marconi's tuning window (requests)")
+    p.add_argument("--requests", type=int, default=800, help="measured requests per point")
+    p.add_argument("--warm", type=int, default=400, help="requests run before measuring")
+    p.add_argument("--window", type=int, default=400, help="Marconi's tuning window (requests)")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0], help="(a) session arrivals per second")
     p.add_argument("--gpu-gib-a", type=float, nargs="+", default=[8, 24])
     p.add_argument("--gpu-gib-b", type=float, nargs="+", default=[32, 64])
@@ -324,13 +325,15 @@ def main(argv: Optional[list[str]] = None) -> str:
     n = a.warm + a.requests
     reqs_a = {f"{kind}@{rate:g}/s": marconi_sessions(kind, rate, n, a.seed, a) for kind in ("chat", "swe")
               for rate in a.rates}
-    rows = []
-    if "a" in a.scenarios:
-        rows += sweep("a", reqs_a, costs.MARCONI_7B, MARCONI_KV, MARCONI_STATE, 64, a.gpu_gib_a, a.host_gib_a,
-                      ("leaf_branch", None), a)
-    if "b" in a.scenarios:
-        rows += sweep("b", {"mooncake": mooncake(a.trace, n)}, costs.QWEN3_NEXT_80B, QWEN_KV, QWEN_STATE, BLOCK,
-                      a.gpu_gib_b, a.host_gib_b, ("block", "last_block"), a)
+    jobs = []
+    with concurrent.futures.ProcessPoolExecutor(max_workers=len(a.scenarios)) as ex:  # the scenarios side by side
+        if "a" in a.scenarios:
+            jobs.append(ex.submit(sweep, "a", reqs_a, costs.MARCONI_7B, MARCONI_KV, MARCONI_STATE, 64, a.gpu_gib_a,
+                                  a.host_gib_a, ("leaf_branch", None), a))
+        if "b" in a.scenarios:
+            jobs.append(ex.submit(sweep, "b", {"mooncake": mooncake(a.trace, n)}, costs.QWEN3_NEXT_80B, QWEN_KV,
+                                  QWEN_STATE, BLOCK, a.gpu_gib_b, a.host_gib_b, ("block", "last_block"), a))
+        rows = [r for j in jobs for r in j.result()]
     metrics: dict[str, Optional[float]] = {
         "flops_saved_ours_vs_marconi": worst(rows, "ours", "marconi", "flops_saved"),
         "hit_rate_ours_vs_marconi": worst(rows, "ours", "marconi", "hit_rate"),
