@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import capacity_sim as cs  # noqa: E402
+from benchmarks import workload_common as wc  # noqa: E402
 from benchmarks.capacity_sim import SimRequest, simulate  # noqa: E402
 from benchmarks.common import RESULTS, device_tag, write_results  # noqa: E402
 from benchmarks.traces import BLOCK, load_trace, unbounded_reuse  # noqa: E402
@@ -96,7 +97,7 @@ def synthetic_point(args: argparse.Namespace, cfg: str, gpu_gib: float, host_gib
                     requests: Optional[int] = None, keep_hits: bool = False) -> dict:
     """One configuration on the synthetic trace: ``--warm`` requests, then ``requests`` measured."""
     n = args.requests if requests is None else requests
-    label = f"{cs.LABELS[cfg]} GPU {gpu_gib:g} host {host_gib:g}" if args.progress and args.workers <= 1 else None
+    label = f"{wc.LABELS[cfg]} GPU {gpu_gib:g} host {host_gib:g}" if args.progress and args.workers <= 1 else None
     return simulate(Trace(args, seed=args.seed).take(args.warm + n), gpu_bytes=int(gpu_gib * GiB),
                        host_bytes=int(host_gib * GiB), config_name=cfg, fast=fast, page=args.page,
                        max_running=args.max_running, kv_fraction=args.kv_fraction, request_pages=Trace(args).longest(),
@@ -123,7 +124,7 @@ def chart(path: str, rows: list[dict], args: argparse.Namespace) -> None:
                  f"{args.requests} requests per point")
     for cfg, style in (("gpu_only", "o-"), ("int8_t1", "s-"), ("gpu_only_host", "v--"), ("int8_t1_t2", "^-")):
         pts = [r for r in rows if r["config"] == cfg and r["sweep"] == "gpu"]
-        ax[0].plot([r["gpu_gib"] for r in pts], [r["hit_rate"] for r in pts], style, label=cs.LABELS[cfg])
+        ax[0].plot([r["gpu_gib"] for r in pts], [r["hit_rate"] for r in pts], style, label=wc.LABELS[cfg])
     ax[0].set(title=f"hit rate vs GPU budget (host {args.host_gib[0]:g} GiB for (2b), (4))", xlabel="GPU GiB",
               ylabel="prompt tokens reused", ylim=(0, 1))
     ax[0].legend()
@@ -131,7 +132,7 @@ def chart(path: str, rows: list[dict], args: argparse.Namespace) -> None:
         pts = sorted((r for r in rows if r["config"] == cfg and r["gpu_gib"] == args.host_sweep_gpu),
                      key=lambda r: r["host_gib"])
         ax[1].plot([r["host_gib"] for r in pts], [r["hit_rate"] for r in pts], style,
-                   label=f"{cs.LABELS[cfg]}, GPU {args.host_sweep_gpu:g} GiB")
+                   label=f"{wc.LABELS[cfg]}, GPU {args.host_sweep_gpu:g} GiB")
     go = [r for r in rows if r["config"] == "gpu_only" and r["gpu_gib"] == args.host_sweep_gpu]
     if go:
         ax[1].axhline(go[0]["hit_rate"], ls=":", color="tab:blue", label="(2) at the same GPU budget")
@@ -332,7 +333,7 @@ def trace_chart(path: str, rows: list[dict], ceiling: float, attention: float) -
     for g in sorted({r["gpu_gib"] for r in rows}):
         for cfg, style in (("gpu_only_host", "v--"), ("int8_t1_t2", "^-")):
             pts = sorted((r for r in rows if r["config"] == cfg and r["gpu_gib"] == g), key=lambda r: r["host_gib"])
-            ax.plot([r["host_gib"] for r in pts], [r["hit_rate"] for r in pts], style, label=f"{cs.LABELS[cfg]}, "
+            ax.plot([r["host_gib"] for r in pts], [r["hit_rate"] for r in pts], style, label=f"{wc.LABELS[cfg]}, "
                     f"GPU {g:g} GiB")
     ax.axhline(ceiling, color="k", ls=":", label="unbounded (hybrid, this checkpoint placement)")
     ax.axhline(0.9 * ceiling, color="gray", ls=":", label="90 % of it")

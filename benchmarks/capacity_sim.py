@@ -53,8 +53,6 @@ TINY_KV = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)  # 3
 # The cached configurations (1) has no cache to simulate: its hit rate is 0 by construction.
 SIM_CONFIGS = ("gpu_only", "gpu_only_host", "int8_t1", "int8_t1_t2")
 TAGS = {"no_cache": "1", "gpu_only": "2", "gpu_only_host": "2b", "int8_t1": "3", "int8_t1_t2": "4"}
-LABELS = {"gpu_only": "(2) GPU-only, lossless", "gpu_only_host": "(2b) + lossless host", "int8_t1": "(3) + int8 T1",
-          "int8_t1_t2": "(4) + T2 host"}
 _CFG_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 
 
@@ -85,17 +83,11 @@ def tiny_state(real: wc.TierBytes) -> StateSpec:
 def tier_sizes(config_name: str, gpu_bytes: int, host_bytes: int, *, page: int, max_running: int,
                request_pages: int, kv_fraction: float) -> dict[str, Any]:
     """``config_name``'s tier sizes (``CacheConfig`` fields) at these budgets: ``workload_common.split_budget``'s
-    for (2), (3), (4); (2b) is (2)'s GPU tiers plus (4)'s host bytes split alike (the same T2 KV pages),
-    its T2 state slots holding lossless envelopes: what SGLang 0.5.23's HiCache keeps for a hybrid."""
+    ((2b): (2)'s GPU tiers plus (4)'s host bytes split alike, its T2 state slots lossless envelopes)."""
     if config_name not in SIM_CONFIGS:
         raise InvalidArgumentError("config_name", f"one of {SIM_CONFIGS}", config_name)
-    b = real_bytes(page)
-    out = wc.split_budget(b, gpu_bytes, host_bytes, max_running, request_pages, kv_fraction)
-    if config_name != "gpu_only_host":
-        return out[config_name]
-    host_kv = out["int8_t1_t2"]["host_kv_pages"]
-    return dict(out["gpu_only"], host_kv_pages=host_kv, host_states=max(1, (host_bytes - host_kv * b.kv_page) //
-                                                                            b.t1_lossless))
+    return wc.split_budget(real_bytes(page), gpu_bytes, host_bytes, max_running, request_pages,
+                           kv_fraction)[config_name]
 
 
 def mooncake_requests(trace: Sequence[TraceRequest], *, block: int = BLOCK) -> list[SimRequest]:
