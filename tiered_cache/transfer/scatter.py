@@ -32,11 +32,12 @@ from tiered_cache.transfer.batch_dma import BatchDMA
 # ``auto`` picks by row size and direction, from bench_transfer.py on the H200 (benchmarks/results/transfer-h200.md):
 # rows of AUTO_COPY_MIN_BYTES or more (state envelopes, ~21 MB for Qwen3-Next-80B) go as one DMA copy
 # each: they reach ~0.95 of a contiguous pinned copy and use no SMs. Smaller rows (KV pages, 384 KiB to
-# 1.5 MiB) pay a fixed cost per copy call (per-page copies 19-41 GB/s sustained, 2026-12-01), so: H2D as
-# one ``cudaMemcpyBatchAsync`` per move where it exists (46-50 GB/s sustained against 36-37 for the kernel),
-# D2H through the few-program mapped-memory kernel (41-43 GB/s against 35-42 for batched DMA), and both
-# ways at once the two side by side, DMA engines one way and a few SMs the other. Without batched DMA
-# both directions take the kernel (or the staging buffer for long host runs).
+# 1.5 MiB) pay a fixed cost per copy call (per-page copies 19-47 GB/s sustained), so: H2D as one
+# ``cudaMemcpyBatchAsync`` per move where it exists (45-51 GB/s sustained, the kernel 37-39), D2H through
+# the few-program mapped-memory kernel (42-44 GB/s, batched DMA 35-42), and both ways at once the two
+# side by side: 73-78 GB/s sustained, where batched DMA both ways reached 47-64 and the kernel both ways
+# 45-46 (c381ac4, 2026-12-01). Without batched DMA both directions take the kernel (or the staging
+# buffer for long host runs).
 DEFAULT_METHOD = {"d2h": "auto", "h2d": "auto"}
 METHODS = ("auto", "copy", "staging", "kernel", "batch")
 AUTO_COPY_MIN_BYTES = 2 << 20
