@@ -135,7 +135,11 @@ class Ours:
         self.stack = TieredCache.build(cfg, kv=KV, state=ST, device="cpu")
         self.cache = self.stack.tree
         self.t1 = T1Timer(self.cache.ckpt)
-        self.size = 0  # cached tokens
+
+    @property
+    def size(self) -> int:
+        """Cached tokens."""
+        return self.cache.total_size()[0]
 
     def held(self, toks: list[int]) -> Any:
         """Token ids as SGLang's ``Req`` holds them (an ``array("q")``), which our SGLang backend makes keys of
@@ -148,7 +152,8 @@ class Ours:
         m = cache.match_prefix(MatchPrefixParams(key=RadixKey(toks)))
         cache.inc_lock_ref(m.last_device_node)
         hit, aligned = len(m.device_indices), len(toks) // ps * ps
-        new, slot = cache.kv.alloc(aligned - hit), cache.states.alloc(1)
+        # the engine's allocation: evicts cached KV for room when T0 is full (lazy compaction leaves holes)
+        new, slot = self.stack.alloc_kv(aligned - hit), self.stack.alloc_states(1)
         assert new is not None and slot is not None, "the benchmark's pools are sized for the trace"
         value = torch.cat([m.device_indices, new])
         t1, t0 = self.t1.s, time.perf_counter()
@@ -159,7 +164,6 @@ class Ours:
             cache.kv.free(value[max(res.cached_len, hit):])
         cache.states.free(slot)
         cache.dec_lock_ref(m.last_device_node)
-        self.size += res.cached_len - res.prefix_len
         return dt, self.t1.s - t1
 
     def match(self, toks: Any, req: Any) -> int:
@@ -167,9 +171,7 @@ class Ours:
         return int(m.kv_hit_length)
 
     def evict(self) -> int:
-        n = self.cache.evict(EvictParams(num_tokens=EVICT_TOKENS)).num_tokens_evicted
-        self.size -= n
-        return n
+        return self.cache.evict(EvictParams(num_tokens=EVICT_TOKENS)).num_tokens_evicted
 
 
 class Sgl:
@@ -188,7 +190,10 @@ class Sgl:
         params = sgl["params"].CacheInitParams(disable=False, req_to_token_pool=rows,
                                                token_to_kv_pool_allocator=self.alloc, page_size=PS)
         self.cache = sgl["radix"].RadixCache(params)
-        self.size = 0
+
+    @property
+    def size(self) -> int:
+        return self.cache.evictable_size() + self.cache.protected_size()
 
     def held(self, toks: list[int]) -> Any:
         """Token ids as SGLang's ``Req`` holds them (an ``array("q")``)."""
@@ -201,6 +206,9 @@ class Sgl:
         hit, aligned = m.device_prefix_len, len(toks) // PS * PS
         prefix = cache.path_device_indices(m.last_device_node)[:hit]
         new = self.alloc.alloc(aligned - hit)
+        if new is None:  # the scheduler's order: evict for room, then allocate
+            cache.evict(b.EvictParams(num_tokens=aligned - hit))
+            new = self.alloc.alloc(aligned - hit)
         assert new is not None, "the benchmark's pools are sized for the trace"
         value = torch.cat([prefix, new])
         t0 = time.perf_counter()
@@ -208,7 +216,6 @@ class Sgl:
         self.alloc.free_segment(value[hit:res.prefix_len], start_pos=hit)  # _insert_cache's duplicate free
         dt = time.perf_counter() - t0
         cache.dec_lock_ref(m.last_device_node)
-        self.size += aligned - res.prefix_len
         return dt, 0.0
 
     def match(self, toks: Any, req: Any) -> int:
@@ -217,9 +224,7 @@ class Sgl:
         return int(m.device_prefix_len)
 
     def evict(self) -> int:
-        n = self.cache.evict(self.sgl["base"].EvictParams(num_tokens=EVICT_TOKENS)).num_tokens_evicted
-        self.size -= n
-        return n
+        return self.cache.evict(self.sgl["base"].EvictParams(num_tokens=EVICT_TOKENS)).num_tokens_evicted
 
 
 class Req:
