@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py                 # H200: 36 layers x 32 heads x 128 x 128, 16 and 64 states
     python benchmarks/bench_kernels.py --small         # CPU smoke run (Triton interpreter), tiny shapes
+    python benchmarks/bench_kernels.py --parts api sweep   # H200: the engine's path and the store's formulations
 
 For each state dtype (fp32, bf16) and states per call (16, 64): states sit scattered in a T0-like
 slot-major buffer (twice as many rows as states, random rows) and go to random T1 slots of an
@@ -11,6 +12,13 @@ bit-exact against the reference). Then, in the same run, three timings of the sa
 - the fused Triton kernel (``quant.quantize_store`` / ``quant.dequantize_load``, ids pre-translated);
 - the reference torch path (``reference.quantize_store_reference`` / ``dequantize_load_reference``);
 - a device copy (``Tensor.copy_``) of as many bytes as the kernel reads plus writes, halved.
+
+The engine's path (``--parts api``, GPU): ``store_from_active`` / ``load_to_active`` over a T0 ``UnifiedPool``
+state side with virtual ids (host lists), 1, 4, 16 and 64 states a call, ``k`` calls back to back between
+two CUDA events against as many device copies of the same bytes (``api_store_fp32_n16_vs_copy`` ...: host
+time the GPU waits for counts), the host microseconds of one call (``api_host_us_per_call_n1`` ...),
+device-id variants at 16 (a read-back each call), and for bf16 the store's other formulation. The
+store's formulations (``--parts sweep``, GPU): one-pass tiles and the two-pass kernel, 16 states.
 
 GB/s = 1e9 bytes/s counting bytes read plus written: store reads ``N*E*isz`` and writes ``N*E`` int8
 plus ``N*L*H*d_k*isz`` of scales (``E = L*H*d_v*d_k``); load the reverse. The named metrics
@@ -334,7 +342,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run through the interpreter)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU: do_bench)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the bf16 store's tile and warps")
+    parser.add_argument("--parts", nargs="+", choices=["kernels", "api", "sweep"], default=["kernels", "api"],
+                        help="what to run: the kernels called directly, the engine's path (api, GPU only), the "
+                             "store formulations' sweep (GPU only); each prints its numbers as it finishes")
     args = parser.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if args.small:
@@ -345,23 +355,38 @@ def main(argv: Optional[list[str]] = None) -> dict:
         # Qwen3-Next-80B: 36 linear layers, 32 value heads of 128 x 128; conv window [8192, 3] bf16.
         shape, conv, states = dict(layers=36, heads=32, dv=128, dk=128), ((8192, 3),), args.states or [16, 64]
     metrics: dict[str, float] = {}
-    for dt in args.dtypes:
-        for n in states:
-            metrics.update(bench_case(dt, n, shape, device, args.reps))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the case's GBs are garbage now: give them back before the next
-    if device.type == "cuda" and not args.small:
+    t_start = time.perf_counter()
+
+    def progress(what: str, got: dict[str, float]) -> None:  # a run cut short still shows what it measured
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {what}: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in got.items() if k.endswith(("vs_copy", "host_us", "bit_exact"))), flush=True)
+
+    if "kernels" in args.parts:
         for dt in args.dtypes:
-            for n in (1, 4, 16, 64):
-                metrics.update(bench_api(dt, n, shape, conv, device, 5, 20))
-                torch.cuda.empty_cache()
-        if args.sweep:
-            metrics.update(store_sweep(shape, device))
+            for n in states:
+                got = bench_case(dt, n, shape, device, args.reps)
+                metrics.update(got)
+                progress(f"kernels {dt} {n}", got)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # the case's GBs are garbage now: give them back before the next
+    if device.type == "cuda" and not args.small:
+        if "api" in args.parts:
+            for dt in args.dtypes:
+                for n in (1, 4, 16, 64):
+                    got = bench_api(dt, n, shape, conv, device, 5, 20)
+                    metrics.update(got)
+                    progress(f"api {dt} n{n}", got)
+                    torch.cuda.empty_cache()
+        if "sweep" in args.parts:
+            got = store_sweep(shape, device)
+            metrics.update(got)
+            progress("sweep", got)
     named: dict[str, float] = {}
-    for dt in args.dtypes:
-        for op in ("store", "load"):
-            for what in ("GBps", "vs_torch", "vs_copy"):
-                named[f"{op}_{dt}_{what}"] = min(metrics[f"{op}_{dt}_{n}_{what}"] for n in states)
+    if "kernels" in args.parts:
+        for dt in args.dtypes:
+            for op in ("store", "load"):
+                for what in ("GBps", "vs_torch", "vs_copy"):
+                    named[f"{op}_{dt}_{what}"] = min(metrics[f"{op}_{dt}_{n}_{what}"] for n in states)
     if any(k.startswith("api_") for k in metrics):
         for dt in args.dtypes:
             for n in (1, 4, 16, 64):
@@ -384,10 +409,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "metrics": metrics,
         "named": list(named),
     }
-    stem = write_results(args.out, record, args.dtypes, states)
+    stem = write_results(args.out, record, args.dtypes, states if "kernels" in args.parts else [])
     print(f"{'op':6} {'dtype':5} {'states':>6} {'GB/s':>8} {'torch':>8} {'copy':>8} {'x torch':>8} {'x copy':>7}")
     for dt in args.dtypes:
-        for n in states:
+        for n in states if "kernels" in args.parts else []:
             for op in ("store", "load"):
                 p = f"{op}_{dt}_{n}"
                 print(f"{op:6} {dt:5} {n:>6} {metrics[p + '_GBps']:8.0f} {metrics[p + '_torch_GBps']:8.0f} "
