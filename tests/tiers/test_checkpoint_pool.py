@@ -197,6 +197,39 @@ def test_through_a_unified_pool_with_virtual_ids(backend, ids_as):
         pool.store_from_active(t0.side("full"), fresh, slots)
 
 
+def test_a_sides_layout_is_checked_once_and_serves_every_call(poison):
+    """The layout of a T0 side is made on the first call and reused (the same object), per side: a second
+    pool's side gets its own; plain views are never cached (a caller makes them per call). The cached
+    path moves the same bytes: the round trip equals the reference's into poisoned states."""
+    from tiered_cache.tiers.t1_args import is_state_side
+
+    spec = make_spec(value_axis=2)
+    t0s = [UnifiedPool(KVSpec(2, 2, 16), spec, low_slots=4, high_slots=6, device="cpu") for _ in range(2)]
+    pool = Int8CheckpointPool(spec, 6, "cpu", backend="triton")
+    sides = [t.side("mamba") for t in t0s]
+    assert all(is_state_side(s) for s in sides) and not is_state_side(make_views(spec, 2))
+    layouts = []
+    for side in sides:
+        ids = side.alloc(2).tolist()
+        rows = side.translate(torch.tensor(ids))
+        temporal, conv = side.temporal_view_all(), side.conv_view_all(0)
+        temporal[:, rows] = torch.randn(2, 2, *spec.temporal_shape)
+        conv[:, rows] = torch.randn(2, 2, *spec.conv_shapes[0]).to(spec.conv_dtype)
+        want = expected_load(ActiveViews(temporal), rows, spec), conv[:, rows].clone()
+        slots = pool.alloc_ids(2)[1]
+        pool.store_from_active(side, ids, slots)
+        first = pool._args.layout(side)
+        temporal[:, rows] = poison.value(spec.temporal_dtype)
+        conv[:, rows] = poison.value(spec.conv_dtype)
+        pool.load_to_active(slots, side, ids)
+        assert pool._args.layout(side) is first
+        assert torch.equal(temporal[:, rows], want[0]) and torch.equal(conv[:, rows], want[1])
+        layouts.append(first)
+    assert layouts[0] is not layouts[1] and layouts[0].temporal.data_ptr() != layouts[1].temporal.data_ptr()
+    views = make_views(spec, 2)
+    assert pool._args.layout(views) is not pool._args.layout(views)
+
+
 # ------------------------------------------------------------------------------ bad input
 def _bad_cases(pool, views, spec):
     s = pool.alloc(2)
