@@ -76,6 +76,18 @@ def test_batch_dma_is_unavailable_on_cpu_and_auto_never_picks_it():
     assert eng.copier.pick("h2d", 4096, [(0, 1, 1)], False) != "batch"
 
 
+def test_auto_takes_batched_dma_for_whole_small_rows_h2d_only():
+    """Where batched DMA exists (a stand-in here, on a device the copier takes for CUDA): ``auto`` sends
+    whole KV pages H2D by it, D2H and a layer's sub-range through the kernel, large rows one copy each."""
+    eng = TransferEngine("cpu")
+    c = eng.copier
+    c.batch, c.device = _MemmoveBatch(), torch.device("cuda")
+    assert c.pick("h2d", 384 << 10, [(0, 1, 1)], False) == "batch"
+    assert c.pick("h2d", 384 << 10, [(0, 1, 1)], True) == "kernel"
+    assert c.pick("d2h", 384 << 10, [(0, 1, 1)], False) == "kernel"
+    assert c.pick("h2d", 21 << 20, [(0, 1, 1)], False) == "copy"
+
+
 class _MemmoveBatch:
     """Stands in for ``BatchDMA`` on CPU: coalesces like it, then copies with memmove."""
 

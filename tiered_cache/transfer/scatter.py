@@ -67,13 +67,16 @@ class ScatterCopier:
         self.batch = BatchDMA(device)  # probed on first use; unavailable on CPU and without cuda-bindings
 
     def pick(self, direction: str, row_bytes: int, runs: list, sub: bool) -> str:
+        """The method for one copy call; ``sub``: whether it moves a sub-range (one layer) of each row."""
         method = self.method[direction]
         if method == "auto":
             if self.device.type != "cuda" or row_bytes >= AUTO_COPY_MIN_BYTES:
                 return "copy"
-            # Small rows: consecutive host slots go as one DMA copy per run through the staging
-            # buffer when runs are long; scattered ones through the few-program kernel.
-            if direction == "h2d" and self.batch.available:
+            # Small rows: H2D of whole rows by batched DMA where it exists (a layer's sub-range of each
+            # row, 32 KiB for the engine's pages, was not measured that way: it stays on the kernel);
+            # otherwise consecutive host slots go as one DMA copy per run through the staging buffer
+            # when runs are long, and scattered ones through the few-program kernel.
+            if direction == "h2d" and not sub and self.batch.available:
                 return "batch"
             run_bytes = row_bytes * sum(k for _, _, k in runs) / max(1, len(runs))
             method = "staging" if run_bytes >= AUTO_COPY_MIN_BYTES and not sub else "kernel"
