@@ -42,10 +42,11 @@ LOGIT_ATOL = 1e-4
 # one's int8 copy); every state zeroed: 3.53 (T0+T1), 3.65 (T2). The bound is the largest
 # measurement with margin.
 INT8_DRIFT_BOUND = 0.3
-# Top-1 agreement through T2, measured on the test's workload (seed 0): 0.9766; seeds 0..4:
-# 0.9609-0.9766. Its floor under the int8 design is below 0.99 (see the test): the bound is the
-# measurement with margin.
-INT8_T2_TOP1_BOUND = 0.95
+# Top-1 agreement is not asserted on this random model (issue 24): a fifth of its positions have a
+# top-2 margin under 0.05, so any rounding flips some. Asserted: agreement where the no-cache margin
+# exceeds MARGIN_X times the run's measured drift (all of them must agree); the overall agreement is
+# printed beside bf16 storage's. Trained models that remember: tests/accuracy/test_state_accuracy.py.
+MARGIN_X = 4
 WL = WorkloadConfig(clients=4, rounds=4, question_len=12, system_len=24, max_new_tokens=16)
 SERVE = dict(chunk_size=16, prefill_budget=64, max_running=2)
 # T0: 48 pages of 4 tokens (the 2 running requests reserve up to 2 x 25); T1: 6 states.
@@ -205,37 +206,65 @@ def test_random_aborts_mid_prefill_release_everything(qwen_long, baseline):
 
 
 # ------------------------------------------------------------------------------------ int8
-def _int8_run(model, baseline, host: bool, zero_states: bool = False):
+def _int8_run(model, baseline, host: bool, zero_states: bool = False, bf16_states: bool = False):
+    """The workload teacher-forced with the no-cache answers, int8 states; ``zero_states``: every state
+    the tree hands back (from T1, or T2 through T1's layout) zeroed; ``bf16_states``: lossless states
+    rounded to bf16 on every resume (what bf16 storage, SGLang's ``mamba_ssm_dtype=bfloat16``, keeps)."""
     forced = {(t.client, t.round): t.output for t in baseline}
-    e = Engine(model, EngineConfig(cache=CacheConfig(codec="int8", **SMALL, **(HOST if host else {})), **SERVE))
-    if zero_states:  # every state the tree hands back (from T1, or T2 through T1's layout) is zeroed
+    codec = "lossless" if bf16_states else "int8"
+    e = Engine(model, EngineConfig(cache=CacheConfig(codec=codec, **SMALL, **(HOST if host else {})), **SERVE))
+    if zero_states or bf16_states:
         load = e.tiers.t1.load_to_active
 
-        def zeroed(ckpt_slots, side, active_ids):
+        def changed(ckpt_slots, side, active_ids):
             load(ckpt_slots, side, active_ids)
             rows = side.translate(torch.as_tensor(active_ids, device=side.device).reshape(-1))
-            side.temporal_view_all()[:, rows] = 0
-            side.conv_view_all(0)[:, rows] = 0
+            t = side.temporal_view_all()
+            if bf16_states:
+                t[:, rows] = t[:, rows].to(torch.bfloat16).to(t.dtype)
+            else:
+                t[:, rows] = 0
+                side.conv_view_all(0)[:, rows] = 0
 
-        e.tiers.t1.load_to_active = zeroed
+        e.tiers.t1.load_to_active = changed
     got = run_workload(e, WL, forced=forced, record_logits=True, on_step=e.check_invariants)
     assert_released(e)
     return e, got
 
 
-@pytest.mark.slow
-def test_int8_long_memory_top1_and_drift(qwen_long, baseline):
-    _, got = _int8_run(qwen_long, baseline, host=False)
+def confident_agreement(base, got, drift: float) -> tuple[int, int]:
+    """(positions whose no-cache top-2 margin exceeds ``MARGIN_X * drift``, how many of them agree)."""
+    n = agree = 0
+    for a, b in zip(base, got, strict=True):
+        top = torch.stack(a.logits).topk(2, dim=-1).values
+        for i, (ax, bx) in enumerate(zip(a.argmax, b.argmax, strict=True)):
+            if (top[i, 0] - top[i, 1]).item() > MARGIN_X * drift:
+                n += 1
+                agree += ax == bx
+    return n, agree
+
+
+def check_random_model_int8(baseline, got, zgot, bgot, what: str) -> None:
+    """The drift bound (and the zeroed control breaking it), and agreement where it is a claim."""
     n, top1, drift, margins = compare(baseline, got)
-    _, zgot = _int8_run(qwen_long, baseline, host=False, zero_states=True)
     _, ztop1, zdrift, _ = compare(baseline, zgot)
-    print(f"int8 T0+T1: {n} tokens, top-1 {top1:.4f}, drift {drift:.4f} (bound {INT8_DRIFT_BOUND}); "
+    _, btop1, bdrift, _ = compare(baseline, bgot)
+    conf, conf_agree = confident_agreement(baseline, got, drift)
+    print(f"int8 {what}: {n} tokens, top-1 {top1:.4f} (bf16 storage: {btop1:.4f}, drift {bdrift:.4f}), "
+          f"drift {drift:.4f} (bound {INT8_DRIFT_BOUND}); margin > {MARGIN_X}x drift: {conf_agree}/{conf}; "
           f"flips' margins {margins}; zeroed state: top-1 {ztop1:.4f}, drift {zdrift:.3f}")
     assert n >= 200
-    assert top1 >= 0.99
     assert 0 < drift <= INT8_DRIFT_BOUND  # 0 would mean no int8 state was ever used
+    assert conf >= 10 and conf_agree == conf  # every confident position agrees (measured: 20-24 of 256)
     assert all(m < 2 * drift for m in margins)  # a flip is a near-tie, not a lost state
     assert zdrift > INT8_DRIFT_BOUND and ztop1 < top1  # the bound catches a lost state
+
+
+@pytest.mark.slow
+def test_int8_long_memory_top1_and_drift(qwen_long, baseline):
+    runs = [_int8_run(qwen_long, baseline, host=False, **kw)[1] for kw in ({}, dict(zero_states=True),
+                                                                           dict(bf16_states=True))]
+    check_random_model_int8(baseline, *runs, "T0+T1")
 
 
 @pytest.mark.slow
@@ -251,29 +280,20 @@ def test_int8_long_memory_through_the_host_tier(qwen_long, baseline):
         every resume one rounding of the exact state (no chain)  top-1 0.969-0.981 (5-8 flips)
         the engine (chains of 1-4 roundings)                     top-1 0.961-0.977 (6-10 flips)
 
-    So even without the chain, one int8 rounding per resume flips 2-4 % of the 224 tokens after a
-    resume: every flip is a near-tie of this random model (a fifth of its positions have a top-2
-    margin under 0.05; the flips' margins are 0.000-0.062). 99 % is out of reach of the int8 design
-    on this workload; the bound is the measurement with margin, and a zeroed state fails it."""
+    Every flip is a near-tie of this random model (a fifth of its positions have a top-2 margin under
+    0.05; the flips' margins are 0.000-0.062), so overall agreement measures the model, not the
+    cache: asserted is agreement at every position whose margin exceeds ``MARGIN_X`` times the drift."""
     e, got = _int8_run(qwen_long, baseline, host=True)
-    n, top1, drift, margins = compare(baseline, got)
     resumed = sum(t.summary["reused"] > 0 for t in got)
-    _, zgot = _int8_run(qwen_long, baseline, host=True, zero_states=True)
-    _, ztop1, zdrift, _ = compare(baseline, zgot)
-    print(f"int8 through T2: {n} tokens, top-1 {top1:.4f}, drift {drift:.4f}, flips' margins {margins}, "
-          f"turns resumed from a state {resumed}/{len(got)}, states from T2: {e.final_stats['hits']['T2_states']}; "
-          f"zeroed state: top-1 {ztop1:.4f}, drift {zdrift:.3f}")
-    assert n >= 200
     assert e.final_stats["hits"]["T2_states"] > 0
     assert resumed >= 3 * len(got) // 4  # what makes this run harder than T0+T1's
     for a, b in zip(baseline, got, strict=True):  # a turn that resumed from nothing is exact
         if b.summary["reused"] == 0:
             assert b.argmax == a.argmax and max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits)) \
                 < LOGIT_ATOL, f"client {a.client} round {a.round}"
-    assert 0 < drift <= INT8_DRIFT_BOUND
-    assert all(m < drift for m in margins)  # a flip is a near-tie, not a lost state
-    assert top1 >= INT8_T2_TOP1_BOUND
-    assert zdrift > INT8_DRIFT_BOUND and ztop1 < INT8_T2_TOP1_BOUND  # the bounds catch a lost state
+    runs = [_int8_run(qwen_long, baseline, host=True, **kw)[1] for kw in (dict(zero_states=True),
+                                                                          dict(bf16_states=True))]
+    check_random_model_int8(baseline, got, *runs, f"through T2 ({resumed}/{len(got)} turns resumed)")
 
 
 @pytest.mark.parametrize("host", [False, True], ids=["T1", "T2"])
@@ -630,5 +650,7 @@ def test_int8_long_memory_on_cuda():
     base = run_workload(Engine(model, NO_CACHE), WL, record_logits=True)
     _, got = _int8_run(model, base, host=False)
     n, top1, drift, margins = compare(base, got)
-    print(f"cuda int8 T0+T1: {n} tokens, top-1 {top1:.4f}, drift {drift:.4f}, flips' margins {margins}")
-    assert 0 < drift <= INT8_DRIFT_BOUND and all(m < 2 * drift for m in margins)
+    conf, conf_agree = confident_agreement(base, got, drift)
+    print(f"cuda int8 T0+T1: {n} tokens, top-1 {top1:.4f}, drift {drift:.4f}, margin > {MARGIN_X}x drift: "
+          f"{conf_agree}/{conf}, flips' margins {margins}")
+    assert 0 < drift <= INT8_DRIFT_BOUND and all(m < 2 * drift for m in margins) and conf_agree == conf
