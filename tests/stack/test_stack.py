@@ -12,7 +12,14 @@ import torch
 from tests.support.radix_util import KV_SPEC, STATE_SPEC, SWA_SPEC, check_kv, insert_fresh, insert_swa, node_at
 from tests.support.storage_util import settle
 from tiered_cache import CacheConfig, TieredCache
-from tiered_cache.config import BACKENDS, CODECS, EVICTION_POLICIES, PREFETCH_POLICIES, WRITE_POLICIES
+from tiered_cache.config import (
+    BACKENDS,
+    CODECS,
+    EVICTION_POLICIES,
+    PREFETCH_POLICIES,
+    STATE_ADMISSIONS,
+    WRITE_POLICIES,
+)
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, MemoryBudgetError
 from tiered_cache.radix import (
     CacheReq,
@@ -199,6 +206,8 @@ BAD_FIELDS = [
     ("storage_write_through", 1, T), ("prefetch_policy", "eager", V), ("prefetch_timeout_s", 0.0, V),
     ("prefetch_timeout_s", float("nan"), V), ("prefetch_timeout_s", "1", T), ("eviction_policy", "lfu", V),
     ("eviction_policy", None, T), ("backend", "cuda", V), ("check_memory", "yes", T), ("validate", 0, T),
+    ("cost_model", "gpt-4", V), ("cost_model", None, T), ("state_admission", "every", V), ("state_admission", 1, T),
+    ("admission_block", 0, V), ("admission_block", 512.0, T),
 ]
 
 
@@ -220,7 +229,11 @@ def test_option_names_live_in_config():
     from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool  # noqa: F401 (reads CODECS from config)
 
     assert CODECS == ("int8", "lossless") and BACKENDS == ("auto", "triton", "torch")
-    assert EVICTION_POLICIES == ("lru",)
+    assert EVICTION_POLICIES == ("lru", "marconi", "seglen", "tiered")
+    for p in EVICTION_POLICIES:
+        assert CacheConfig(eviction_policy=p).eviction_policy == p
+    for a in STATE_ADMISSIONS:
+        assert CacheConfig(state_admission=a).state_admission == a
     for p in WRITE_POLICIES:
         assert HostTierConfig(write_policy=p).write_policy == p
     for p in PREFETCH_POLICIES:
