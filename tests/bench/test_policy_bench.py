@@ -34,16 +34,36 @@ def test_worst_point_and_undefined():
     assert bp.worst(rows, "x", "y", "hit_rate") is None  # a point without a ratio: no worst point
 
 
-@pytest.mark.parametrize("policy,admission,cuts", [("lru", "block", "every_block"), ("lru", "chunk", None),
-                                                   ("marconi", "leaf_branch", None), ("tiered", "leaf_branch", None),
-                                                   ("tiered", "block", "last_block")])
-def test_a_short_run_of_each_configuration(policy, admission, cuts):
+@pytest.mark.parametrize("policy,admission,cuts,config", [
+    ("lru", "block", "every_block", "gpu_only"), ("lru", "chunk", None, "gpu_only"),
+    ("marconi", "leaf_branch", None, "gpu_only"), ("tiered", "leaf_branch", None, "gpu_only"),
+    ("tiered", "block", "last_block", "gpu_only"), ("tiered", "leaf_branch", None, "int8_t1_t2")])
+def test_a_short_run_of_each_configuration(policy, admission, cuts, config):
+    """Every configuration the benchmark runs, on a budget small enough to evict; ``run`` checks the
+    invariants at the end."""
     a = bp.parse_args([])
     reqs = bp.marconi_sessions("chat", 2.0, 60, 1, a)
     real = wc.TierBytes.from_specs(bp.MARCONI_KV, bp.MARCONI_STATE, 64)
-    tiers = wc.split_budget(real, 6 << 30, 8 << 30, 4, max(len(p) + len(q) for p, q in reqs), 0.6)["gpu_only"]
-    pc = bp.PrefixCosts.of(costs.MARCONI_7B, tokens_per_key=64, t1_int8=False)
+    tiers = wc.split_budget(real, 6 << 30, 8 << 30, 4, max(len(p) + len(q) for p, q in reqs), 0.6)[config]
+    pc = bp.PrefixCosts.of(costs.MARCONI_7B, tokens_per_key=64, t1_int8=config != "gpu_only")
     r = bp.run(reqs, 20, tiers, bp.tiny_state(real), pc, policy, admission, cuts, 8, 128, 20)
     assert r["requests"] == 40 and 0.0 < r["hit_rate"] <= 1.0 and 0.0 < r["flops_saved"] <= 1.0
     if policy == "marconi":
         assert len(r["alphas_tuned"]) == 3 and r["alpha"] in bp.ALPHAS
+
+
+def test_tiered_run_evicts_in_every_tier():
+    """Ours with int8 T1 + T2 on a budget that evicts everywhere: T1 states demoted, T2 copies dropped,
+    device and host KV evicted, host hits loaded back; the invariants hold at the end."""
+    a = bp.parse_args([])
+    reqs = bp.marconi_sessions("chat", 2.0, 120, 1, a)
+    real = wc.TierBytes.from_specs(bp.MARCONI_KV, bp.MARCONI_STATE, 64)
+    longest = max(len(p) + len(q) for p, q in reqs)
+    tiers = wc.split_budget(real, int(4.5 * (1 << 30)), 1 << 30, 4, longest, 0.6)["int8_t1_t2"]
+    pc = bp.PrefixCosts.of(costs.MARCONI_7B, tokens_per_key=64, t1_int8=True)
+    sim = bp.PolicySim(tiers, bp.tiny_state(real), pc, "tiered", "leaf_branch", 8)
+    for p, q in reqs:
+        sim.request(p, q, 128)
+    assert {"kv", "state", "kv_host", "state_host"} <= {r for r, n in sim.policy.counts.items() if n}
+    assert sim.c["host"] > 0
+    sim.cache.check_invariants(request_kv=bp.torch.empty(0, dtype=bp.torch.int64), request_states=bp.torch.empty(0))
