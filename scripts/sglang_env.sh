@@ -7,9 +7,8 @@
 #   .sgl/wheels/*.whl             cp312 manylinux x86-64 (or pure) wheels of each package of
 #                                 constraints/sglang-test.txt that the GPU image lacks, plus pydantic,
 #                                 pydantic-core, annotated-types and typing-inspection (image lacks them too).
-#   .sgl/sgl_kernel_stub.py       (optional, made by hand) a stand-in for sgl_kernel: with CUDA present
-#                                 sglang.srt.layers.quantization imports it at module level, and the
-#                                 tests' importorskip would then skip everything; install() before pytest.
+# (With CUDA present sglang.srt.layers.quantization imports sgl_kernel at module level: the SGLang tests'
+# conftest installs tests/support/sgl_kernel_stub.py for it, so a plain pytest run needs nothing more.)
 # `scripts/sglang_env.sh --build` makes the folder here (needs PyPI); see build() for the list.
 #
 # Usage:  export PYTHONPATH="$(bash scripts/sglang_env.sh [DIR])${PYTHONPATH:+:$PYTHONPATH}"

@@ -58,3 +58,7 @@ def _install_torchvision_stand_in() -> None:
 
 
 _install_torchvision_stand_in()
+if importlib.util.find_spec("sglang") is not None:
+    from tests.support import sgl_kernel_stub
+
+    sgl_kernel_stub.install()  # with CUDA and no sgl_kernel (the H200 image) SGLang imports it at module level
