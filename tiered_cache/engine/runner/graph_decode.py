@@ -36,7 +36,6 @@ requests of 20K tokens, 8 query heads per key head, that is 1.3 GB written and r
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -46,7 +45,7 @@ import torch
 from tiered_cache import device as dev
 from tiered_cache.engine.models import KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
 from tiered_cache.engine.runner.forward import cache_kwarg, conv_width, seen_tokens, store_decoded
-from tiered_cache.engine.runner.graph_prefill import capture_window
+from tiered_cache.engine.runner.graph_prefill import capture_window, capture_with_retry
 from tiered_cache.errors import InvalidArgumentError
 
 GQA_ATTENTION = "tiered_cache_gqa_sdpa"
@@ -317,24 +316,9 @@ class GraphDecoder:
         a warning) and runs eagerly from then on, a fallback a benchmark must not hide; the buffers are
         as gathered, so the eager step still computes the right thing."""
         key = (n, width)
-        for attempt in range(2):
-            if key in self.graphs:
-                break
-            try:
-                self._capture(n, width)
-            except RuntimeError as exc:
-                err = f"{type(exc).__name__}: {exc}"[:500]
-                dev.synchronize(self.device)
-                if attempt == 0:
-                    self.stats["capture_retries"] += 1
-                    self.retried_error = err
-                    continue
-                self.capture_error = err
-                self.use_graphs = False
-                self.graphs.clear()
-                warnings.warn(f"CUDA graph capture failed twice, decoding eagerly: {self.capture_error}",
-                              stacklevel=2)
-                return None
+        if key not in self.graphs and not capture_with_retry(self, lambda: self._capture(n, width), self.graphs.clear,
+                                                             "failed twice, decoding eagerly"):
+            return None
         graph, out = self.graphs[key]
         graph.replay()
         self.stats["replays"] += 1

@@ -52,6 +52,30 @@ _ACTIVE: contextvars.ContextVar[Optional[GraphChunkRule]] = contextvars.ContextV
                                                                                    default=None)
 
 
+def capture_with_retry(owner: Any, capture: Callable[[], None], clear: Callable[[], None], what: str) -> bool:
+    """Run ``capture`` for a graph owner (``GraphChunkRule``, ``GraphDecoder``): a failed capture (a
+    ``RuntimeError``) is retried once (``owner.stats["capture_retries"]``, ``owner.retried_error``); a second
+    failure sets ``owner.capture_error``, turns ``owner.use_graphs`` off, calls ``clear`` and warns (``what``
+    names the capture and the fallback). False then: the caller runs eagerly, a fallback a benchmark must not
+    hide."""
+    for attempt in range(2):
+        try:
+            capture()
+            return True
+        except RuntimeError as exc:
+            err = f"{type(exc).__name__}: {exc}"[:500]
+            dev.synchronize(owner.device)
+            if attempt == 0:
+                owner.stats["capture_retries"] += 1
+                owner.retried_error = err
+                continue
+            owner.capture_error = err
+            owner.use_graphs = False
+            clear()
+            warnings.warn(f"CUDA graph capture {what}: {err}", stacklevel=4)
+    return False
+
+
 @contextlib.contextmanager
 def capture_window(device: torch.device, quiesce: Optional[Callable[[], Any]]) -> Iterator[None]:
     """Around a CUDA-graph capture (graph_prefill's and graph_decode's): what else could make a CUDA call
@@ -238,24 +262,9 @@ class GraphChunkRule:
             return orig(q_, k_, v_, g=g_, beta=beta_, initial_state=e.init, **fixed)
 
         e.run = run
-        if self.use_graphs:
-            for attempt in range(2):
-                try:
-                    self._capture(e)
-                    break
-                except RuntimeError as exc:
-                    err = f"{type(exc).__name__}: {exc}"[:500]
-                    dev.synchronize(self.device)
-                    if attempt == 0:
-                        self.stats["capture_retries"] += 1
-                        self.retried_error = err
-                        continue
-                    self.capture_error = err
-                    self.use_graphs = False
-                    self.entries.clear()
-                    warnings.warn(f"CUDA graph capture of the chunk rule failed twice, running it eagerly: "
-                                  f"{self.capture_error}", stacklevel=3)
-                    return None
+        if self.use_graphs and not capture_with_retry(self, lambda: self._capture(e), self.entries.clear,
+                                                      "of the chunk rule failed twice, running it eagerly"):
+            return None
         self.entries[key] = e
         return e
 
@@ -286,4 +295,4 @@ def routed(orig, query, key, value, *args, **kw):
     return rule(orig, query, key, value, *args, **kw)
 
 
-__all__ = ["GraphChunkRule", "capture_window", "routed", "transfers_waited"]
+__all__ = ["GraphChunkRule", "capture_window", "capture_with_retry", "routed", "transfers_waited"]
