@@ -38,6 +38,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+
+@pytest.fixture
+def keep_threads():
+    """Puts torch's CPU thread count back after a test whose benchmark sets it (``--threads``)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
 class Poison:
     """Tensors an unwritten element shows in. Outputs are filled with it before the code under test writes
     them; a test then compares the written part and checks the rest still holds it. Zeros would hide an

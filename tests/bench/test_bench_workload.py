@@ -8,19 +8,11 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 pytest.importorskip("transformers")
 pytest.importorskip("asyncio_throttle")
-
-
-@pytest.fixture
-def keep_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def test_split_budget_same_bytes_more_int8_states():

@@ -10,19 +10,11 @@ import random
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 pytest.importorskip("transformers")
 pytest.importorskip("asyncio_throttle")
-
-
-@pytest.fixture
-def keep_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def write_trace(path, lines):
