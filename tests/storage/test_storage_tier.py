@@ -204,6 +204,34 @@ def _gated(backend, tmp_path):
     return StorageTier(gate, FP, batch_bytes=SLOT * 2), gate, region, keys
 
 
+def test_close_lets_writes_in_flight_land_and_cancels_reads(backend, tmp_path):
+    """A write-through is what a restarted engine reads back: ``close`` waits for the writes in flight
+    (a running one and ones still queued behind it) and cancels the reads. CI once lost a state this way:
+    an engine closed right after serving cancelled its queued write-throughs."""
+    gate = GateBackend(backend)
+    tier = StorageTier(gate, FP, workers=1)
+    region = make_region(SLOT, 24)
+    keys = tier.keys(TOKENS)
+    slots = region.alloc(len(keys))
+    fill_slots(region, slots, keys)
+    ops = [tier.write(keys[:5], Kind.KV, region, slots[:5]),
+           tier.put(keys[5:], Kind.KV, [region.slot(s).numpy().copy() for s in slots[5:]],
+                    t2_checksums=[int(region.checksums[s]) for s in slots[5:]])]
+    read = tier.lookup(keys, Kind.STATE)  # queued behind the writes: cancelled
+    assert gate.entered.wait(5)
+    threading.Timer(0.2, gate.gate.set).start()  # the backend answers only once close has begun
+    tier.close(timeout_s=5)
+    assert all(op.done and not op.cancelled and all(op.hits) for op in ops), [op.hits for op in ops]
+    assert read.done and read.cancelled
+    again = StorageTier(backend, FP)
+    dst = make_region(SLOT, 10)
+    dst_slots = dst.alloc(10)
+    got = wait_done(again, again.prefetch(keys, Kind.KV, dst, dst_slots))
+    assert all(got.hits)
+    check_slots(dst, dst_slots, keys)
+    again.close()
+
+
 def test_ops_never_block_and_busy_slots_cannot_be_freed(backend, tmp_path):
     tier, gate, region, keys = _gated(backend, tmp_path)
     dst = region.alloc(10)

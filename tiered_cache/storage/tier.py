@@ -58,6 +58,7 @@ from tiered_cache.validate import float_arg, int_arg, int_list
 
 log = logging.getLogger(__name__)
 _DOWN = object()  # what _backend_call returns while the backend is unreachable
+_WRITES = ("write", "put")  # the ops close() lets finish
 
 
 class StorageTier:
@@ -207,13 +208,17 @@ class StorageTier:
         return len(self._pending)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Cancel what is pending, wait for the workers (each bounded by the backend's timeouts)."""
+        """Cancel the reads in flight, let the writes in flight land (a write-through is what a restart
+        reads back), all within ``timeout_s``; a write still queued then is cancelled. Then the workers
+        stop (each call bounded by the backend's timeouts) and the backend closes."""
         timeout_s = float_arg("timeout_s", timeout_s, lo=0)
         for op in list(self._pending.values()):
-            self._cancel(op)
+            if op.op not in _WRITES:
+                self._cancel(op)
         deadline = time.monotonic() + timeout_s
         for op in list(self._pending.values()):
-            self.wait(op, max(0.0, deadline - time.monotonic()))
+            if not self.wait(op, max(0.0, deadline - time.monotonic())):
+                self._cancel(op)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
 
