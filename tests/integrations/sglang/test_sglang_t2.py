@@ -3,7 +3,8 @@
 envelope and scatter a loaded one back. Tested on SGLang's real pools on CPU: the moves' round trip
 byte for byte (checksummed, busy marks released, a damaged host copy caught), and the factory with
 ``host_kv_pages`` driven in the scheduler's order, the KV demoted to T2 by eviction and loaded back
-into the ids SGLang gets, the state of the prefix restored, the pools back to their free counts."""
+into the ids SGLang gets, the state of the prefix restored, the pools back to their free counts; and T3
+below it: a restarted backend over fresh pools serves the prefix from a file store."""
 
 from __future__ import annotations
 
@@ -97,24 +98,12 @@ def test_t2_moves_refuse_layer_rows_that_do_not_fit_the_envelope():
     assert e.value.arg == "side"
 
 
-def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poison):
-    rows, alloc, kv_pool = _pools()
-    kv_free, slots_free = alloc.available_size(), rows.mamba_allocator.available_size()
-    backend = _build(monkeypatch, rows, alloc, {"t1_states": 6, "codec": "lossless", "host_kv_pages": 32,
-                                                "host_states": 6})
-    stack = backend.stack
-    assert stack.host is not None and stack.host.region("full").slot_bytes == stack.kv.entry_bytes
-    a = [100 + i for i in range(48)]
-    assert _serve(backend, rows, alloc, kv_pool, "a1", a) == 0
-    while stack.tree.host_tier.busy:  # write-through backups land
-        backend.check_hicache_events()
-    assert stack.stats()["transfer"]["d2h_bytes"] > 0
-    # SGLang needs the room: the device KV goes, T2 keeps it (SGLang's mamba_num names its own slots, so
-    # the tree is asked directly to push its T1 states down to T2 as well)
-    assert backend.evict(B.EvictParams(num_tokens=TOKENS)).num_tokens_evicted == 48
-    assert stack.tree.evict(EvictParams(mamba_num=8)).mamba_num_evicted >= 1
-    assert alloc.available_size() == kv_free
-    for layer in range(LAYERS):  # every page is free: poisoned, so only the load can put the KV back
+def _host_hit_loads_back(backend, rows, kv_pool, a, monkeypatch, poison):
+    """A request for ``a`` + 16 more tokens, whose prefix ``a`` only the host tiers hold: with every
+    device page poisoned, the match reports a host hit, ``init_load_back`` scatters the KV back into
+    SGLang's per-layer buffers and the state into the request's slot, both checked against the model.
+    The request's slot goes back to SGLang afterwards."""
+    for layer in range(LAYERS):  # only the load can put the KV back
         kv_pool.k_buffer[layer].copy_(poison.like(kv_pool.k_buffer[layer]))
         kv_pool.v_buffer[layer].copy_(poison.like(kv_pool.v_buffer[layer]))
     toks = a + [7] * 16
@@ -127,18 +116,74 @@ def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poiso
         backend.check_hicache_events()
     assert req.tiered_load_back.ok
     ids = backend.path_device_indices(node)
-    for layer in range(LAYERS):  # the KV T2 held, scattered back into SGLang's per-layer buffers
+    for layer in range(LAYERS):  # the KV the host held, scattered back into SGLang's per-layer buffers
         assert torch.equal(kv_pool.k_buffer[layer][ids], _kv_of(a, layer))
         assert torch.equal(kv_pool.v_buffer[layer][ids], -_kv_of(a, layer))
     req.prefix_len = 48
     req.last_node = node
     req.kv.cache_protected_len = 0
-    monkeypatch.setattr(backend, "prefix_device_indices", lambda r: ids)
-    _check_prefix(backend, kv_pool, rows.mamba_pool.mamba_cache, req, toks)  # and the state at 48
+    with monkeypatch.context() as m:
+        m.setattr(backend, "prefix_device_indices", lambda r: ids)
+        _check_prefix(backend, kv_pool, rows.mamba_pool.mamba_cache, req, toks)  # and the state at 48
     rows.mamba_allocator.free(req.kv.mamba_pool_idx.reshape(1))
+
+
+HOST = {"t1_states": 6, "codec": "lossless", "host_kv_pages": 32, "host_states": 6}
+
+
+def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poison):
+    rows, alloc, kv_pool = _pools()
+    kv_free, slots_free = alloc.available_size(), rows.mamba_allocator.available_size()
+    backend = _build(monkeypatch, rows, alloc, HOST)
+    stack = backend.stack
+    assert stack.host is not None and stack.host.region("full").slot_bytes == stack.kv.entry_bytes
+    a = [100 + i for i in range(48)]
+    assert _serve(backend, rows, alloc, kv_pool, "a1", a) == 0
+    while stack.tree.host_tier.busy:  # write-through backups land
+        backend.check_hicache_events()
+    assert stack.stats()["transfer"]["d2h_bytes"] > 0
+    # SGLang needs the room: the device KV goes, T2 keeps it (SGLang's mamba_num names its own slots, so
+    # the tree is asked directly to push its T1 states down to T2 as well)
+    assert backend.evict(B.EvictParams(num_tokens=TOKENS)).num_tokens_evicted == 48
+    assert stack.tree.evict(EvictParams(mamba_num=8)).mamba_num_evicted >= 1
+    assert alloc.available_size() == kv_free
+    _host_hit_loads_back(backend, rows, kv_pool, a, monkeypatch, poison)  # every device page is free
     assert stack.stats()["tree"]["state_promotes"] == 1  # the state came back to T1 with the load
     assert _serve(backend, rows, alloc, kv_pool, "a3", a + [8] * 16) == 48  # from the device now (no host hit)
     backend.evict(B.EvictParams(num_tokens=TOKENS))
     assert alloc.available_size() == kv_free and rows.mamba_allocator.available_size() == slots_free
     backend.check_invariants()
     backend.close()
+
+
+def test_factory_with_t3_serves_a_restarted_server_from_storage(monkeypatch, poison, tmp_path):
+    """T3 through SGLang's pools: one backend writes its prefix through to a file store and closes (a
+    server stopping: its writes in flight land); a fresh backend over fresh SGLang pools, the same store
+    and model id (a restarted server) finds the prefix in T3 on the match, fetches it into T2 and loads
+    it back into SGLang's pools. Another model id over the same store finds nothing."""
+    conf = dict(HOST, storage_url=f"file://{tmp_path / 't3'}", prefetch_policy="wait_complete", model_id="m")
+    rows, alloc, kv_pool = _pools()
+    first = _build(monkeypatch, rows, alloc, conf)
+    a = [100 + i for i in range(48)]
+    assert _serve(first, rows, alloc, kv_pool, "a1", a) == 0
+    while first.stack.tree.host_tier.busy:  # write-through backups land, then go on to T3
+        first.check_hicache_events()
+    written = first.stack.stats()["tree"]
+    assert written["t3_kv_pages_written"] == 3 and written["t3_states_written"] >= 1, written
+    first.close()
+    rows, alloc, kv_pool = _pools()
+    kv_free, slots_free = alloc.available_size(), rows.mamba_allocator.available_size()
+    other = _build(monkeypatch, rows, alloc, dict(conf, model_id="another model"))
+    req = schedule_batch.Req("x", "", array("q", a + [7] * 16), sampling_params.SamplingParams(max_new_tokens=1))
+    req.init_next_round_input(other)
+    assert req.prefix_len == 0 and req.host_hit_length == 0  # its keys name another model
+    other.close()
+    again = _build(monkeypatch, rows, alloc, conf)
+    _host_hit_loads_back(again, rows, kv_pool, a, monkeypatch, poison)
+    tree, storage = again.stack.stats()["tree"], again.stack.stats()["storage"]
+    assert tree["t3_hits"] == 1 and tree["t3_hit_tokens"] == 48, tree
+    assert storage["hit"] >= 4, storage
+    again.evict(B.EvictParams(num_tokens=TOKENS))
+    assert alloc.available_size() == kv_free and rows.mamba_allocator.available_size() == slots_free
+    again.check_invariants()
+    again.close()
