@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -128,8 +128,11 @@ class Sim:
         self.c = dict.fromkeys(("prompt", "reused", "reused_host", "pages", "reused_pages", "t1", "t2", "miss",
                                 "requests", "load_fail", "kv_loaded", "states_loaded"), 0)
 
-    def request(self, r: SimRequest, chunk: int) -> int:
-        """Serve ``r``; returns the pages reused (device + host)."""
+    def request(self, r: SimRequest, chunk: int, extra_cuts: Optional[Callable[[int, set[int]], Iterable[int]]] = None
+                ) -> int:
+        """Serve ``r``; returns the pages reused (device + host). ``extra_cuts(p, cuts)``: more positions to
+        offer a state at, given the pages reused and the chunk ends, branch point and prompt end (the
+        placements of bench_policy.py)."""
         cache, c, prompt, answer = self.cache, self.c, r.prompt, r.answer
         n = len(prompt)
         req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64))
@@ -172,6 +175,8 @@ class Sim:
         b = m.mamba_branching_seqlen
         if b is not None and p < b < n:
             cuts.add(b)
+        if extra_cuts is not None:
+            cuts |= set(extra_cuts(p, cuts))
         full = prompt + answer
         for pos in sorted(cuts):
             req.token_ids = full[:pos]
