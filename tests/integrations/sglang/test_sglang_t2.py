@@ -16,6 +16,7 @@ import torch
 B = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
 
 from tests.support.sglang_util import (  # noqa: E402
+    CHUNK,
     LAYERS,
     PAGE,
     TOKENS,
@@ -99,19 +100,20 @@ def test_t2_moves_refuse_layer_rows_that_do_not_fit_the_envelope():
 
 
 def _host_hit_loads_back(backend, rows, kv_pool, a, monkeypatch, poison):
-    """A request for ``a`` + 16 more tokens, whose prefix ``a`` only the host tiers hold: with every
-    device page poisoned, the match reports a host hit, ``init_load_back`` scatters the KV back into
+    """A request for ``a`` + 16 more tokens, whose prefix ``a`` ends at a state only the host tiers hold:
+    (with ``poison``, every device page poisoned first, when no KV of ``a`` is on the device) the match
+    reports a host hit, ``init_load_back`` scatters the KV back into
     SGLang's per-layer buffers and the state into the request's slot, both checked against the model.
     The request's slot goes back to SGLang afterwards."""
-    for layer in range(LAYERS):  # only the load can put the KV back
+    for layer in range(LAYERS if poison is not None else 0):  # only the load can put the KV back
         kv_pool.k_buffer[layer].copy_(poison.like(kv_pool.k_buffer[layer]))
         kv_pool.v_buffer[layer].copy_(poison.like(kv_pool.v_buffer[layer]))
-    toks = a + [7] * 16
+    toks, n = a + [7] * 16, len(a)
     req = schedule_batch.Req("a2", "", array("q", toks), sampling_params.SamplingParams(max_new_tokens=1))
     req.init_next_round_input(backend)
-    assert req.prefix_len == 0 and req.host_hit_length == 48 and req.mamba_host_hit_length == 1
-    n, node = backend.init_load_back(B.InitLoadBackParams(req.best_match_node, req.host_hit_length, req=req))
-    assert n == 48 and req.kv.mamba_pool_idx is not None
+    assert req.prefix_len == 0 and req.host_hit_length == n and req.mamba_host_hit_length == 1
+    got, node = backend.init_load_back(B.InitLoadBackParams(req.best_match_node, req.host_hit_length, req=req))
+    assert got == n and req.kv.mamba_pool_idx is not None
     while not req.tiered_load_back.done:
         backend.check_hicache_events()
     assert req.tiered_load_back.ok
@@ -119,12 +121,12 @@ def _host_hit_loads_back(backend, rows, kv_pool, a, monkeypatch, poison):
     for layer in range(LAYERS):  # the KV the host held, scattered back into SGLang's per-layer buffers
         assert torch.equal(kv_pool.k_buffer[layer][ids], _kv_of(a, layer))
         assert torch.equal(kv_pool.v_buffer[layer][ids], -_kv_of(a, layer))
-    req.prefix_len = 48
+    req.prefix_len = n
     req.last_node = node
     req.kv.cache_protected_len = 0
     with monkeypatch.context() as m:
         m.setattr(backend, "prefix_device_indices", lambda r: ids)
-        _check_prefix(backend, kv_pool, rows.mamba_pool.mamba_cache, req, toks)  # and the state at 48
+        _check_prefix(backend, kv_pool, rows.mamba_pool.mamba_cache, req, toks)  # and the state at n
     rows.mamba_allocator.free(req.kv.mamba_pool_idx.reshape(1))
 
 
@@ -187,3 +189,72 @@ def test_factory_with_t3_serves_a_restarted_server_from_storage(monkeypatch, poi
     assert alloc.available_size() == kv_free and rows.mamba_allocator.available_size() == slots_free
     again.check_invariants()
     again.close()
+
+
+def _on_host(monkeypatch, rows, alloc, kv_pool, turns):
+    """A backend with T2 (``HOST``) that served ``turns`` (token lists, in order), their backups landed."""
+    backend = _build(monkeypatch, rows, alloc, HOST)
+    for i, toks in enumerate(turns):
+        _serve(backend, rows, alloc, kv_pool, f"t{i}", toks)
+        while backend.stack.tree.host_tier.busy:  # write-through backups land
+            backend.check_hicache_events()
+    return backend
+
+
+@pytest.mark.parametrize("damaged", ["kv", "state"])
+def test_a_host_copy_that_fails_its_checksum_loads_nothing(monkeypatch, damaged):
+    """SGLang runs the forward over what ``init_load_back`` reports as soon as it returns, so a host copy
+    that fails its checksum must be caught before: the load is reported as 0 tokens (SGLang's
+    all-or-none rule), the damaged copy is dropped and the slot the load took goes back. What the host
+    still holds intact (the prefix up to the chunk checkpoint at 32) is offered next and loads exactly."""
+    rows, alloc, kv_pool = _pools()
+    kv_free, slots_free = alloc.available_size(), rows.mamba_allocator.available_size()
+    a = [100 + i for i in range(48)]
+    backend = _on_host(monkeypatch, rows, alloc, kv_pool, [a])
+    tree = backend.stack.tree
+    backend.evict(B.EvictParams(num_tokens=TOKENS))
+    tree.evict(EvictParams(mamba_num=8))  # the state to T2 as well
+    toks = a + [7] * 16
+    req = schedule_batch.Req("a2", "", array("q", toks), sampling_params.SamplingParams(max_new_tokens=1))
+    req.init_next_round_input(backend)
+    best = req.best_match_node
+    assert req.host_hit_length == 48 and req.mamba_host_hit_length == 1
+    if damaged == "kv":
+        backend.stack.host.region("full").slot(best.host_kv[-1])[5] ^= 0xFF
+    else:
+        tree.state_region.slot(best.payload.state_host)[5] ^= 0xFF
+    assert backend.init_load_back(B.InitLoadBackParams(best, req.host_hit_length, req=req)) == (0, req.last_node)
+    assert req.kv.mamba_pool_idx is None and rows.mamba_allocator.available_size() == slots_free
+    assert tree.stats[f"corrupt_host_{damaged}_dropped"] == 1
+    backend.check_invariants()
+    # the pages before the damaged one loaded fine and stay on the device: no poison
+    _host_hit_loads_back(backend, rows, kv_pool, a[:CHUNK], monkeypatch, None)
+    backend.evict(B.EvictParams(num_tokens=TOKENS))
+    assert alloc.available_size() == kv_free and rows.mamba_allocator.available_size() == slots_free
+    backend.close()
+
+
+def test_a_failed_load_below_a_device_prefix_gives_the_slot_that_prefix_state_again(monkeypatch):
+    """The request resumes on the device at 48 (its slot holds the state at 48, copied by the match) and
+    the next 64 tokens are on the host only; their copy fails its checksum after the load started writing
+    the state at 112 into the slot. The load reports 0 tokens and the slot holds the state at 48 again,
+    bit for bit: SGLang goes on from 48."""
+    rows, alloc, kv_pool = _pools()
+    a, b = [100 + i for i in range(48)], [300 + i for i in range(64)]
+    backend = _on_host(monkeypatch, rows, alloc, kv_pool, [a, a + b])
+    tree = backend.stack.tree
+    assert backend.evict(B.EvictParams(num_tokens=64)).num_tokens_evicted == 64  # LRU: the tail a + b
+    toks = a + b + [7] * 16
+    req = schedule_batch.Req("c", "", array("q", toks), sampling_params.SamplingParams(max_new_tokens=1))
+    req.init_next_round_input(backend)
+    assert req.prefix_len == 48 and req.host_hit_length == 64 and req.kv.mamba_pool_idx is not None
+    best = req.best_match_node
+    backend.stack.host.region("full").slot(best.host_kv[0])[5] ^= 0xFF
+    req.lock = backend.lock(req.last_node)  # SGLang's admission pins the device prefix meanwhile
+    assert backend.init_load_back(B.InitLoadBackParams(best, req.host_hit_length, req=req)) == (0, req.last_node)
+    assert tree.stats["corrupt_host_kv_dropped"] == 1
+    _check_prefix(backend, kv_pool, rows.mamba_pool.mamba_cache, req, toks)  # the KV and state at 48
+    backend.unlock(req.lock)
+    rows.mamba_allocator.free(req.kv.mamba_pool_idx.reshape(1))
+    backend.check_invariants()
+    backend.close()

@@ -210,11 +210,35 @@ class TieredRadixCache(B.BasePrefixCache):
         return self.cache.tree.path_values(node)
 
     def init_load_back(self, params: B.InitLoadBackParams) -> Optional[tuple[int, Any]]:
+        """Load the host part of a match into SGLang's pools; ``(tokens loaded, node)``.
+
+        SGLang runs the forward over what this reports as soon as it returns, and has no way to hear of
+        a load that fails later. So the load is waited for here (its bytes landed, their checksums
+        compared: without it the forward could read pages still in flight), and a load whose host copy
+        failed its checksum (the tree drops that copy) reports nothing loaded, which SGLang's
+        all-or-none rule accepts: the request keeps its device prefix (``req.last_node``) and computes
+        the rest, its state slot holding that prefix's state again (or given back, when the load had
+        taken it)."""
         req = params.req
+        view = _ReqView(req) if req is not None else None  # None: the tree refuses a load that needs one
+        had_slot = req is not None and req.kv.mamba_pool_idx is not None
+        before = view.load_back if view is not None else None
         ids, node = self.cache.init_load_back(P.InitLoadBackParams(
             best_match_node=params.best_match_node, host_hit_length=params.host_hit_length,
-            mem_quota=params.mem_quota, req=_ReqView(req) if req is not None else None))
-        return int(ids.numel()), node
+            mem_quota=params.mem_quota, req=view))
+        lb = view.load_back if view is not None else None
+        if lb is None or lb is before:  # nothing started
+            return int(ids.numel()), node
+        if not lb.done:
+            self.cache.host_tier.settle("load")
+        if lb.ok:
+            return int(ids.numel()), node
+        dev = req.last_node  # SGLang's last device node, locked by its admission: its T1 state stays
+        if had_slot and dev is not self.cache.root and dev.payload.mamba_value is not None:
+            self.cache.ckpt.load_to_active(dev.payload.mamba_value, self.cache.states, req.kv.mamba_pool_idx.reshape(1))
+        else:  # the load took the slot (or the prefix is empty): SGLang allocates a fresh one
+            self._free_state(req)
+        return 0, dev
 
     def check_hicache_events(self) -> None:
         self.cache.check_hicache_events()
