@@ -1,11 +1,11 @@
-"""Capacity simulation: hit rate against GPU and host memory, on the real cache structures, no model.
+"""Capacity simulation: hit rate against GPU and host memory, the cache's decisions without a model.
 
     python benchmarks/bench_capacity.py                  # synthetic multi-turn trace, CPU, a few minutes
-    python benchmarks/bench_capacity.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit 4000
-    python benchmarks/bench_capacity.py --requests 1000000 --gpu-gib 16 --host-gib 256   # one point, long
+    python benchmarks/bench_capacity.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --million 1000000
+    python benchmarks/bench_capacity.py --requests 1000000 --gpu-gib 16 --host-gib 256   # synthetic, one point
 
-The simulation itself (the configurations' real tiers at Qwen3-Next-80B byte budgets, the engine's
-cache calls per request, the fast mode) is ``capacity_sim.simulate``; this script drives it.
+The simulation itself (the configurations' tiers at Qwen3-Next-80B byte budgets, the engine's cache
+calls per request, the model / fast / full modes) is ``capacity_sim.simulate``; this script drives it.
 
 Synthetic trace (default; writes ``capacity-<device>``): ``--active`` conversations live at once (the
 working set); each request picks one at random and sends its next turn (history + previous answer + a
@@ -16,10 +16,12 @@ of (4) and (2b) at ``--host-sweep-gpu``.
 
 Mooncake trace (``--trace FILE``; writes ``capacity-mooncake-<device>``): the trace's requests in
 arrival order, one sim token per 512-token block (``capacity_sim.mooncake_requests``), over a grid:
-(2) and (3) at every ``--grid-gpu``, (2b) and (4) at every (``--grid-gpu``, ``--grid-host``) pair, the
-points spread over ``--workers`` processes. The ceiling is the same simulation with every tier
+(2) and (3) at every ``--grid-gpu-only``, (2b) and (4) at every (``--grid-gpu``, ``--grid-host``) pair,
+the points spread over ``--workers`` processes. The ceiling is the same simulation with every tier
 unbounded (``unbounded_tiers``): a hybrid resumes only where the engine's checkpoint placement left a
 state, so it is below the trace's prefix-reuse bound (``traces.unbounded_reuse``, reported beside it).
+The three modes run the trace's first ``--check-requests`` requests at ``--check-at`` (their hits
+compared request by request); ``--million N`` times one point of N requests (the trace replayed).
 """
 
 from __future__ import annotations
@@ -93,13 +95,13 @@ class Trace:
         return a.system_pages + a.max_rounds * (a.question_pages[1] + a.answer_pages[1])
 
 
-def synthetic_point(args: argparse.Namespace, cfg: str, gpu_gib: float, host_gib: float, *, fast: bool,
+def synthetic_point(args: argparse.Namespace, cfg: str, gpu_gib: float, host_gib: float, *, mode: str,
                     requests: Optional[int] = None, keep_hits: bool = False) -> dict:
     """One configuration on the synthetic trace: ``--warm`` requests, then ``requests`` measured."""
     n = args.requests if requests is None else requests
     label = f"{wc.LABELS[cfg]} GPU {gpu_gib:g} host {host_gib:g}" if args.progress and args.workers <= 1 else None
     return simulate(Trace(args, seed=args.seed).take(args.warm + n), gpu_bytes=int(gpu_gib * GiB),
-                       host_bytes=int(host_gib * GiB), config_name=cfg, fast=fast, page=args.page,
+                       host_bytes=int(host_gib * GiB), config_name=cfg, mode=mode, page=args.page,
                        max_running=args.max_running, kv_fraction=args.kv_fraction, request_pages=Trace(args).longest(),
                        chunk_pages=args.chunk_pages, warm=args.warm, write_policy=args.write_policy,
                        keep_hits=keep_hits, progress=label)
@@ -108,7 +110,7 @@ def synthetic_point(args: argparse.Namespace, cfg: str, gpu_gib: float, host_gib
 def _synthetic_job(sweep: str, g: float, h: float, cfg: str) -> dict:
     """One point of the synthetic sweep (in a worker: reads ``_RUN``)."""
     a = _RUN["args"]
-    r = synthetic_point(a, cfg, g, h, fast=a.fast)
+    r = synthetic_point(a, cfg, g, h, mode=a.mode)
     r.pop("evictions")
     return {"sweep": sweep, "config": cfg, "gpu_gib": g, "host_gib": h, **r}
 
@@ -179,7 +181,7 @@ def run_synthetic(args: argparse.Namespace) -> str:
              f"{args.system_pages * args.page} tokens, {args.min_rounds}-{args.max_rounds} rounds; {args.warm} "
              f"warm-up + {args.requests} measured requests per point; GPU split as workload_common.split_budget "
              f"(max_running {args.max_running}, kv_fraction {args.kv_fraction}); (2b) and (4) host {host0:g} GiB in "
-             f"the GPU sweep; {'fast' if args.fast else 'full'} mode. hit_rate = prompt tokens reused.")
+             f"the GPU sweep; {args.mode} mode. hit_rate = prompt tokens reused.")
     path = write_results("capacity", metrics, rows=rows, notes=notes, out_dir=args.out)
     print(f"wrote {path} (+ .md, .png) in {metrics['total_s']:.1f} s")
     return path
@@ -197,7 +199,7 @@ def _trace_point(cfg: str, gpu_gib: float, host_gib: float) -> dict:
     """One grid point of the real trace (in a worker: reads ``_RUN``)."""
     a = _RUN["args"]
     r = simulate(_RUN["trace"], gpu_bytes=int(gpu_gib * GiB), host_bytes=int(host_gib * GiB), config_name=cfg,
-                 fast=a.fast, page=BLOCK, max_running=a.max_running, kv_fraction=a.kv_fraction,
+                 mode=a.mode, page=BLOCK, max_running=a.max_running, kv_fraction=a.kv_fraction,
                  request_pages=_RUN["request_pages"], write_policy=a.write_policy)
     r.pop("evictions")
     return {"config": cfg, "gpu_gib": gpu_gib, "host_gib": host_gib, **r}
@@ -206,19 +208,33 @@ def _trace_point(cfg: str, gpu_gib: float, host_gib: float) -> dict:
 def _ceiling_point() -> dict:
     a = _RUN["args"]
     tiers = unbounded_tiers(_RUN["trace"], a.max_running, BLOCK)
-    r = cs.simulate_tiers(_RUN["trace"], tiers, page=BLOCK, fast=True, write_policy=a.write_policy)
+    r = cs.simulate_tiers(_RUN["trace"], tiers, page=BLOCK, mode=a.mode, write_policy=a.write_policy)
     r.pop("evictions")
     sizes = {k: tiers.get(k, 0) for k in ("kv_pages", "t1_states", "host_kv_pages", "host_states")}
     return {"config": "unbounded", "gpu_gib": None, "host_gib": 0, **sizes, **r}  # the grid rows' columns
 
 
-def _check_point(cfg: str, fast: bool) -> dict:
-    """The fast mode against the full one: a synthetic (4) / (2b) point, every request's hit kept."""
+def _check_point(cfg: str, mode: str) -> dict:
+    """One mode on the first ``--check-requests`` requests of the trace at ``--check-at`` (a budget where
+    every tier evicts), every request's hit kept: the model and the fast mode are compared to the full one."""
     a = _RUN["args"]
-    r = synthetic_point(argparse.Namespace(**{**vars(a), "page": 64, "chunk_pages": 128, "progress": False}), cfg,
-                        16, 64, fast=fast, requests=a.check_requests, keep_hits=True)
-    return {"config": cfg, "fast": fast, "gpu_gib": 16, "host_gib": 64, "hits": r["hits"], "req_per_s": r["req_per_s"],
-            "wall_s": r["wall_s"], "hit_rate": r["hit_rate"]}
+    g, h = a.check_at
+    trace = _RUN["trace"][:a.check_requests]
+    r = simulate(trace, gpu_bytes=int(g * GiB), host_bytes=int(h * GiB) if cfg in HOST_CONFIGS else 0,
+                 config_name=cfg, mode=mode, page=BLOCK, max_running=a.max_running, kv_fraction=a.kv_fraction,
+                 request_pages=_RUN["request_pages"], write_policy=a.write_policy, keep_hits=True)
+    return {"config": cfg, "mode": mode, "gpu_gib": g, "host_gib": h, "hits": r["hits"], "req_per_s": r["req_per_s"],
+            "wall_s": r["wall_s"], "hit_rate": r["hit_rate"], "evictions": r["evictions"]}
+
+
+def _million_point(cfg: str, gpu_gib: float, host_gib: float) -> dict:
+    """``--million`` requests of the trace replayed (``capacity_sim.replayed``) through one point, timed."""
+    a = _RUN["args"]
+    r = simulate(cs.replayed(_RUN["trace"], a.million), gpu_bytes=int(gpu_gib * GiB), host_bytes=int(host_gib * GiB),
+                 config_name=cfg, mode=a.mode, page=BLOCK, max_running=a.max_running, kv_fraction=a.kv_fraction,
+                 request_pages=_RUN["request_pages"], write_policy=a.write_policy)
+    r.pop("evictions")
+    return {"config": cfg, "gpu_gib": gpu_gib, "host_gib": host_gib, "million": True, **r}
 
 
 def _call(fn: Any, *point: Any) -> Any:
@@ -266,11 +282,15 @@ def run_trace(args: argparse.Namespace) -> str:
           f"{real.state_native / 1e6:.1f} MB fp32, T1/T2 lossless {real.t1_lossless / 1e6:.1f} MB, int8 "
           f"{real.t1_int8 / 1e6:.1f} MB")
     jobs: list[tuple] = [(_ceiling_point,)]
-    jobs += [(_check_point, cfg, fast) for cfg in HOST_CONFIGS for fast in (True, False)]
-    jobs += [(_trace_point, cfg, g, 0.0) for g in args.grid_gpu for cfg in ("gpu_only", "int8_t1")]
+    jobs += [(_check_point, cfg, mode) for cfg in cs.SIM_CONFIGS for mode in cs.MODES]
+    jobs += [(_million_point, cfg, *args.million_at) for cfg in (args.million_configs if args.million else ())]
+    jobs += [(_trace_point, cfg, g, 0.0) for g in args.grid_gpu_only for cfg in ("gpu_only", "int8_t1")]
     jobs += [(_trace_point, cfg, g, h) for g in args.grid_gpu for h in args.grid_host for cfg in HOST_CONFIGS]
     done = run_jobs(jobs, args.workers, t_start)
-    ceiling, checks, rows = done[0], done[1:5], done[5:]
+    n_checks = len(cs.SIM_CONFIGS) * len(cs.MODES)
+    ceiling, checks = done[0], done[1:1 + n_checks]
+    millions = [r for r in done[1 + n_checks:] if r.get("million")]
+    rows = done[1 + n_checks + len(millions):]
     attention = unbounded_reuse(raw)
     target = 0.9 * ceiling["hit_rate"]
     metrics: dict[str, Optional[float]] = {"ceiling_hybrid_hit_rate": ceiling["hit_rate"],
@@ -282,19 +302,27 @@ def run_trace(args: argparse.Namespace) -> str:
         metrics[f"bytes_to_90pct_{cs.TAGS[cfg]}"] = bytes_to(rows, cfg, target)
     b2b, b4 = metrics["bytes_to_90pct_2b"], metrics["bytes_to_90pct_4"]
     metrics["bytes_ratio_2b_vs_4_at_90pct"] = b2b / b4 if b2b is not None and b4 is not None else None
+    b2, b3 = metrics["bytes_to_90pct_2"], metrics["bytes_to_90pct_3"]
+    metrics["bytes_ratio_2_vs_3_at_90pct"] = b2 / b3 if b2 is not None and b3 is not None else None
     for (cfg, g, h), v in hit.items():
-        if cfg == "int8_t1":
+        if cfg == "int8_t1" and ("gpu_only", g, 0.0) in hit:
             metrics[f"hit_rate_3_vs_2_{g:g}g"] = _ratio(v, hit[("gpu_only", g, 0.0)])
         if cfg == "int8_t1_t2":
             metrics[f"hit_rate_4_vs_2b_{g:g}g_{h:g}g"] = _ratio(v, hit[("gpu_only_host", g, h)])
             metrics[f"prefill_tokens_1_vs_4_{g:g}g_{h:g}g"] = _ratio(1.0, 1.0 - v)  # (1) computes every token
-    for cfg in HOST_CONFIGS:
-        fast, full = (c for c in checks if c["config"] == cfg)
+    for cfg in cs.SIM_CONFIGS:
+        by = {c["mode"]: c for c in checks if c["config"] == cfg}
         tag = cs.TAGS[cfg]
-        metrics[f"fast_mode_same_hits_{tag}"] = float(fast["hits"] == full["hits"])
-        metrics[f"fast_mode_req_per_s_{tag}"] = fast["req_per_s"]
-        metrics[f"full_mode_req_per_s_{tag}"] = full["req_per_s"]
-        metrics[f"fast_mode_s_per_1e6_requests_{tag}"] = 1e6 / fast["req_per_s"]
+        metrics[f"model_same_hits_as_full_{tag}"] = float(by["model"]["hits"] == by["full"]["hits"])
+        metrics[f"fast_same_hits_as_full_{tag}"] = float(by["fast"]["hits"] == by["full"]["hits"])
+        for mode in cs.MODES:
+            metrics[f"{mode}_mode_req_per_s_{tag}"] = by[mode]["req_per_s"]
+        metrics[f"model_vs_fast_speed_{tag}"] = _ratio(by["model"]["req_per_s"], by["fast"]["req_per_s"])
+    for r in millions:
+        tag = f"{cs.TAGS[r['config']]}_{r['gpu_gib']:g}g_{r['host_gib']:g}g"
+        metrics[f"wall_s_1e6_requests_{tag}"] = r["wall_s"]
+        metrics[f"req_per_s_1e6_requests_{tag}"] = r["req_per_s"]
+        metrics[f"hit_rate_1e6_requests_{tag}"] = r["hit_rate"]
     metrics["requests"] = len(trace)
     metrics["total_s"] = time.perf_counter() - t_start
     info = {"trace": os.path.basename(args.trace), "sim token": f"one {BLOCK}-token block (a KV page of "
@@ -306,15 +334,21 @@ def run_trace(args: argparse.Namespace) -> str:
             "reaches only with a state at every shared block boundary",
             "bytes_to_90pct": "smallest GPU + host bytes of a grid point where the config's hit rate >= "
             "0.9 x ceiling_hybrid_hit_rate (an upper bound at the grid's resolution); null: no grid point reaches it",
-            "fast mode": f"transfers as byte accounting with instant tickets; checked against the full mode on "
-            f"{args.check_requests} synthetic requests (GPU 16 GiB, host 64 GiB, page 64) after {args.warm} warm-up; "
-            "fast_mode_s_per_1e6_requests is that measured rate projected to 10^6 requests, not a 10^6 run",
+            "modes": f"the grid in {args.mode} mode; model (capacity_model.TreeModel: the tree's flows on flags and "
+            "counts, byte accounting, instant tickets), fast (the real tree, no byte copied) and full (the real "
+            f"tree, every transfer copied and checksummed) compared on the first {args.check_requests} requests of "
+            f"the trace at GPU {args.check_at[0]:g} GiB, host {args.check_at[1]:g} GiB ((2), (3): no host): "
+            "*_same_hits_as_full 1.0 when every request's hit is the same; req_per_s of each mode on that run",
+            "10^6 requests": f"capacity_sim.replayed: the trace {-(-args.million // len(trace))} times over, copy k "
+            "with every sim token (hash ids and answer pages) shifted by k x (the largest token + 1), so a copy "
+            "is new sessions with the trace's statistics and shares nothing with the others; wall_s_1e6_requests "
+            "is that run's wall time, one point, from a cold cache",
             "hit_rate": "prompt tokens reused / prompt tokens; the whole trace from a cold cache, one request at "
             "a time"}
     notes = (f"{len(trace)} requests of {os.path.basename(args.trace)} in arrival order; Qwen3-Next-80B bytes; GPU "
              f"split as workload_common.split_budget (max_running {args.max_running}, kv_fraction "
              f"{args.kv_fraction}, the reservation sized for the longest request, {_RUN['request_pages']} pages); "
-             f"(2b) and (4) get the same host bytes, split alike; {'fast' if args.fast else 'full'} mode; "
+             f"(2b) and (4) get the same host bytes, split alike; {args.mode} mode; "
              f"{args.workers} worker processes.")
     os.makedirs(args.out, exist_ok=True)
     trace_chart(os.path.join(args.out, f"capacity-mooncake-{device_tag()}.png"), rows, ceiling["hit_rate"], attention)
@@ -350,12 +384,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None, help="a Mooncake-format trace: run its grid instead of the synthetic trace")
     p.add_argument("--limit", type=int, default=None, help="--trace: only its first N requests")
-    p.add_argument("--grid-gpu", type=float, nargs="+", default=[32], help="--trace: GPU GiB of the grid")
-    p.add_argument("--grid-host", type=float, nargs="+", default=[128, 256, 512, 1024],
-                   help="--trace: host GiB of the grid ((2b) and (4))")
+    p.add_argument("--grid-gpu", type=float, nargs="+", default=[16, 32, 64],
+                   help="--trace: GPU GiB of the (2b) and (4) grid")
+    p.add_argument("--grid-host", type=float, nargs="+",
+                   default=[64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096],
+                   help="--trace: host GiB of the (2b) and (4) grid")
+    p.add_argument("--grid-gpu-only", type=float, nargs="+",
+                   default=[16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096],
+                   help="--trace: GPU GiB of (2) and (3)")
     p.add_argument("--workers", type=int, default=2, help="processes the points are spread over")
     p.add_argument("--check-requests", type=int, default=1500,
-                   help="--trace: synthetic requests run in the fast and the full mode to compare them")
+                   help="--trace: its first N requests run in every mode to compare them")
+    p.add_argument("--check-at", type=float, nargs=2, default=[16, 64], metavar=("GPU", "HOST"),
+                   help="--trace: GiB of the mode check (a budget where every tier evicts)")
+    p.add_argument("--million", type=int, default=0, help="--trace: also run this many requests (the trace "
+                   "replayed) through one point, timed (10^6 for the issue's figure)")
+    p.add_argument("--million-at", type=float, nargs=2, default=[32, 1024], metavar=("GPU", "HOST"))
+    p.add_argument("--million-configs", nargs="+", default=["int8_t1_t2"], choices=cs.SIM_CONFIGS)
     p.add_argument("--requests", type=int, default=2000, help="measured requests per point (up to 10^6)")
     p.add_argument("--warm", type=int, default=2000, help="requests run before measuring (cache fills)")
     p.add_argument("--gpu-gib", type=float, nargs="+", default=[8, 16, 32, 48])
@@ -376,7 +421,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=4)
     p.add_argument("--kv-fraction", type=float, default=0.6)
     p.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
-    p.add_argument("--full", dest="fast", action="store_false", help="copy and checksum every transfer")
+    p.add_argument("--mode", default="model", choices=cs.MODES,
+                   help="model: capacity_model's tree model; fast: the real tree, no byte copied; full: every "
+                   "transfer copied and checksummed (capacity_sim)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--no-progress", dest="progress", action="store_false")

@@ -9,17 +9,21 @@ benchmark. The slots themselves are tiny byte-sized stand-ins (their T0 KV : sta
 the two sides of T0 trade bytes at the real rate). One sim token is one KV page of ``page`` real tokens
 (page_size 1 in the tree; checkpoints on page boundaries, as the engine places them).
 
-Each request does what the reference engine does with the cache, minus the compute: ``match_prefix``
-(cow_mamba), ``init_load_back`` of a host hit (tickets finish on ``check_hicache_events``), lock, a T0
-state slot and the KV reserved (``TieredCache.alloc_states`` / ``alloc_kv``: evicting for room),
-``cache_unfinished_req`` at the branch point, every prefill chunk end and the prompt end,
-``cache_finished_req`` at the last page written. Requests run one at a time (no concurrency: running
-requests' KV is in the reservation).
+Each request does what the reference engine does with the cache, minus the compute (``serve``, which
+bench_policy.py can call too): ``match_prefix`` (cow_mamba), ``init_load_back`` of a host hit, lock, a
+T0 state slot and the KV reserved (``TieredCache.alloc_states`` / ``alloc_kv``: evicting for room),
+``cache_unfinished_req`` at the branch point, every prefill chunk end and the prompt end, each followed
+by ``check_hicache_events`` (a chunk is an engine step), ``cache_finished_req`` at the last page
+written. Requests run one at a time (no concurrency: running requests' KV is in the reservation).
 
-``fast=True`` (the default): transfers are byte accounting with instant tickets: the transfer engine
-submits, marks busy, completes and counts every ticket as in the full mode, but copies no byte and
-takes no checksum (``TransferEngine.checksums`` off, a copier that copies nothing). Every decision of
-the tree is the same, so the hits are too (tests/bench/test_capacity_sim.py checks it on a small trace).
+Modes (``MODES``): ``full`` copies and checksums every transfer; ``fast`` keeps the real tree and the
+transfer engine's tickets, busy marks and counts but copies no byte (``TransferEngine.checksums`` off,
+a copier that copies nothing); ``model`` (the default) runs ``capacity_model.TreeModel``, the tree's
+flows ported to flags and counts at block granularity (byte accounting, instant tickets), the same
+``CountingLRUPolicy`` fed the same touches. Every decision is the same in all three, so the hits are
+(tests/bench/test_capacity_sim.py checks it on traces that evict in every tier); the model serves
+10^6 Mooncake requests in minutes where the real tree takes hours. The model knows what this
+simulation uses (LRU, chunk admission, write-through, no T3): other ``cache_overrides`` need ``fast``.
 
 A trace is any iterable of ``SimRequest`` (prompt and answer in sim tokens, and the prompt's real token
 count, which the hit rate is counted in). ``mooncake_requests`` turns a Mooncake trace into one: a sim
@@ -31,12 +35,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 
 from benchmarks import workload_common as wc
+from benchmarks.capacity_model import TreeModel
 from benchmarks.traces import BLOCK, TraceRequest
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import InvalidArgumentError
@@ -52,6 +57,7 @@ REAL_STATE = StateSpec(num_layers=36, temporal_shape=(32, 128, 128), temporal_dt
 TINY_KV = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)  # 32 B per sim token
 # The cached configurations (1) has no cache to simulate: its hit rate is 0 by construction.
 SIM_CONFIGS = ("gpu_only", "gpu_only_host", "int8_t1", "int8_t1_t2")
+MODES = ("model", "fast", "full")
 TAGS = {"no_cache": "1", "gpu_only": "2", "gpu_only_host": "2b", "int8_t1": "3", "int8_t1_t2": "4"}
 _CFG_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 
@@ -105,6 +111,21 @@ def mooncake_requests(trace: Sequence[TraceRequest], *, block: int = BLOCK) -> l
     return out
 
 
+def replayed(trace: Sequence[SimRequest], n: int) -> Iterator[SimRequest]:
+    """``n`` requests: ``trace`` over and over, copy k with every sim token t as ``t + k * span`` (``span``:
+    the largest token of ``trace`` + 1), so each copy is new sessions (its own system prompts too) with
+    the trace's statistics, sharing nothing with the other copies. Lazy: 10^6 requests never live at once."""
+    if not trace:
+        raise InvalidArgumentError("trace", "at least one request", trace)
+    if not isinstance(n, int) or n < 1:
+        raise InvalidArgumentError("n", "an int >= 1", n)
+    span = max(max(r.prompt + r.answer) for r in trace) + 1
+    for i in range(n):
+        k, j = divmod(i, len(trace))
+        r, off = trace[j], k * span
+        yield r if off == 0 else SimRequest([t + off for t in r.prompt], [t + off for t in r.answer], r.tokens)
+
+
 class _NoCopy:
     """The fast mode's copier: the transfer engine's tickets, busy marks and byte counts stay; no byte
     moves (``ScatterCopier.copy_rows``'s arguments, ignored)."""
@@ -113,85 +134,149 @@ class _NoCopy:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What ``serve`` did for one request: ``reused`` pages (device + host), ``loaded`` of them through a
+    load back from T2 (its whole chain), ``host_kv_pages`` of those copied from T2, ``state_from_host``:
+    the resume state came from T2 (else T1, or none when ``reused`` is 0); ``load_failed``: a load back
+    whose checksum failed (served as a miss of its host part)."""
+
+    reused: int
+    loaded: int
+    host_kv_pages: int
+    state_from_host: bool
+    load_failed: bool
+
+
+def serve(stack: TieredCache, prompt: Sequence[int], answer: Sequence[int], chunk: int,
+          extra_cuts: Optional[Callable[[int, int, set[int]], Iterable[int]]] = None) -> Served:
+    """One request through ``stack``'s tree as the reference engine drives it, minus the compute (module
+    docstring): match (cow_mamba), load back of a host hit, lock, a T0 state slot and the KV (evicting),
+    ``cache_unfinished_req`` at every prefill chunk end, the branch point, the prompt end and
+    ``extra_cuts(reused, len(prompt), cuts)`` (more checkpoint positions, e.g. block boundaries), a
+    ``check_hicache_events`` after each (every chunk is an engine step), ``cache_finished_req`` at the
+    last page written. Raises RuntimeError when T0 cannot hold the request even after evicting."""
+    cache, kv = stack.tree, stack.kv
+    n = len(prompt)
+    req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64))
+    req.load_back = None
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(prompt[:n - 1])), cow_mamba=True, req=req))
+    prefix, node, loaded, host_pages, from_host, failed = m.device_indices, m.last_device_node, 0, 0, False, False
+    if m.host_hit_length > 0:
+        ids, node2 = cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+        if len(ids):
+            while not req.load_back.done:
+                cache.check_hicache_events()
+            if req.load_back.ok:
+                t = req.load_back.tickets
+                host_pages = t["kv"].nbytes // kv.entry_bytes if "kv" in t else 0
+                from_host, loaded = "state" in t, len(ids)
+                prefix, node = torch.cat([prefix, ids]), node2
+            else:
+                failed = True
+    cache.inc_lock_ref(node)
+    p = len(prefix)
+    req.last_node, req.cache_protected_len, req.prefix_indices = node, p, prefix
+    if req.mamba_pool_idx is None:
+        req.mamba_pool_idx = stack.alloc_states(1)
+        if req.mamba_pool_idx is None:
+            raise RuntimeError("no T0 state slot even after evicting: the reservation is too small")
+    new = stack.alloc_kv(n + len(answer) - p)
+    if new is None:
+        raise RuntimeError("a request's KV does not fit T0 even after evicting: raise the GPU budget")
+    req.kv_indices = torch.cat([prefix, new])
+    cuts = set(range(p + chunk, n, chunk)) | {n}
+    b = m.mamba_branching_seqlen
+    if b is not None and p < b < n:
+        cuts.add(b)
+    if extra_cuts is not None:
+        cuts |= {q for q in extra_cuts(p, n, set(cuts)) if p < q < n}
+    full = list(prompt) + list(answer)
+    for pos in sorted(cuts):
+        req.token_ids = full[:pos]
+        cache.cache_unfinished_req(req, chunked=True)
+        cache.check_hicache_events()
+    req.token_ids = full[:n + len(answer) - 1]  # the last answer token is emitted, never fed
+    cache.cache_finished_req(req)
+    cache.check_hicache_events()
+    return Served(p, loaded, host_pages, from_host, failed)
+
+
+_COUNTS = ("prompt", "reused", "reused_host", "pages", "reused_pages", "t1", "t2", "miss", "requests", "kv_loaded",
+           "states_loaded", "load_fail")
+
+
+def _count(c: dict, r: SimRequest, page: int, p: int, host_pages: int, from_host: bool) -> None:
+    c["requests"] += 1
+    c["prompt"] += r.tokens
+    c["reused"] += min(p * page, r.tokens)
+    c["reused_host"] += min(host_pages * page, r.tokens)
+    c["pages"] += len(r.prompt)
+    c["reused_pages"] += p
+    c["kv_loaded"] += host_pages
+    c[("t2" if from_host else "t1") if p else "miss"] += 1
+    c["states_loaded"] += from_host
+
+
 class Sim:
-    """One configuration's tiers, sized in slots, and the engine's cache calls for one request."""
+    """One configuration's tiers (a ``TieredCache``, sized in slots), ``serve``'s calls per request."""
 
     def __init__(self, cfg: CacheConfig, state: StateSpec, *, page: int, fast: bool) -> None:
         self.stack = TieredCache.build(cfg, kv=TINY_KV, state=state, device="cpu")
-        self.cache, self.kv, self.page = self.stack.tree, self.stack.kv, page
+        self.cache, self.page = self.stack.tree, page
         if fast and self.stack.transfer is not None:
             self.stack.transfer.checksums = False
             self.stack.transfer.copier = _NoCopy()
         self.reset()
 
     def reset(self) -> None:
-        self.c = dict.fromkeys(("prompt", "reused", "reused_host", "pages", "reused_pages", "t1", "t2", "miss",
-                                "requests", "load_fail", "kv_loaded", "states_loaded"), 0)
+        self.c = dict.fromkeys(_COUNTS, 0)
 
-    def request(self, r: SimRequest, chunk: int, extra_cuts: Optional[Callable[[int, set[int]], Iterable[int]]] = None
-                ) -> int:
-        """Serve ``r``; returns the pages reused (device + host). ``extra_cuts(p, cuts)``: more positions to
-        offer a state at, given the pages reused and the chunk ends, branch point and prompt end (the
-        placements of bench_policy.py)."""
-        cache, c, prompt, answer = self.cache, self.c, r.prompt, r.answer
-        n = len(prompt)
-        req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64))
-        req.load_back = None
-        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt[:n - 1]), cow_mamba=True, req=req))
-        prefix, node, host_pages, tier = m.device_indices, m.last_device_node, 0, "t1"
-        if m.host_hit_length > 0:
-            ids, node2 = cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
-            if len(ids):
-                while not req.load_back.done:
-                    cache.check_hicache_events()
-                if req.load_back.ok:
-                    t = req.load_back.tickets
-                    host_pages = t["kv"].nbytes // self.kv.entry_bytes if "kv" in t else 0
-                    tier = "t2" if "state" in t else "t1"
-                    c["states_loaded"] += "state" in t
-                    prefix, node = torch.cat([prefix, ids]), node2
-                else:
-                    c["load_fail"] += 1
-        cache.inc_lock_ref(node)
-        p = len(prefix)
-        req.last_node, req.cache_protected_len, req.prefix_indices = node, p, prefix
-        if req.mamba_pool_idx is None:
-            req.mamba_pool_idx = self.stack.alloc_states(1)
-            if req.mamba_pool_idx is None:
-                raise RuntimeError("no T0 state slot even after evicting: the reservation is too small")
-        new = self.stack.alloc_kv(n + len(answer) - p)
-        if new is None:
-            raise RuntimeError("a request's KV does not fit T0 even after evicting: raise the GPU budget")
-        req.kv_indices = torch.cat([prefix, new])
-        c["requests"] += 1
-        c["prompt"] += r.tokens
-        c["reused"] += min(p * self.page, r.tokens)
-        c["reused_host"] += min(host_pages * self.page, r.tokens)
-        c["pages"] += n
-        c["reused_pages"] += p
-        c["kv_loaded"] += host_pages
-        c[tier if p else "miss"] += 1
-        cuts = set(range(p + chunk, n, chunk)) | {n}
-        b = m.mamba_branching_seqlen
-        if b is not None and p < b < n:
-            cuts.add(b)
-        if extra_cuts is not None:
-            cuts |= set(extra_cuts(p, cuts))
-        full = prompt + answer
-        for pos in sorted(cuts):
-            req.token_ids = full[:pos]
-            cache.cache_unfinished_req(req, chunked=True)
-        req.token_ids = full[:n + len(answer) - 1]  # the last answer token is emitted, never fed
-        cache.cache_finished_req(req)
-        cache.check_hicache_events()
+    def request(self, r: SimRequest, chunk: int) -> int:
+        """Serve ``r``; returns the pages reused (device + host)."""
+        s = serve(self.stack, r.prompt, r.answer, chunk)
+        _count(self.c, r, self.page, s.reused, s.host_kv_pages, s.state_from_host)
+        self.c["load_fail"] += s.load_failed
+        return s.reused
+
+    def check(self) -> None:
+        self.cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+
+    def evictions(self) -> dict:
+        return dict(self.stack.stats()["evictions"])
+
+
+class ModelSim:
+    """The same, through ``capacity_model.TreeModel`` (the model mode)."""
+
+    def __init__(self, cfg: CacheConfig, state: StateSpec, *, page: int) -> None:
+        self.model = TreeModel.of_config(cfg, kv=TINY_KV, state=state)
+        self.page = page
+        self.reset()
+
+    def reset(self) -> None:
+        self.c = dict.fromkeys(_COUNTS, 0)
+
+    def request(self, r: SimRequest, chunk: int) -> int:
+        p, host_pages, from_host = self.model.request(r.prompt, r.answer, chunk)
+        _count(self.c, r, self.page, p, host_pages, from_host)
         return p
+
+    def check(self) -> None:
+        self.model.check_idle()
+
+    def evictions(self) -> dict:
+        return dict(self.model.pol.counts)
 
 
 def simulate_tiers(trace: Iterable[SimRequest], tiers: Mapping[str, Any], *, cache_overrides: Optional[Mapping[
-        str, Any]] = None, fast: bool = True, page: int = BLOCK, chunk_pages: Optional[int] = None, warm: int = 0,
+        str, Any]] = None, mode: str = "model", page: int = BLOCK, chunk_pages: Optional[int] = None, warm: int = 0,
         write_policy: str = "write_through", keep_hits: bool = False, progress: Optional[str] = None) -> dict:
-    """``trace`` through a cache of these tier sizes (``CacheConfig`` fields); ``simulate``'s body. The
-    first ``warm`` requests fill the cache and are not counted. Returns the counts and rates (below)."""
+    """``trace`` through a cache of these tier sizes (``CacheConfig`` fields) in ``mode`` (``MODES``);
+    ``simulate``'s body. The first ``warm`` requests fill the cache and are not counted. Returns the
+    counts and rates (``simulate``)."""
+    if mode not in MODES:
+        raise InvalidArgumentError("mode", f"one of {MODES}", mode)
     over = dict(cache_overrides or {})
     unknown = sorted(set(over) - _CFG_FIELDS)
     if unknown:
@@ -201,7 +286,8 @@ def simulate_tiers(trace: Iterable[SimRequest], tiers: Mapping[str, Any], *, cac
         raise InvalidArgumentError("chunk_pages", "None or an int >= 1", chunk_pages)
     fields = dict(page_size=1, write_policy=write_policy, validate=False, check_memory=False, backend="torch")
     cfg = CacheConfig(**{**fields, **tiers, **over})
-    sim = Sim(cfg, tiny_state(real_bytes(page)), page=page, fast=fast)
+    state = tiny_state(real_bytes(page))
+    sim: Any = ModelSim(cfg, state, page=page) if mode == "model" else Sim(cfg, state, page=page, fast=mode == "fast")
     hits: list[int] = []
     it: Iterable[SimRequest] = trace
     if progress:
@@ -217,7 +303,7 @@ def simulate_tiers(trace: Iterable[SimRequest], tiers: Mapping[str, Any], *, cac
         if keep_hits and i >= warm:
             hits.append(p)
     wall = time.perf_counter() - t
-    sim.cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+    sim.check()
     c, n = sim.c, max(1, sim.c["requests"])
     out = {"hit_rate": c["reused"] / max(1, c["prompt"]), "hit_rate_t2": c["reused_host"] / max(1, c["prompt"]),
            "page_hit_rate": c["reused_pages"] / max(1, c["pages"]), "state_hit_rate": (c["t1"] + c["t2"]) / n,
@@ -225,14 +311,14 @@ def simulate_tiers(trace: Iterable[SimRequest], tiers: Mapping[str, Any], *, cac
            "prompt_tokens": c["prompt"], "reused_tokens": c["reused"], "t2_kv_pages_loaded": c["kv_loaded"],
            "t2_states_loaded": c["states_loaded"], "load_failures": c["load_fail"], "wall_s": wall,
            "total_s": time.perf_counter() - t0, "req_per_s": c["requests"] / wall if wall > 0 else float("nan"),
-           "evictions": dict(sim.stack.stats()["evictions"])}
+           "evictions": sim.evictions()}
     if keep_hits:
         out["hits"] = hits
     return out
 
 
 def simulate(trace: Iterable[SimRequest], *, gpu_bytes: int, host_bytes: int, config_name: str,
-             cache_overrides: Optional[Mapping[str, Any]] = None, fast: bool = True, page: int = BLOCK,
+             cache_overrides: Optional[Mapping[str, Any]] = None, mode: str = "model", page: int = BLOCK,
              max_running: int = 4, kv_fraction: float = 0.6, request_pages: Optional[int] = None,
              chunk_pages: Optional[int] = None, warm: int = 0, write_policy: str = "write_through",
              keep_hits: bool = False, progress: Optional[str] = None) -> dict:
@@ -240,9 +326,10 @@ def simulate(trace: Iterable[SimRequest], *, gpu_bytes: int, host_bytes: int, co
     byte budgets of Qwen3-Next-80B, split as ``workload_common.split_budget`` does (``max_running``,
     ``kv_fraction``; ``request_pages``: the longest request's pages, taken from ``trace`` when it is a
     sequence). ``cache_overrides``: ``CacheConfig`` fields set on top (an eviction policy, admission,
-    a write policy, even tier sizes): how another policy drives the same simulation. ``fast``: transfers
-    as byte accounting (module docstring). ``page``: real tokens per sim token; ``chunk_pages``: the
-    prefill chunk (None: 8192 tokens). Returns ``simulate_tiers``' dict plus the tier sizes used.
+    a write policy, even tier sizes): how another policy drives the same simulation. ``mode``: the real
+    tree with or without copies, or the model (``MODES``, module docstring). ``page``: real tokens per
+    sim token; ``chunk_pages``: the prefill chunk (None: 8192 tokens). Returns ``simulate_tiers``' dict
+    plus the tier sizes used.
 
     hit_rate: prompt tokens reused / prompt tokens (real tokens); hit_rate_t2: of them, loaded from T2;
     state_hit_rate: requests that resumed from a cached state; req_per_s: simulated requests a second.
@@ -253,6 +340,6 @@ def simulate(trace: Iterable[SimRequest], *, gpu_bytes: int, host_bytes: int, co
         request_pages = max(len(r.prompt) + len(r.answer) for r in trace)
     tiers = tier_sizes(config_name, gpu_bytes, host_bytes, page=page, max_running=max_running,
                        request_pages=request_pages, kv_fraction=kv_fraction)
-    out = simulate_tiers(trace, tiers, cache_overrides=cache_overrides, fast=fast, page=page, chunk_pages=chunk_pages,
+    out = simulate_tiers(trace, tiers, cache_overrides=cache_overrides, mode=mode, page=page, chunk_pages=chunk_pages,
                          warm=warm, write_policy=write_policy, keep_hits=keep_hits, progress=progress)
     return {**{k: tiers.get(k, 0) for k in ("kv_pages", "t1_states", "host_kv_pages", "host_states")}, **out}

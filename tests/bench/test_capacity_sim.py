@@ -1,5 +1,6 @@
-"""benchmarks/capacity_sim.py and bench_capacity.py's real-trace mode: the fast mode serves the same hits
-as the full one, (2b)'s tiers, overrides reach the cache, the Mooncake conversion and the grid's metrics."""
+"""benchmarks/capacity_sim.py, capacity_model.py and bench_capacity.py's real-trace mode: the model and the
+fast mode serve the same hits as the full one (the real tree), (2b)'s tiers, overrides reach the cache,
+serve's extra cuts, the replayed trace, the Mooncake conversion and the grid's metrics."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from benchmarks import bench_capacity as bc  # noqa: E402
 from benchmarks import capacity_sim as cs  # noqa: E402
 from benchmarks.traces import TraceRequest  # noqa: E402
+from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.errors import InvalidArgumentError  # noqa: E402
 
 GiB = cs.GiB
@@ -56,16 +58,107 @@ def test_gpu_only_host_has_the_host_bytes_of_4_in_lossless_states():
         cs.tier_sizes("no_cache", 32 * GiB, 0, **kw)
 
 
-@pytest.mark.parametrize("cfg", ["gpu_only_host", "int8_t1_t2"])
-def test_fast_mode_same_hits_as_full_mode(cfg):
+def _random_trace(seed: int, n: int = 160) -> list[cs.SimRequest]:
+    """Seeded multi-turn traffic with shared system prompts (bench_capacity's synthetic trace, small)."""
+    a = bc.parse_args(["--active", "12", "--systems", "3", "--system-pages", "6", "--question-pages", "1", "5",
+                       "--answer-pages", "1", "3", "--min-rounds", "2", "--max-rounds", "6", "--page", "512"])
+    return list(bc.Trace(a, seed=seed).take(n))
+
+
+_EVERY_TIER = dict(gpu_bytes=5 * GiB, host_bytes=2 * GiB, max_running=1, keep_hits=True)
+
+
+@pytest.mark.parametrize("cfg", cs.SIM_CONFIGS)
+def test_model_and_fast_mode_same_hits_as_full_mode(cfg):
     trace = cs.mooncake_requests(_conversations())
-    kw = dict(gpu_bytes=1 * GiB, host_bytes=3 * GiB, config_name=cfg, max_running=1, keep_hits=True)
-    fast, full = cs.simulate(trace, fast=True, **kw), cs.simulate(trace, fast=False, **kw)
-    assert fast["hits"] == full["hits"] and len(fast["hits"]) == len(trace)
-    assert fast["state_hits_t2"] > 0 and fast["t2_kv_pages_loaded"] > 0  # the host tier served some of them
-    assert fast["evictions"].get("kv", 0) > 0  # T0 was full: what fit decided the hits
-    for k in ("hit_rate", "hit_rate_t2", "state_hits_t1", "state_hits_t2", "t2_states_loaded", "load_failures"):
-        assert fast[k] == full[k], k
+    host = 3 * GiB if cfg in bc.HOST_CONFIGS else 0
+    kw = dict(gpu_bytes=1 * GiB, host_bytes=host, config_name=cfg, max_running=1, keep_hits=True)
+    full = cs.simulate(trace, mode="full", **kw)
+    for mode in ("model", "fast"):
+        got = cs.simulate(trace, mode=mode, **kw)
+        assert got["hits"] == full["hits"] and len(got["hits"]) == len(trace), mode
+        assert got["evictions"] == full["evictions"], mode  # the same victims, tier by tier
+        for k in ("hit_rate", "hit_rate_t2", "state_hits_t1", "state_hits_t2", "t2_states_loaded", "load_failures"):
+            assert got[k] == full[k], (mode, k)
+    if host:
+        assert full["state_hits_t2"] > 0 and full["t2_kv_pages_loaded"] > 0  # the host tier served some of them
+    assert full["evictions"].get("state", 0) > 0  # T1 was full: what fit decided the hits
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_model_same_hits_as_the_real_tree_on_random_traffic(seed):
+    """Shared prefixes (splits, branch points), every tier evicting: request by request, victim counts too."""
+    trace = _random_trace(seed)
+    for cfg in cs.SIM_CONFIGS:
+        kw = dict(_EVERY_TIER, host_bytes=_EVERY_TIER["host_bytes"] if cfg in bc.HOST_CONFIGS else 0)
+        model, real = cs.simulate(trace, config_name=cfg, mode="model", **kw), \
+            cs.simulate(trace, config_name=cfg, mode="fast", **kw)
+        assert model["hits"] == real["hits"], cfg
+        assert model["evictions"] == real["evictions"], cfg
+        if cfg == "int8_t1_t2":
+            assert {"kv", "state", "kv_host"} <= set(real["evictions"]), real["evictions"]
+
+
+def test_model_checks_its_own_books_and_refuses_what_it_does_not_know():
+    trace = cs.mooncake_requests(_conversations())
+    tiers = cs.tier_sizes("int8_t1_t2", 1 * GiB, 3 * GiB, page=512, max_running=1, request_pages=40, kv_fraction=0.6)
+    cfg = CacheConfig(page_size=1, validate=False, check_memory=False, backend="torch", **tiers)
+    sim = cs.ModelSim(cfg, cs.tiny_state(cs.real_bytes(512)), page=512)
+    for r in trace:
+        sim.request(r, 16)
+    sim.check()
+    sim.model.t1_free += 1  # a T1 slot leaked
+    with pytest.raises(AssertionError, match="T1"):
+        sim.check()
+    sim.model.t1_free -= 1
+    sim.model.pol.discard("kv", next(iter(sim.model.pol.candidates("kv"))))  # a candidate lost
+    with pytest.raises(AssertionError, match="'kv' candidates"):
+        sim.check()
+    for over in ({"eviction_policy": "marconi"}, {"state_admission": "leaf_branch"}, {"write_policy": "write_back"}):
+        with pytest.raises(InvalidArgumentError, match=f"cfg.{next(iter(over))}"):
+            cs.simulate(trace, gpu_bytes=1 * GiB, host_bytes=3 * GiB, config_name="int8_t1_t2", max_running=1,
+                        cache_overrides=over)
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        cs.simulate(trace, gpu_bytes=1 * GiB, host_bytes=0, config_name="gpu_only", max_running=1, mode="quick")
+
+
+def test_replayed_shifts_every_copy_apart():
+    trace = cs.mooncake_requests(_conversations(3, 2))
+    got = list(cs.replayed(trace, 2 * len(trace) + 1))
+    assert got[:len(trace)] == trace and len(got) == 2 * len(trace) + 1
+    span = max(max(r.prompt + r.answer) for r in trace) + 1
+    second = got[len(trace):2 * len(trace)]
+    assert [r.prompt for r in second] == [[t + span for t in r.prompt] for r in trace]
+    assert [r.tokens for r in second] == [r.tokens for r in trace]
+    assert not {t for r in trace for t in r.prompt + r.answer} & {t for r in second for t in r.prompt + r.answer}
+    assert got[-1].prompt == [t + 2 * span for t in trace[0].prompt]
+    # a copy reuses within itself as the trace does, never across copies: its hits repeat the first copy's
+    # once the cache is large enough to hold both
+    kw = dict(gpu_bytes=64 * GiB, host_bytes=0, config_name="int8_t1", max_running=1, keep_hits=True,
+              request_pages=max(len(r.prompt) + len(r.answer) for r in trace))
+    hits = cs.simulate(cs.replayed(trace, 2 * len(trace)), **kw)["hits"]
+    assert hits[:len(trace)] == hits[len(trace):] and sum(hits) > 0
+    with pytest.raises(InvalidArgumentError, match="n"):
+        next(cs.replayed(trace, 0))
+
+
+def test_serve_extra_cuts_store_more_states():
+    """``serve``'s ``extra_cuts`` (how bench_policy adds block boundaries): more states cached, and a later
+    request diverging after one of them resumes there."""
+    tiers = cs.tier_sizes("gpu_only", 8 * GiB, 0, page=512, max_running=1, request_pages=40, kv_fraction=0.6)
+    cfg = CacheConfig(page_size=1, validate=False, check_memory=False, backend="torch", **tiers)
+    state = cs.tiny_state(cs.real_bytes(512))
+    first, second = list(range(1, 21)), list(range(1, 6)) + [99, 100]
+    got = []
+    for extra in (None, lambda p, n, cuts: range(p + 5, n, 5)):
+        stack = cs.Sim(cfg, state, page=512, fast=True).stack
+        a = cs.serve(stack, first, [500], 16, extra)
+        b = cs.serve(stack, second, [501], 16, extra)
+        assert a.reused == 0 and not a.state_from_host and not b.load_failed
+        got.append((b.reused, stack.tree.total_size()[1]))
+    (plain, plain_states), (cut, cut_states) = got
+    assert plain == 0 and cut == 5  # without a state at 5 the shared 5 pages cannot be resumed from
+    assert cut_states > plain_states
 
 
 def test_host_tier_and_overrides_change_the_hits():
@@ -110,19 +203,24 @@ def test_trace_grid_writes_every_metric(tmp_path):
     p.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
                                      "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
                          for r in _conversations(6, 3)))
-    path = bc.main(["--trace", str(p), "--grid-gpu", "1", "--grid-host", "1", "4", "--max-running", "1",
-                    "--workers", "1", "--check-requests", "5", "--warm", "5", "--out", str(tmp_path), "--no-progress"])
+    path = bc.main(["--trace", str(p), "--grid-gpu", "1", "--grid-host", "1", "4", "--grid-gpu-only", "1", "2",
+                    "--max-running", "1", "--workers", "1", "--check-requests", "12", "--check-at", "1", "2",
+                    "--million", "40", "--million-at", "1", "4", "--out", str(tmp_path), "--no-progress"])
     rec = json.load(open(path))
     m = rec["metrics"]
-    for k in ("hit_rate_2_1g_0g", "hit_rate_3_1g_0g", "hit_rate_2b_1g_1g", "hit_rate_4_1g_4g",
+    for k in ("hit_rate_2_1g_0g", "hit_rate_3_2g_0g", "hit_rate_2b_1g_1g", "hit_rate_4_1g_4g",
               "ceiling_hybrid_hit_rate", "ceiling_attention_hit_rate", "bytes_to_90pct_2b", "bytes_to_90pct_4",
-              "bytes_ratio_2b_vs_4_at_90pct", "hit_rate_4_vs_2b_1g_4g", "hit_rate_3_vs_2_1g",
-              "fast_mode_same_hits_4", "fast_mode_s_per_1e6_requests_2b"):
+              "bytes_ratio_2b_vs_4_at_90pct", "bytes_ratio_2_vs_3_at_90pct", "hit_rate_4_vs_2b_1g_4g",
+              "hit_rate_3_vs_2_1g", "model_mode_req_per_s_2b", "full_mode_req_per_s_4", "model_vs_fast_speed_3",
+              "wall_s_1e6_requests_4_1g_4g", "hit_rate_1e6_requests_4_1g_4g"):
         assert k in m, k
-    assert m["fast_mode_same_hits_4"] == 1.0 and m["fast_mode_same_hits_2b"] == 1.0
+    for tag in ("2", "2b", "3", "4"):
+        assert m[f"model_same_hits_as_full_{tag}"] == 1.0 and m[f"fast_same_hits_as_full_{tag}"] == 1.0
     b2b, b4 = m["bytes_to_90pct_2b"], m["bytes_to_90pct_4"]
     assert m["bytes_ratio_2b_vs_4_at_90pct"] == (b2b / b4 if b2b is not None and b4 is not None else None)
-    assert "ceiling" in rec["info"] and os.path.exists(path[:-5] + ".md")
+    assert m["wall_s_1e6_requests_4_1g_4g"] > 0
+    assert "ceiling" in rec["info"] and "10^6 requests" in rec["info"] and os.path.exists(path[:-5] + ".md")
+    assert not any(r.get("million") for r in rec["rows"])  # the timed run is in the metrics, not a grid row
 
 
 def test_synthetic_sweep_writes_the_2b_ratios(tmp_path):
