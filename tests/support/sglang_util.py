@@ -29,14 +29,35 @@ from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402
 PAGE, TOKENS, LAYERS, HEADS, DIM, ROWS, SLOTS, CHUNK = 16, 512, 2, 2, 8, 4, 4, 32
 
 
-def _pools():
+def _state_params(family: str):
+    """SGLang's cache params for a state family, built as its model configs build them (tiny sizes):
+    ``mamba2`` (NemotronH, FalconH1, GraniteMoeHybrid: ``Mamba2StateShape``), ``gdn`` (Qwen3-Next's
+    gated delta-net: the same shape class with key heads as groups and the q/k/v conv groups), ``kda``
+    (Kimi Linear: ``KimiLinearStateShape``, conv windows laid out ``[K-1, channels]``)."""
+    dtype = mamba_utils.Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
+    if family == "mamba2":
+        shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
+                                                    head_dim=4, state_size=8, conv_kernel=4)
+        return mamba_utils.Mamba2CacheParams(shape=shape, layers=[0, 2], dtype=dtype)
+    if family == "gdn":  # 2 key heads of 4, 4 value heads of 4 (configs/qwen3_next.py): conv over q, k and v
+        shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=4,
+                                                    head_dim=4, state_size=4, conv_kernel=4,
+                                                    conv_shard_groups=[8, 8, 16])
+        return mamba_utils.Mamba2CacheParams(shape=shape, layers=[0, 2], dtype=dtype)
+    if family == "kda":  # configs/kimi_linear.py
+        shape = mamba_utils.KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=4, conv_kernel_size=4)
+        return mamba_utils.KimiLinearCacheParams(shape=shape, layers=[0, 2], dtype=dtype)
+    raise ValueError(family)
+
+
+STATE_FAMILIES = ("mamba2", "gdn", "kda")
+
+
+def _pools(family: str = "mamba2"):
     kv_pool = memory_pool.MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
                                            head_dim=DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
     alloc = allocator_mod.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.float32, "cpu", kv_pool, need_sort=False)
-    shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
-                                                head_dim=4, state_size=8, conv_kernel=4)
-    params = mamba_utils.Mamba2CacheParams(shape=shape, layers=[0, 2], dtype=mamba_utils.Mamba2StateDType(
-        conv=torch.float32, temporal=torch.float32))
+    params = _state_params(family)
     rows = memory_pool.HybridReqToTokenPool(
         size=ROWS, mamba_size=SLOTS, mamba_spec_state_size=0, max_context_len=256, device="cpu",
         enable_memory_saver=False, cache_params=params, mamba_layer_ids=[0, 2], enable_mamba_extra_buffer=False,

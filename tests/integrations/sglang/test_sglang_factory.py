@@ -19,6 +19,7 @@ B = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
 
 from tests.support.sglang_util import (  # noqa: E402
     SLOTS,
+    STATE_FAMILIES,
     TOKENS,
     _build,
     _check_prefix,
@@ -34,8 +35,11 @@ from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402
 from tiered_cache.integrations.sglang.t0 import SGLangT0  # noqa: E402
 
 
-def test_factory_builds_the_tree_over_sglangs_pools_and_serves_a_multi_turn_workload(monkeypatch):
-    rows, alloc, kv_pool = _pools()
+@pytest.mark.parametrize("family", STATE_FAMILIES)
+def test_factory_builds_the_tree_over_sglangs_pools_and_serves_a_multi_turn_workload(monkeypatch, family):
+    """Per state family SGLang has a pool layout for (its own cache params, built as its model configs
+    build them): every prefix handed to SGLang holds exactly its KV, every resumed slot its state."""
+    rows, alloc, kv_pool = _pools(family)
     kv_free, rows_free = alloc.available_size(), rows.available_size()
     slots_free = rows.mamba_allocator.available_size()
     backend = _build(monkeypatch, rows, alloc, {"t1_states": 6, "codec": "lossless"})
