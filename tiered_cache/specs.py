@@ -9,7 +9,7 @@ KV envelope of one page (``page_size`` tokens), layer-major inside the page::
 
     | L0 K [ps, H, D] | L0 V [ps, H, Dv] | L1 K | L1 V | ... |  (each field padded to ALIGN)
 
-State envelope of one request, layer-major::
+State envelope of one request, layer-major (no temporal field for a conv-only state)::
 
     | L0 temporal [H, a, b] | L0 conv0 [...] | L0 conv1 [...] | L1 temporal | ... |
 """
@@ -137,6 +137,9 @@ class StateSpec:
     which of ``a``/``b`` is the value axis, the one the int8 scale reduces over:
     GDN/KDA in SGLang order ``[H, d_v, d_k]`` -> 1; transformers' Qwen3-Next ``[H, d_k, d_v]`` -> 2;
     Mamba2 ``[H, head_dim, d_state]`` -> 1 (head_dim plays d_v, d_state plays d_k).
+    ``temporal_shape=()``: no temporal state, only conv windows (Lfm2's short-conv layers keep a window
+    of the last tokens and nothing else); then at least one conv window, no field of 0 bytes in the
+    envelope, and every codec keeps the windows in ``conv_dtype`` (int8 quantizes temporal states only).
     ``conv_shapes`` are the conv windows per layer (e.g. ``((conv_dim, kernel - 1),)``) at ``conv_dtype``.
     """
 
@@ -149,13 +152,16 @@ class StateSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_layers", int_arg("num_layers", self.num_layers, lo=1, hi=MAX_DIM))
-        shape = _shape("temporal_shape", self.temporal_shape)
-        if len(shape) != 3:
-            raise InvalidArgumentError("temporal_shape", "3 dims [H, a, b]", self.temporal_shape)
+        none = isinstance(self.temporal_shape, (tuple, list)) and len(self.temporal_shape) == 0
+        shape = () if none else _shape("temporal_shape", self.temporal_shape)
+        if len(shape) not in (0, 3):
+            raise InvalidArgumentError("temporal_shape", "3 dims [H, a, b], or () for none", self.temporal_shape)
         object.__setattr__(self, "temporal_shape", shape)
         if not isinstance(self.conv_shapes, (tuple, list)):
             raise InvalidTypeError("conv_shapes", "a tuple of shapes (tuples of positive ints)", self.conv_shapes)
         convs = tuple(_shape("conv_shapes", s) for s in self.conv_shapes)
+        if none and not convs:
+            raise InvalidArgumentError("conv_shapes", "at least one conv window (temporal_shape is (): none)", convs)
         object.__setattr__(self, "conv_shapes", convs)
         _dtype("temporal_dtype", self.temporal_dtype)
         if self.temporal_dtype not in STATE_DTYPES:
@@ -164,20 +170,31 @@ class StateSpec:
         object.__setattr__(self, "value_axis", int_arg("value_axis", self.value_axis, lo=1, hi=2))
 
     @property
+    def has_temporal(self) -> bool:
+        """False for a state of conv windows only (``temporal_shape=()``)."""
+        return bool(self.temporal_shape)
+
+    def require_temporal(self) -> tuple[int, ...]:
+        """``temporal_shape``, or a typed error for a conv-only spec (what needs a temporal state asks)."""
+        if not self.temporal_shape:
+            raise InvalidArgumentError("spec", "a StateSpec with a temporal state", "temporal_shape=() (conv only)")
+        return self.temporal_shape
+
+    @property
     def num_heads(self) -> int:
-        return self.temporal_shape[0]
+        return self.require_temporal()[0]
 
     @property
     def d_v(self) -> int:
-        return self.temporal_shape[self.value_axis]
+        return self.require_temporal()[self.value_axis]
 
     @property
     def d_k(self) -> int:
-        return self.temporal_shape[3 - self.value_axis]
+        return self.require_temporal()[3 - self.value_axis]
 
     @property
     def temporal_bytes(self) -> int:
-        return math.prod(self.temporal_shape) * self.temporal_dtype.itemsize
+        return math.prod(self.temporal_shape) * self.temporal_dtype.itemsize if self.temporal_shape else 0
 
     def conv_bytes(self, i: int) -> int:
         i = index_arg("i", i, len(self.conv_shapes))
@@ -207,11 +224,13 @@ class StateSpec:
         """One tensor-parallel rank's share of ``tp``: ``H // tp`` heads of the temporal state and
         ``channels // tp`` of each conv window (its first dim, the heads' channels). A ``tp`` that
         does not divide them is a typed error naming it and the dimension."""
-        h = self.temporal_shape[0]
-        tp = _divisor("tp", tp, h, "state heads (temporal_shape[0])")
+        t = self.temporal_shape
+        tp = int_arg("tp", tp, lo=1, hi=MAX_DIM)
+        if t:
+            _divisor("tp", tp, t[0], "state heads (temporal_shape[0])")
         for i, c in enumerate(self.conv_shapes):
             _divisor("tp", tp, c[0], f"conv channels (conv_shapes[{i}][0])")
-        return dataclasses.replace(self, temporal_shape=(h // tp, *self.temporal_shape[1:]),
+        return dataclasses.replace(self, temporal_shape=(t[0] // tp, *t[1:]) if t else (),
                                    conv_shapes=tuple((c[0] // tp, *c[1:]) for c in self.conv_shapes))
 
 

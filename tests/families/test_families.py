@@ -8,8 +8,9 @@ run's, with every decode path the family supports (on CPU; marked ``gpu``, the s
 Each family's pass is checked not to be vacuous: the same run with the cached states zeroed on every
 resume (a state model) or the sliding layers' KV zeroed (an SWA model) must break that equality. A
 state model's recipe for a state that matters is ``long_memory=True`` (``engine.models``; the zeroed
-drift it gives per family is in README "Families", beside int8's). The families the tiers refuse (Lfm2,
-an SWA-only Mistral, Jamba) are refused at construction, and still run the no-cache baseline."""
+drift it gives per family is in README "Families", beside int8's). Lfm2's state is a conv window alone
+(a ``StateSpec`` without a temporal state). The families the tiers refuse (an SWA-only Mistral, Jamba)
+are refused at construction, and still run the no-cache baseline."""
 
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ TIERS = dict(codec="lossless", page_size=4, kv_pages=44, t0_states=2, t1_states=
 NO_CACHE = EngineConfig(use_cache=False, cache=CacheConfig(page_size=4), **SERVE)
 INT8_TOP1_BOUND = 0.9  # top-1 agreement of int8 through T2, every family (measured: README "Families")
 
-# the value axis of each state model's recurrent state (spec_for reads it off the layer's mixer)
+# the value axis of each state model's recurrent state (spec_for reads it off the layer's mixer); None:
+# no recurrent state (Lfm2's short conv keeps its window alone)
 VALUE_AXIS = {"bamba": 1, "granitemoehybrid": 1, "nemotron_h": 1, "falcon_h1": 1, "zamba2": 1,  # Mamba2
-              "kimi_linear": 2, "qwen3_next": 2, "qwen3_5": 2, "olmo_hybrid": 2}  # delta rules: [H, d_k, d_v]
+              "kimi_linear": 2, "qwen3_next": 2, "qwen3_5": 2, "olmo_hybrid": 2,  # delta rules: [H, d_k, d_v]
+              "lfm2": None}
 STATE = list(VALUE_AXIS)
 SWA = ["gemma3", "gpt_oss", "cohere2"]
 # decode paths per family: one request per forward everywhere; batched (decode_batch) and static
@@ -121,7 +124,10 @@ def check_lossless(family: str, path: str, device: str) -> None:
         assert st["hits"]["T1_states"] > 0 and st["hits"]["T2_states"] > 0
         assert e.tiers.t1.stats["stores"] > TIERS["t1_states"]
         assert st["hits"]["T0_swa_windows"] == st["hits"]["T2_swa_windows"] == 0
-        assert e.specs.state.value_axis == VALUE_AXIS[family]
+        if VALUE_AXIS[family] is None:
+            assert not e.specs.state.has_temporal and e.tiers.t1.fields[0].name == "conv0"
+        else:
+            assert e.specs.state.value_axis == VALUE_AXIS[family]
     else:  # no state: the hits are SWA windows, from T0 and loaded back from T2
         assert st["hits"]["T1_states"] == st["hits"]["T2_states"] == 0
         assert st["hits"]["T0_swa_windows"] > 0 and st["hits"]["T2_swa_windows"] > 0
@@ -136,8 +142,8 @@ def check_lossless(family: str, path: str, device: str) -> None:
 
 
 def _zeroing(real):
-    """``Kind.resume`` that zeroes what the cache brought: the linear layers' conv windows and states, the
-    sliding layers' KV (the full-attention KV is left as it is)."""
+    """``Kind.resume`` that zeroes what the cache brought: the linear layers' conv windows and states (a
+    conv layer has no state: None), the sliding layers' KV (the full-attention KV is left as it is)."""
     def resume(self, req, n):
         cache, nbytes = real(self, req, n)
         for layer in cache.layers:
@@ -167,7 +173,6 @@ def test_negative_control_zeroed_cache_breaks_equality(family, monkeypatch):
 
 # ------------------------------------------------------------------------------ refused families
 REFUSED = {
-    "lfm2": "conv-only layers",
     "mistral": "at least one full-attention layer",
     "jamba": "Mamba1",
 }

@@ -9,6 +9,8 @@ Per kind of layer (``config.layer_types``), the cache layer and the pool side th
     linear_attention   LinearAttentionLayer       conv_states[0] [1, conv_dim, K]   -> state side conv_view_all(0)
                                                    recurrent_states[0] [1, H, a, b]  -> state side temporal_view_all()
                                                    ([H, d_k, d_v] for a delta rule, [H, head_dim, d_state] Mamba2)
+    conv               LinearAttentionLayer       conv_states[0] only (Lfm2's short conv) -> conv_view_all(0) of a
+                                                   state side without a temporal state
     full_attention     DynamicLayer               keys/values [1, kv_heads, T, D]   -> full KV side, every token
     sliding_attention  DynamicSlidingWindowLayer  keys/values, only the last ``sliding_window - 1`` tokens
                                                    after a forward (``cumulative_length`` counts all) -> swa KV side
@@ -129,7 +131,7 @@ class HybridCacheAdapter:
         k = spec.conv_shapes[0][-1]
         # record_past keeps more than the window in conv_states; the last K columns are the state.
         self._write_state(side, spec, slot, "cache", [lay.conv_states[0][..., -k:] for lay in layers],
-                          [lay.recurrent_states[0] for lay in layers])
+                          [lay.recurrent_states[0] for lay in layers] if spec.has_temporal else [])
 
     def export_split_state(self, states, side: StateSide, slot: Union[int, torch.Tensor]) -> None:
         """Write the state a split forward captured (``split_forward.SplitStates``: one conv window and
@@ -138,20 +140,25 @@ class HybridCacheAdapter:
         spec = self._state_side(side)
         n = len(self.specs.linear_layers)
         conv, rec = getattr(states, "conv", None), getattr(states, "recurrent", None)
-        if not isinstance(conv, list) or not isinstance(rec, list) or len(conv) != n or len(rec) != n:
+        if not isinstance(conv, list) or not isinstance(rec, list) or len(conv) != n or len(rec) != n \
+                or not spec.has_temporal:
             raise InvalidArgumentError("states", f"a SplitStates with {n} conv windows and {n} states",
                                        type(states).__name__)
         self._write_state(side, spec, slot, "states", conv, rec)
 
     def _write_state(self, side: StateSide, spec, slot, name: str, conv_l: list, rec_l: list) -> None:
-        conv, rec = torch.stack(conv_l), torch.stack(rec_l)
-        want = ((len(rec_l), 1, *spec.temporal_shape), (len(conv_l), 1, *spec.conv_shapes[0]))
-        if (tuple(rec.shape), tuple(conv.shape)) != want:
-            raise InvalidArgumentError(name, f"batch 1 states of shapes {want} (the side's spec)",
-                                       (tuple(rec.shape), tuple(conv.shape)))
+        """``rec_l``: empty for a spec without a temporal state (the conv window is all of it)."""
+        conv = torch.stack(conv_l)
+        rec = torch.stack(rec_l) if spec.has_temporal else None
+        want = ((len(rec_l), 1, *spec.temporal_shape) if rec is not None else None,
+                (len(conv_l), 1, *spec.conv_shapes[0]))
+        got = (None if rec is None else tuple(rec.shape), tuple(conv.shape))
+        if got != want:
+            raise InvalidArgumentError(name, f"batch 1 states of shapes {want} (the side's spec)", got)
         row = _physical(side, "slot", _slot(slot))
         tp = self.tp  # [L, 1, H, a, b] and [L, 1, C, K]: this rank's heads and channels
-        side.temporal_view_all()[:, row] = tp.split(rec, 2).to(side.device, spec.temporal_dtype)
+        if rec is not None:
+            side.temporal_view_all()[:, row] = tp.split(rec, 2).to(side.device, spec.temporal_dtype)
         side.conv_view_all(0)[:, row] = tp.split(conv, 2).to(side.device, spec.conv_dtype)
 
     def import_state(self, side: StateSide, slot: Union[int, torch.Tensor], cache=None):
@@ -162,14 +169,13 @@ class HybridCacheAdapter:
         spec = self._state_side(side)
         cache = self.new_cache() if cache is None else cache
         row = _physical(side, "slot", _slot(slot))
-        rec_all = self.tp.gather(side.temporal_view_all()[:, row], 2)  # [L, 1, H, a, b]
+        rec_all = self.tp.gather(side.temporal_view_all()[:, row], 2) if spec.has_temporal else None  # [L, 1, H, a, b]
         conv_all = self.tp.gather(side.conv_view_all(0)[:, row], 2)
         k = spec.conv_shapes[0][-1]
         for j, i in enumerate(self.specs.linear_layers):
             layer = cache.layers[i]
             dev_ = layer.device if layer.device is not None else self.model.device
             conv = conv_all[j].to(dev_, spec.conv_dtype)
-            rec = rec_all[j].to(dev_, spec.temporal_dtype)
             if layer.is_conv_states_initialized[0] and layer.conv_states[0].shape[-1] == k:
                 layer.conv_states[0].copy_(conv)
                 layer.has_previous_state[0] = True
@@ -178,6 +184,9 @@ class HybridCacheAdapter:
                 layer.has_previous_state[0] = False
                 # A fresh layer takes a full window as its prefill: stored as given, marked as a state.
                 layer.update_conv_state(conv.clone(), 0, conv_kernel_size=k)
+            if rec_all is None:
+                continue  # a conv layer: the window is its whole state
+            rec = rec_all[j].to(dev_, spec.temporal_dtype)
             if layer.is_recurrent_states_initialized[0]:
                 layer.recurrent_states[0].copy_(rec)
             else:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from tiered_cache.engine.models import KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
+from tiered_cache.engine.models import CONV, KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
 from tiered_cache.engine.runner.forward import forward_chunk, new_cache
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec, StateSpec
@@ -24,7 +24,8 @@ class ModelSpecs:
     """What the pools hold for one model, and which model layer is which pool layer.
 
     ``full``: KV of the full-attention layers (``full_layers[i]`` is pool layer ``i``).
-    ``state``: recurrent state + conv window of the linear layers (``linear_layers``), or None.
+    ``state``: recurrent state + conv window of the linear layers (``linear_layers``; Lfm2's conv layers:
+    the window alone, a ``StateSpec`` with ``temporal_shape=()``), or None.
     ``swa``: KV of the sliding-window layers (``swa_layers``), ``window`` = tokens a resume needs
     (the layer's ``sliding_window - 1``: a query at ``p`` sees keys ``(p - sliding_window, p]``), or None.
     """
@@ -44,7 +45,8 @@ def spec_for(model, page_size: int = 16) -> ModelSpecs:
 
     A hybrid layer (attention and Mamba2 in one) is both a full-attention and a linear layer: its KV
     goes to the full side, its state to the state side. Layers that cache nothing are in no list.
-    The state's ``value_axis`` comes from the layer's mixer (``_value_axis``).
+    The state's ``value_axis`` comes from the layer's mixer (``_value_axis``). Conv-only layers (Lfm2)
+    give a ``StateSpec`` without a temporal state (its conv window is all their cache holds).
     """
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise InvalidArgumentError("page_size", "an int >= 1", page_size)
@@ -74,31 +76,45 @@ def spec_for(model, page_size: int = 16) -> ModelSpecs:
         if len(windows) != 1:
             raise InvalidArgumentError("model", "one sliding window for all sliding layers", windows)
         swa = kv_spec(idx["sliding"], windows.pop() - 1)
-    state = None
-    if idx["linear"]:
-        layers = [cache.layers[i] for i in idx["linear"]]
-        if any(lay.number_of_states != 1 for lay in layers):
-            raise InvalidArgumentError("model", "one conv/recurrent state per linear layer",
-                                       [lay.number_of_states for lay in layers])
-        rec = {(tuple(lay.recurrent_states[0].shape), lay.recurrent_states[0].dtype) for lay in layers}
-        conv = {(tuple(lay.conv_states[0].shape), lay.conv_states[0].dtype) for lay in layers}
-        if len(rec) != 1 or len(conv) != 1:
-            raise InvalidArgumentError("model", "the same state shapes in every linear layer", (rec, conv))
-        (r_shape, r_dtype), = rec
-        (c_shape, c_dtype), = conv
-        if len(r_shape) != 4:
-            # Jamba's Mamba1 keeps [B, d_inner, d_state]; and transformers' Mamba1 prefill runs its
-            # full-sequence scan (mamba_selective_scan) with no initial state, so every forward of several
-            # tokens starts from zero and no cache can resume it: a prompt run in two chunks differs from
-            # one run whole (tests/families). Resuming would mean a prefill one token at a time.
-            raise InvalidArgumentError("model", "a recurrent state [H, a, b] per linear layer (Mamba2, a delta "
-                                       "rule); Mamba1 (Jamba) keeps [d_inner, d_state] and its prefill in this "
-                                       "transformers does not resume from a cached state", r_shape[1:])
-        state = StateSpec(num_layers=len(layers), temporal_shape=r_shape[1:], temporal_dtype=r_dtype,
-                          conv_shapes=(c_shape[1:],), conv_dtype=c_dtype,
-                          value_axis=_value_axis(model, idx["linear"], r_shape[1:]))
+    state = _state_spec(model, cache, kinds, idx["linear"]) if idx["linear"] else None
     return ModelSpecs(full=kv_spec(idx["full"], 0), state=state, swa=swa, full_layers=idx["full"],
                       linear_layers=idx["linear"], swa_layers=idx["sliding"], page_size=page_size)
+
+
+def _state_spec(model, cache, kinds: tuple[str, ...], linear: tuple[int, ...]) -> StateSpec:
+    """The state of the ``linear`` layers of ``cache`` (after the probe token), one spec for all of them."""
+    layers = [cache.layers[i] for i in linear]
+    if any(lay.number_of_states != 1 for lay in layers):
+        raise InvalidArgumentError("model", "one conv/recurrent state per linear layer",
+                                   [lay.number_of_states for lay in layers])
+    rec = {None if lay.recurrent_states[0] is None else
+           (tuple(lay.recurrent_states[0].shape), lay.recurrent_states[0].dtype) for lay in layers}
+    conv = {(tuple(lay.conv_states[0].shape), lay.conv_states[0].dtype) for lay in layers}
+    if len(rec) != 1 or len(conv) != 1:
+        raise InvalidArgumentError("model", "the same state shapes in every linear layer", (rec, conv))
+    (c_shape, c_dtype), = conv
+    r = rec.pop()
+    conv_only = {kinds[i] for i in linear} == {CONV}
+    if (r is None) != conv_only:
+        raise InvalidArgumentError("model", "a recurrent state in every linear layer, none in a conv layer",
+                                   (r, sorted({kinds[i] for i in linear})))
+    if r is None:
+        # Lfm2's short conv: the window of its last tokens is all the layer keeps. The window's dtype stands
+        # for the absent temporal state's, so the spec (and T3's fingerprint) names no dtype the cache lacks.
+        return StateSpec(num_layers=len(layers), temporal_shape=(), temporal_dtype=c_dtype,
+                         conv_shapes=(c_shape[1:],), conv_dtype=c_dtype)
+    r_shape, r_dtype = r
+    if len(r_shape) != 4:
+        # Jamba's Mamba1 keeps [B, d_inner, d_state]; and transformers' Mamba1 prefill runs its
+        # full-sequence scan (mamba_selective_scan) with no initial state, so every forward of several
+        # tokens starts from zero and no cache can resume it: a prompt run in two chunks differs from
+        # one run whole (tests/families). Resuming would mean a prefill one token at a time.
+        raise InvalidArgumentError("model", "a recurrent state [H, a, b] per linear layer (Mamba2, a delta "
+                                   "rule); Mamba1 (Jamba) keeps [d_inner, d_state] and its prefill in this "
+                                   "transformers does not resume from a cached state", r_shape[1:])
+    return StateSpec(num_layers=len(layers), temporal_shape=r_shape[1:], temporal_dtype=r_dtype,
+                     conv_shapes=(c_shape[1:],), conv_dtype=c_dtype,
+                     value_axis=_value_axis(model, linear, r_shape[1:]))
 
 
 def _value_axis(model, layers: tuple[int, ...], shape: tuple[int, ...]) -> int:

@@ -12,6 +12,7 @@ demoted one. Inside an envelope each field holds all layers and starts on a 16-b
     raw:      | slot 0 (reserved sink) | slot 1 | slot 2 | ...            slot_bytes each
     int8:     | qdata [L, H, d_v, d_k] int8 | scale [L, H, 1, d_k] state dtype | conv0 [L, *c0] | conv1 ..
     lossless: | data  [L, H, a, b] state dtype (T0's axis order)          | conv0 [L, *c0] | conv1 ..
+    conv only (a ``StateSpec`` without a temporal state, either codec):   | conv0 [L, *c0] | conv1 ..
 
 Typed strided views ``qdata [L, S, H, d_v, d_k]``, ``scale [L, S, H, 1, d_k]``, ``data [L, S, H, a, b]``
 and ``conv[i] [L, S, *conv_shape]`` alias the buffer (layer stride: one layer's field; slot stride:
@@ -67,13 +68,15 @@ def envelope_layout(spec: StateSpec, codec: str = "int8") -> tuple[tuple[Envelop
     if not isinstance(spec, StateSpec):
         raise InvalidTypeError("spec", "a StateSpec", type(spec).__name__)
     choice_arg("codec", codec, CODECS)
-    L, (H, a, b) = spec.num_layers, spec.temporal_shape
-    parts: list[tuple[str, torch.dtype, tuple[int, ...]]]
-    if codec == "int8":
-        parts = [("qdata", torch.int8, (L, H, spec.d_v, spec.d_k)),
-                 ("scale", spec.temporal_dtype, (L, H, 1, spec.d_k))]
+    L = spec.num_layers
+    parts: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    if not spec.has_temporal:
+        pass  # conv windows only (Lfm2): every codec keeps them in conv_dtype
+    elif codec == "int8":
+        parts = [("qdata", torch.int8, (L, spec.num_heads, spec.d_v, spec.d_k)),
+                 ("scale", spec.temporal_dtype, (L, spec.num_heads, 1, spec.d_k))]
     else:
-        parts = [("data", spec.temporal_dtype, (L, H, a, b))]
+        parts = [("data", spec.temporal_dtype, (L, *spec.temporal_shape))]
     parts += [(f"conv{i}", spec.conv_dtype, (L, *shape)) for i, shape in enumerate(spec.conv_shapes)]
     fields, off = [], 0
     for name, dtype, shape in parts:
@@ -122,8 +125,8 @@ class Int8CheckpointPool:
         self.scale: Optional[torch.Tensor] = views.get("scale")
         self.data: Optional[torch.Tensor] = views.get("data")
         self.conv: list[torch.Tensor] = [views[f"conv{i}"] for i in range(len(spec.conv_shapes))]
-        # the temporal field's views, present in either codec: (qdata, scale) or (data,)
-        self._temporal = tuple(views[f.name] for f in self.fields[: 2 if codec == "int8" else 1])
+        # the temporal field's views, in either codec: (qdata, scale) or (data,); () for a conv-only state
+        self._temporal = tuple(views[n] for n in (("qdata", "scale") if codec == "int8" else ("data",)) if n in views)
         # Host-side slot bookkeeping (alloc/free never touch the device), with the busy guard that keeps
         # slots under an in-flight T2 transfer from being freed.
         self.allocator = SlotAllocator(num_slots, name="checkpoint")

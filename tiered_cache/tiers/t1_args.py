@@ -32,26 +32,28 @@ from tiered_cache.validate import _INT_TORCH, int_list
 class ActiveViews:
     """T0-like views indexed by *physical* row, for callers without a ``StateSide`` (tests, adapters).
 
-    ``temporal [L, R, *spec.temporal_shape]`` and one ``[L, R, *conv_shape]`` per conv window.
+    ``temporal [L, R, *spec.temporal_shape]`` (None for a conv-only spec) and one ``[L, R, *conv_shape]``
+    per conv window.
     """
 
-    temporal: torch.Tensor
+    temporal: Optional[torch.Tensor]
     convs: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
 class Layout:
     """Where a move reads or writes T0 states, checked: ``temporal [L, R, H, a, b]``, its canonical view
-    ``state [L, R, H, d_v, d_k]`` (what the int8 kernels take), one view per conv window."""
+    ``state [L, R, H, d_v, d_k]`` (what the int8 kernels take), one view per conv window. A conv-only
+    spec has neither temporal view (None)."""
 
-    temporal: torch.Tensor
-    state: torch.Tensor
+    temporal: Optional[torch.Tensor]
+    state: Optional[torch.Tensor]
     convs: tuple[torch.Tensor, ...]
     what: str  # what the ids name, for errors: virtual ids of a side, or physical rows
 
     @property
     def rows(self) -> int:
-        return self.temporal.shape[1]
+        return (self.temporal if self.temporal is not None else self.convs[0]).shape[1]
 
 
 _SIDE_TYPES: dict[type, bool] = {}
@@ -102,7 +104,8 @@ def make_layout(pool, side: Any) -> Layout:
     if is_state_side(side):
         if side.spec != spec:
             raise InvalidArgumentError("side", f"a T0 side whose spec is {spec}", side.spec)
-        temporal, convs = side.temporal_view_all(), tuple(side.conv_view_all(i) for i in range(n_conv))
+        temporal = side.temporal_view_all() if spec.has_temporal else None
+        convs = tuple(side.conv_view_all(i) for i in range(n_conv))
         what = "live virtual ids of the T0 side"
     elif isinstance(side, (ActiveViews, torch.Tensor)):
         temporal = side if isinstance(side, torch.Tensor) else side.temporal
@@ -111,15 +114,23 @@ def make_layout(pool, side: Any) -> Layout:
     else:
         raise InvalidTypeError("side", "a T0 state side (StateSide), ActiveViews or a temporal tensor",
                                type(side).__name__)
-    _check_view(pool, "side.temporal", temporal, spec.temporal_shape, spec.temporal_dtype)
+    if spec.has_temporal:
+        temporal = _check_view(pool, "side.temporal", temporal, spec.temporal_shape, spec.temporal_dtype)
+    elif temporal is not None:
+        raise InvalidArgumentError("side.temporal", "None (the spec has no temporal state)", type(temporal).__name__)
     if len(convs) != n_conv:
         raise InvalidArgumentError("side", f"{n_conv} conv views (spec.conv_shapes)", len(convs))
+    rows = temporal.shape[1] if temporal is not None else None
     for i, c in enumerate(convs):
-        _check_view(pool, f"side.convs[{i}]", c, spec.conv_shapes[i], spec.conv_dtype, temporal.shape[1])
+        _check_view(pool, f"side.convs[{i}]", c, spec.conv_shapes[i], spec.conv_dtype, rows)
+        rows = c.shape[1]
     # every kernel's own rules, once: empty id tensors stand in for the ids (checked per call below)
     e = torch.empty(0, dtype=torch.int64, device=pool.device)
     va = spec.value_axis
-    if pool.codec == "int8":
+    state: Optional[torch.Tensor] = None
+    if temporal is None:
+        pass  # conv windows only: the copies below
+    elif pool.codec == "int8":
         qdata, scale = pool._temporal
         state = quant.validate_quantize_store(temporal, e, qdata, scale, e, va, check_ids=False,
                                               finite=pool.flags.flags)
@@ -203,7 +214,10 @@ def kernels_store(pool, lay: Layout, rows: torch.Tensor, slots: torch.Tensor, fi
     in one launch; lossless, one copy per field; any further conv window, one copy each."""
     va, b = pool.spec.value_axis, pool.backend
     convs = list(zip(lay.convs, pool.conv))
-    if pool.codec == "int8":
+    if lay.temporal is None:
+        pass  # conv windows only: one copy each, below
+    elif pool.codec == "int8":
+        assert lay.state is not None
         qdata, scale = pool._temporal
         quant.quantize_store_checked(lay.temporal, lay.state, rows, qdata, scale, slots, va, b, fin,
                                      conv=convs.pop(0) if convs else None)
@@ -217,7 +231,10 @@ def kernels_load(pool, lay: Layout, slots: torch.Tensor, rows: torch.Tensor) -> 
     """The launches of a load, as ``kernels_store``'s."""
     va, b = pool.spec.value_axis, pool.backend
     convs = list(zip(pool.conv, lay.convs))
-    if pool.codec == "int8":
+    if lay.temporal is None:
+        pass
+    elif pool.codec == "int8":
+        assert lay.state is not None
         qdata, scale = pool._temporal
         quant.dequantize_load_checked(qdata, scale, slots, lay.temporal, lay.state, rows, va, b,
                                       conv=convs.pop(0) if convs else None)

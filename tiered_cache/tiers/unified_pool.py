@@ -156,7 +156,7 @@ class SubPool(Generic[S]):
         """Temporal states of every layer: ``[L, capacity, H, a, b]`` (``spec.temporal_shape``)."""
         self._need(False)
         s = cast(StateSpec, self.spec)
-        h, a, b = s.temporal_shape
+        h, a, b = s.require_temporal()  # a conv-only spec (temporal_shape=()) has none: a typed error
         it = s.temporal_dtype.itemsize
         offs = s.field_offsets()
         layer_stride = offs[1][0] if s.num_layers > 1 else self.entry_bytes

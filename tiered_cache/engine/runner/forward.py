@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from tiered_cache.engine.models import KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
+from tiered_cache.engine.models import KV_KINDS, RECURRENT_KINDS, SLIDING, STATE_KINDS, layer_kinds
 from tiered_cache.errors import InvalidArgumentError
 
 
@@ -112,12 +112,12 @@ def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequ
                 if not all(lay.has_previous_state.values()):
                     raise InvalidArgumentError("caches", f"a state in linear layer {i} of cache {b}", "none")
             conv = torch.cat([lay.conv_states[0][..., -k_conv:] for lay in layers])
-            rec = torch.cat([lay.recurrent_states[0] for lay in layers])
             target = batch.layers[i]
             target.is_conv_states_initialized[0] = False
             target.has_previous_state[0] = False
             target.update_conv_state(conv.clone(), 0, conv_kernel_size=k_conv)
-            target.update_recurrent_state(rec.clone(), 0)
+            if kind in RECURRENT_KINDS:  # a conv layer (Lfm2) has its window only
+                target.update_recurrent_state(torch.cat([lay.recurrent_states[0] for lay in layers]), 0)
     mask = torch.zeros((n, width + 1), dtype=torch.long, device=dev)
     for b, p in enumerate(positions):
         mask[b, width - p:] = 1
@@ -129,7 +129,7 @@ def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequ
     store_decoded(caches, kinds, k_conv, {i: batch.layers[i].keys[:, :, -1:] for i in full},
                   {i: batch.layers[i].values[:, :, -1:] for i in full},
                   {i: batch.layers[i].conv_states[0] for i in linear},
-                  {i: batch.layers[i].recurrent_states[0] for i in linear})
+                  {i: batch.layers[i].recurrent_states[0] for i in linear if kinds[i] in RECURRENT_KINDS})
     return out.logits[:, -1]
 
 
@@ -137,8 +137,8 @@ def store_decoded(caches: Sequence, kinds: Sequence[str], k_conv: int, keys: dic
                   rec: dict) -> None:
     """After a batched decode step: hand cache ``b`` row ``b`` of each layer's results. ``keys[i]`` /
     ``values[i]``: ``[n, kv_heads, 1, D]``, the decoded token's (appended); ``conv[i]`` (its last
-    ``k_conv`` columns are the window) and ``rec[i]``: the new conv window and state (copied in place,
-    in one foreach copy)."""
+    ``k_conv`` columns are the window) and ``rec[i]`` (none for a conv layer): the new conv window and
+    state (copied in place, in one foreach copy)."""
     dst, src = [], []
     for i, kind in enumerate(kinds):
         for b, c in enumerate(caches):
@@ -153,8 +153,9 @@ def store_decoded(caches: Sequence, kinds: Sequence[str], k_conv: int, keys: dic
                 src.append(cv)
             else:
                 lay.conv_states[0] = cv.clone()
-            dst.append(lay.recurrent_states[0])
-            src.append(rec[i][b:b + 1])
+            if kind in RECURRENT_KINDS:
+                dst.append(lay.recurrent_states[0])
+                src.append(rec[i][b:b + 1])
     if dst:
         torch._foreach_copy_(dst, src)
 

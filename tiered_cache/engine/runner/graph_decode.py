@@ -9,7 +9,8 @@ context bucket) as a CUDA graph and replayed:
 - full-attention layers: keys and values ``[max_batch, kv_heads, L, D]``, position ``t`` of request
   ``b`` at index ``t``; the step writes the new token's key and value at its position (``scatter_``
   by a position tensor) and attends through a boolean mask over ``[0, position]``;
-- linear-attention layers: conv windows and recurrent states ``[max_batch, ...]``, updated in place.
+- linear-attention layers: conv windows and recurrent states ``[max_batch, ...]``, updated in place
+  (Lfm2's conv layers: the windows alone).
 
 Each step gathers the requests' caches into the buffers (one ``_foreach_copy_`` launch), fills ids,
 positions and the mask, replays, and hands each cache its new token's key/value and its new state, as
@@ -23,8 +24,8 @@ The model sees the buffers through ``_StaticCache``, which answers the cache cal
 while decoding in transformers 5.17 (``has_previous_state``, ``layers[i].conv_states``,
 ``update_recurrent_state``) and 5.24 (``get_conv_state``, ``get_recurrent_state``,
 ``is_recording_past``), and ``update`` for attention. The attention mask goes in as the
-``{"full_attention": mask, "linear_attention": None}`` mapping both versions accept, so no mask is
-built inside the captured region. SDPA attention only; models with sliding-window layers are not
+``{"full_attention": mask, "linear_attention": None, "conv": None}`` mapping both versions accept, so no
+mask is built inside the captured region. SDPA attention only; models with sliding-window layers are not
 handled (they decode through ``decode_batch``'s fallback in the engine).
 
 Attention in the step goes through ``gqa_sdpa`` (registered with transformers as ``GQA_ATTENTION`` and
@@ -43,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from tiered_cache import device as dev
-from tiered_cache.engine.models import KV_KINDS, SLIDING, STATE_KINDS, layer_kinds
+from tiered_cache.engine.models import KV_KINDS, RECURRENT_KINDS, SLIDING, STATE_KINDS, layer_kinds
 from tiered_cache.engine.runner.forward import cache_kwarg, conv_width, seen_tokens, store_decoded
 from tiered_cache.engine.runner.graph_prefill import capture_window, capture_with_retry
 from tiered_cache.errors import InvalidArgumentError
@@ -208,8 +209,10 @@ class GraphDecoder:
                 keys[i] = k.new_zeros((b, k.shape[1], cap, k.shape[3]))
                 values[i] = v.new_zeros((b, v.shape[1], cap, v.shape[3]))
             if kind in STATE_KINDS:  # a hybrid layer has both
-                cs, rs = lay.conv_states[0], lay.recurrent_states[0]
+                cs = lay.conv_states[0]
                 conv[i] = cs.new_zeros((b, cs.shape[1], self.k_conv))
+            if kind in RECURRENT_KINDS:  # a conv layer (Lfm2) has its window only
+                rs = lay.recurrent_states[0]
                 rec[i] = rs.new_zeros((b, *rs.shape[1:]))
         dev = self.device
         self.buf = {"keys": keys, "values": values, "conv": conv, "rec": rec,
@@ -235,7 +238,7 @@ class GraphDecoder:
         cfg._attn_implementation = GQA_ATTENTION  # this forward only (a graph keeps the kernels it ran)
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
-                             attention_mask={"full_attention": mask, "linear_attention": None},
+                             attention_mask={"full_attention": mask, "linear_attention": None, "conv": None},
                              **{cache_kwarg(self.model): cache})
         finally:
             cfg._attn_implementation = impl
@@ -293,8 +296,11 @@ class GraphDecoder:
                     dst += [bf["keys"][i][b, :, :p], bf["values"][i][b, :, :p]]
                     src += [lay.keys[0], lay.values[0]]
                 if kind in STATE_KINDS:
-                    dst += [bf["conv"][i][b], bf["rec"][i][b]]
-                    src += [lay.conv_states[0][0, :, -self.k_conv:], lay.recurrent_states[0][0]]
+                    dst.append(bf["conv"][i][b])
+                    src.append(lay.conv_states[0][0, :, -self.k_conv:])
+                if kind in RECURRENT_KINDS:
+                    dst.append(bf["rec"][i][b])
+                    src.append(lay.recurrent_states[0][0])
         if dst:
             torch._foreach_copy_(dst, src)
         # ids and positions through pinned memory, without blocking (a pageable copy would hold this
