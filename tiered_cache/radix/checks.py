@@ -113,20 +113,23 @@ def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mam
         raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
 
 
-def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value") -> None:
+def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value") -> np.ndarray:
     """``v`` (whole pages) must be allocated in T0, distinct, and not already the ``RadixTree``'s. One host
-    copy of ``v`` (a device sync on a GPU), then vectorised numpy over its pages. ``arg``: the caller's
-    name for ``v`` in errors."""
+    copy of ``v`` (a device sync on a GPU; a view on the CPU), then vectorised numpy over its pages.
+    ``arg``: the caller's name for ``v`` in errors. -> its page ids (checked: the tree may free them
+    through the trusted ``free_pages``)."""
     ps = tree.page_size
-    toks = v.cpu().numpy()
+    toks = v.numpy() if v.device.type == "cpu" else v.cpu().numpy()
     first = toks[::ps]
-    if ps > 1 and ((first % ps).any() or not np.array_equal(toks.reshape(-1, ps), first[:, None] + tree.offsets)):
-        raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", toks[:16].tolist())
     pages = first // ps
+    if ps > 1 and not np.array_equal(toks.reshape(-1, ps), (pages * ps)[:, None] + tree.offsets):
+        raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", toks[:16].tolist())
     if pages.size and (pages.min() < 1 or pages.max() >= tree.kv.capacity):
         raise InvalidArgumentError(arg, f"KV ids of pages in [1, {tree.kv.capacity})", toks[:16].tolist())
-    if ((tree.kv.translate_host(first) < 0) | tree.owned[pages]).any() or len(set(pages.tolist())) != pages.size:
+    if (tree.kv.translate_host(first).min(initial=0) < 0 or tree.owned[pages].any()
+            or len(set(pages.tolist())) != pages.size):
         raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)", toks[:16].tolist())
+    return pages
 
 
 def check_value(arg: str, value: Any, n: int, device: Any) -> None:

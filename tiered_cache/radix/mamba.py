@@ -286,8 +286,8 @@ class MambaRule:
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
         path, end_node, _, pending = tree.probe(toks, salt, aligned, prev)
-        if tree.validate and prev < aligned:
-            check_callers_kv(tree, value[prev:aligned])
+        # the caller's pages, checked once: duplicates and new leaves use them without another check
+        pages = check_callers_kv(tree, value[prev:aligned]) if tree.validate and prev < aligned else None
         if tree.validate and slot is not None:
             check_state_allocated(self.states, slot)
         if pending:  # the caller computed on KV a load is writing: its ticket is done, or nearly
@@ -309,7 +309,7 @@ class MambaRule:
             except BaseException:
                 self.ckpt.free(t1)
                 raise
-        res = self._insert_walk(toks, salt, value, aligned, prev, t1, mamba_exist, slot is not None)
+        res = self._insert_walk(toks, salt, value, aligned, prev, t1, mamba_exist, slot is not None, pages)
         node = res.last_device_node
         if res.mamba_stored:
             self.flags.stored(node, t1_id)  # type: ignore[arg-type]  # stored: t1 and its id were taken
@@ -318,11 +318,13 @@ class MambaRule:
             self.host.t3.on_state(node, demoted=False)  # T3 is shared: a NaN state never goes there
         return res
 
-    def _insert_walk(self, toks, salt, value, aligned, prev, t1, mamba_exist, offered) -> InsertResult:
+    def _insert_walk(self, toks, salt, value, aligned, prev, t1, mamba_exist, offered, pages) -> InsertResult:
+        """``pages``: the page ids of ``value[prev:aligned]`` as ``check_callers_kv`` checked them, or None
+        (``validate`` off: the duplicates go back through the checked ``free``)."""
         tree = self.tree
-        root, touch = tree.root, tree.policy.touch
+        root, touch, ps = tree.root, tree.policy.touch, tree.page_size
         node, i, prefix = root, 0, None
-        dups: list[torch.Tensor] = []
+        dups: list[tuple[int, int]] = []  # token ranges of value the tree already holds: freed at the end
         split_suffix = None
         while i < aligned:
             step = tree.insert_step(node, toks, i, aligned, salt)
@@ -336,7 +338,7 @@ class MambaRule:
             elif prefix is None:
                 lo = max(prev, i)
                 if lo < i + m:
-                    dups.append(value[lo:i + m])
+                    dups.append((lo, i + m))
             i += m
             node = child
         prefix = i if prefix is None else prefix
@@ -344,7 +346,8 @@ class MambaRule:
         if i < aligned:
             if t1 is not None:
                 node = tree.new_leaf(node, toks[i:aligned], value[i:aligned], salt,
-                                     lambda leaf: self.set_state(leaf, t1))
+                                     lambda leaf: self.set_state(leaf, t1),
+                                     None if pages is None else pages[(i - prev) // ps:])
                 stored, i = True, aligned
         elif node is not root:
             if not node.payload.resumable and t1 is not None:
@@ -354,8 +357,10 @@ class MambaRule:
                 touch("state", node)
         if t1 is not None and not stored:
             self.ckpt.free(t1)
-        if dups:
-            tree.kv.free(dups[0] if len(dups) == 1 else torch.cat(dups))
+        if dups and pages is not None:  # checked above: the trusted free
+            tree.kv.free_pages([p for lo, hi in dups for p in pages[(lo - prev) // ps:(hi - prev) // ps].tolist()])
+        elif dups:
+            tree.kv.free(torch.cat([value[lo:hi] for lo, hi in dups]))
         if split_suffix is not None and split_suffix.alive:
             tree.prune_up(split_suffix)  # states evicted for room may have taken its children
         return InsertResult(prefix_len=prefix, cached_len=i, mamba_exist=mamba_exist, mamba_stored=stored,

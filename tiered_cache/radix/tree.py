@@ -91,7 +91,11 @@ class RadixTree:
         self.full_evictable = self.full_protected = self.state_evictable = self.state_protected = 0
         self.freed = {"kv": 0, "state": 0, "swa": 0}
 
-    def pages_of(self, ids: torch.Tensor) -> np.ndarray:  # whole-page token ids (any device) -> page ids, on the host
+    def pages_of(self, ids: torch.Tensor) -> np.ndarray:
+        """Whole-page token ids (any device) -> page ids, on the host. On the CPU a numpy view: a torch
+        slice and copy cost more host time than the numpy ops together (~9 us against ~1 us)."""
+        if ids.device.type == "cpu":
+            return ids.numpy()[::self.page_size] // self.page_size
         return ids[::self.page_size].cpu().numpy() // self.page_size
 
     # ----------------------------------------------------------------------------- keys
@@ -204,10 +208,11 @@ class RadixTree:
         return x
 
     def new_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, salt: Optional[str],
-                 fill: Any = None) -> TreeNode:
-        """A device leaf taking a copy of the caller's ids ``value``; ``fill(leaf)`` gives it its payload."""
+                 fill: Any = None, pages: Optional[np.ndarray] = None) -> TreeNode:
+        """A device leaf taking a copy of the caller's ids ``value``; ``fill(leaf)`` gives it its payload;
+        ``pages``: ``value``'s page ids where the caller has them (``check_callers_kv``)."""
         leaf = self.link(parent, key, value.clone(), salt)
-        self.owned[self.pages_of(value)] = True
+        self.owned[self.pages_of(value) if pages is None else pages] = True
         self.full_evictable += len(key)
         self.policy.touch("kv", leaf)
         if fill is not None:

@@ -72,11 +72,10 @@ class PageTable:
             if lst and (min(lst) < 0 or max(lst) >= self.capacity * self.page_size):
                 raise OutOfRangeError("ids", f"virtual ids in [0, {self.capacity * self.page_size})", lst[:16])
             ids = np.asarray(lst, dtype=np.int64)
-        pages = ids // self.page_size
-        bad = ids[(ids < 0) | (pages >= self.v2p.shape[0])]
-        if bad.size:
+        pages = ids // self.page_size if self.page_size > 1 else ids
+        if ids.size and (ids.min() < 0 or pages.max() >= self.v2p.shape[0]):  # two reductions, not a mask
             raise OutOfRangeError("ids", f"virtual ids in [0, {self.v2p.shape[0] * self.page_size})",
-                                       bad[:16].tolist())
+                                  ids[(ids < 0) | (pages >= self.v2p.shape[0])][:16].tolist())
         if self.page_size == 1:
             return self.v2p[ids]
         return self.v2p[pages] * self.page_size + ids % self.page_size
