@@ -192,17 +192,24 @@ def _ratio(a: float, b: float) -> Optional[float]:
     return a / b if b else None
 
 
+def _ratio_or_none(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """a / b, undefined (None) where either is undefined."""
+    return a / b if a is not None and b is not None and b else None
+
+
 # ------------------------------------------------------------------------------------------ real trace
 
 
-def _trace_point(cfg: str, gpu_gib: float, host_gib: float) -> dict:
-    """One grid point of the real trace (in a worker: reads ``_RUN``)."""
+def _trace_point(cfg: str, gpu_gib: float, host_gib: float, host_kv: Optional[float] = None) -> dict:
+    """One grid point of the real trace (in a worker: reads ``_RUN``); ``host_kv``: the host's KV share
+    (None: ``--kv-fraction``, the split of every other benchmark)."""
     a = _RUN["args"]
     r = simulate(_RUN["trace"], gpu_bytes=int(gpu_gib * GiB), host_bytes=int(host_gib * GiB), config_name=cfg,
                  mode=a.mode, page=BLOCK, max_running=a.max_running, kv_fraction=a.kv_fraction,
-                 request_pages=_RUN["request_pages"], write_policy=a.write_policy)
+                 host_kv_fraction=host_kv, request_pages=_RUN["request_pages"], write_policy=a.write_policy)
     r.pop("evictions")
-    return {"config": cfg, "gpu_gib": gpu_gib, "host_gib": host_gib, **r}
+    f = (a.kv_fraction if host_kv is None else host_kv) if cfg in HOST_CONFIGS else None
+    return {"config": cfg, "gpu_gib": gpu_gib, "host_gib": host_gib, "host_kv_fraction": f, **r}
 
 
 def _ceiling_point() -> dict:
@@ -211,7 +218,8 @@ def _ceiling_point() -> dict:
     r = cs.simulate_tiers(_RUN["trace"], tiers, page=BLOCK, mode=a.mode, write_policy=a.write_policy)
     r.pop("evictions")
     sizes = {k: tiers.get(k, 0) for k in ("kv_pages", "t1_states", "host_kv_pages", "host_states")}
-    return {"config": "unbounded", "gpu_gib": None, "host_gib": 0, **sizes, **r}  # the grid rows' columns
+    return {"config": "unbounded", "gpu_gib": None, "host_gib": 0, "host_kv_fraction": None, **sizes,
+            **r}  # the grid rows' columns
 
 
 def _check_point(cfg: str, mode: str) -> dict:
@@ -251,7 +259,8 @@ def run_jobs(jobs: list[tuple], workers: int, t_start: float) -> list[dict]:
         futs = [ex.submit(_call, *j) for j in jobs]
         for f in cf.as_completed(futs):
             r = f.result()
-            print(f"  {r['config']:>14} GPU {r['gpu_gib']} host {r['host_gib']}: hit {r['hit_rate']:.4f}, "
+            share = f" (host KV {r['host_kv_fraction']:g})" if r.get("host_kv_fraction") is not None else ""
+            print(f"  {r['config']:>14} GPU {r['gpu_gib']} host {r['host_gib']}{share}: hit {r['hit_rate']:.4f}, "
                   f"{r['req_per_s']:.0f} req/s ({time.perf_counter() - t_start:.0f} s)", flush=True)
         return [f.result() for f in futs]
 
@@ -285,12 +294,15 @@ def run_trace(args: argparse.Namespace) -> str:
     jobs += [(_check_point, cfg, mode) for cfg in cs.SIM_CONFIGS for mode in cs.MODES]
     jobs += [(_million_point, cfg, *args.million_at) for cfg in (args.million_configs if args.million else ())]
     jobs += [(_trace_point, cfg, g, 0.0) for g in args.grid_gpu_only for cfg in ("gpu_only", "int8_t1")]
-    jobs += [(_trace_point, cfg, g, h) for g in args.grid_gpu for h in args.grid_host for cfg in HOST_CONFIGS]
+    splits = [None] + [f for f in args.host_kv_fractions if f != args.kv_fraction]
+    jobs += [(_trace_point, cfg, g, h, f) for f in splits for g in args.grid_gpu for h in args.grid_host
+             for cfg in HOST_CONFIGS]
     done = run_jobs(jobs, args.workers, t_start)
     n_checks = len(cs.SIM_CONFIGS) * len(cs.MODES)
     ceiling, checks = done[0], done[1:1 + n_checks]
     millions = [r for r in done[1 + n_checks:] if r.get("million")]
-    rows = done[1 + n_checks + len(millions):]
+    every = done[1 + n_checks + len(millions):]
+    rows = [r for r in every if r["host_kv_fraction"] in (None, args.kv_fraction)]  # the one split
     attention = unbounded_reuse(raw)
     target = 0.9 * ceiling["hit_rate"]
     metrics: dict[str, Optional[float]] = {"ceiling_hybrid_hit_rate": ceiling["hit_rate"],
@@ -300,10 +312,16 @@ def run_trace(args: argparse.Namespace) -> str:
         metrics[f"hit_rate_{cs.TAGS[cfg]}_{g:g}g_{h:g}g"] = v
     for cfg in cs.SIM_CONFIGS:
         metrics[f"bytes_to_90pct_{cs.TAGS[cfg]}"] = bytes_to(rows, cfg, target)
-    b2b, b4 = metrics["bytes_to_90pct_2b"], metrics["bytes_to_90pct_4"]
-    metrics["bytes_ratio_2b_vs_4_at_90pct"] = b2b / b4 if b2b is not None and b4 is not None else None
-    b2, b3 = metrics["bytes_to_90pct_2"], metrics["bytes_to_90pct_3"]
-    metrics["bytes_ratio_2_vs_3_at_90pct"] = b2 / b3 if b2 is not None and b3 is not None else None
+    metrics["bytes_ratio_2b_vs_4_at_90pct"] = _ratio_or_none(metrics["bytes_to_90pct_2b"], metrics["bytes_to_90pct_4"])
+    metrics["bytes_ratio_2_vs_3_at_90pct"] = _ratio_or_none(metrics["bytes_to_90pct_2"], metrics["bytes_to_90pct_3"])
+    for cfg in HOST_CONFIGS:  # each configuration at its best host split (what a user would tune)
+        tag = cs.TAGS[cfg]
+        metrics[f"bytes_to_90pct_{tag}_any_split"] = b = bytes_to(every, cfg, target)
+        at = [r["host_kv_fraction"] for r in every if r["config"] == cfg and r["hit_rate"] >= target
+              and (r["gpu_gib"] + r["host_gib"]) * GiB == b]
+        metrics[f"host_kv_fraction_at_90pct_{tag}_any_split"] = min(at) if at else None
+    metrics["bytes_ratio_2b_vs_4_at_90pct_any_split"] = _ratio_or_none(metrics["bytes_to_90pct_2b_any_split"],
+                                                                       metrics["bytes_to_90pct_4_any_split"])
     for (cfg, g, h), v in hit.items():
         if cfg == "int8_t1" and ("gpu_only", g, 0.0) in hit:
             metrics[f"hit_rate_3_vs_2_{g:g}g"] = _ratio(v, hit[("gpu_only", g, 0.0)])
@@ -333,7 +351,12 @@ def run_trace(args: argparse.Namespace) -> str:
             "ceiling_attention_hit_rate: the trace's prefix-reuse bound (traces.unbounded_reuse), which a hybrid "
             "reaches only with a state at every shared block boundary",
             "bytes_to_90pct": "smallest GPU + host bytes of a grid point where the config's hit rate >= "
-            "0.9 x ceiling_hybrid_hit_rate (an upper bound at the grid's resolution); null: no grid point reaches it",
+            "0.9 x ceiling_hybrid_hit_rate (an upper bound at the grid's resolution); null: no grid point reaches "
+            f"it. The hit_rate_* and bytes_to_90pct_* metrics use the split of every other benchmark ("
+            f"workload_common.split_budget: kv_fraction {args.kv_fraction} of the GPU cache share and of the host "
+            f"to KV); *_any_split: the smallest over host KV shares {sorted(set(args.host_kv_fractions))} "
+            "(each configuration at the share that suits it; host_kv_fraction_at_90pct_*_any_split names it); "
+            "the rows hold every share",
             "modes": f"the grid in {args.mode} mode; model (capacity_model.TreeModel: the tree's flows on flags and "
             "counts, byte accounting, instant tickets), fast (the real tree, no byte copied) and full (the real "
             f"tree, every transfer copied and checksummed) compared on the first {args.check_requests} requests of "
@@ -351,30 +374,43 @@ def run_trace(args: argparse.Namespace) -> str:
              f"(2b) and (4) get the same host bytes, split alike; {args.mode} mode; "
              f"{args.workers} worker processes.")
     os.makedirs(args.out, exist_ok=True)
-    trace_chart(os.path.join(args.out, f"capacity-mooncake-{device_tag()}.png"), rows, ceiling["hit_rate"], attention)
-    path = write_results("capacity-mooncake", metrics, rows=[ceiling, *rows], notes=notes, out_dir=args.out, info=info)
+    trace_chart(os.path.join(args.out, f"capacity-mooncake-{device_tag()}.png"), rows, every, ceiling["hit_rate"],
+                attention, args.kv_fraction)
+    path = write_results("capacity-mooncake", metrics, rows=[ceiling, *every], notes=notes, out_dir=args.out,
+                         info=info)
     print(f"wrote {path} (+ .md, .png) in {metrics['total_s']:.1f} s")
     return path
 
 
-def trace_chart(path: str, rows: list[dict], ceiling: float, attention: float) -> None:
+def trace_chart(path: str, rows: list[dict], every: list[dict], ceiling: float, attention: float,
+                split: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.6))
-    for g in sorted({r["gpu_gib"] for r in rows}):
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    best: dict[tuple, float] = {}
+    for r in every:
+        if r["config"] in HOST_CONFIGS:
+            k = (r["config"], r["gpu_gib"], r["host_gib"])
+            best[k] = max(best.get(k, 0.0), r["hit_rate"])
+    for g in sorted({r["gpu_gib"] for r in rows if r["config"] in HOST_CONFIGS}):
         for cfg, style in (("gpu_only_host", "v--"), ("int8_t1_t2", "^-")):
             pts = sorted((r for r in rows if r["config"] == cfg and r["gpu_gib"] == g), key=lambda r: r["host_gib"])
-            ax.plot([r["host_gib"] for r in pts], [r["hit_rate"] for r in pts], style, label=f"{wc.LABELS[cfg]}, "
-                    f"GPU {g:g} GiB")
-    ax.axhline(ceiling, color="k", ls=":", label="unbounded (hybrid, this checkpoint placement)")
-    ax.axhline(0.9 * ceiling, color="gray", ls=":", label="90 % of it")
-    ax.axhline(attention, color="tab:red", ls=":", label="prefix-reuse bound of the trace")
-    ax.set(title="Mooncake conversation trace: hit rate vs host budget", xlabel="host GiB",
-           ylabel="prompt tokens reused", xscale="log", ylim=(0, max(0.5, attention * 1.1)))
-    ax.legend(fontsize=8)
+            ax[0].plot([r["host_gib"] for r in pts], [r["hit_rate"] for r in pts], style,
+                       label=f"{wc.LABELS[cfg]}, GPU {g:g} GiB")
+            hs = sorted(h for c, gg, h in best if c == cfg and gg == g)
+            ax[1].plot(hs, [best[(cfg, g, h)] for h in hs], style, label=f"{wc.LABELS[cfg]}, GPU {g:g} GiB")
+    for a in ax:
+        a.axhline(ceiling, color="k", ls=":", label="unbounded (hybrid, this checkpoint placement)")
+        a.axhline(0.9 * ceiling, color="gray", ls=":", label="90 % of it")
+        a.axhline(attention, color="tab:red", ls=":", label="prefix-reuse bound of the trace")
+        a.set(xlabel="host GiB", xscale="log", ylim=(0, max(0.5, attention * 1.1)))
+    ax[0].set(title=f"Mooncake trace: hit rate vs host budget (host KV share {split:g})",
+              ylabel="prompt tokens reused")
+    ax[1].set(title="the same, each point at its best host KV share")
+    ax[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -392,6 +428,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--grid-gpu-only", type=float, nargs="+",
                    default=[16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096],
                    help="--trace: GPU GiB of (2) and (3)")
+    p.add_argument("--host-kv-fractions", type=float, nargs="+", default=[0.6, 0.75, 0.9],
+                   help="--trace: host KV shares the (2b) and (4) grid runs at besides --kv-fraction")
     p.add_argument("--workers", type=int, default=2, help="processes the points are spread over")
     p.add_argument("--check-requests", type=int, default=1500,
                    help="--trace: its first N requests run in every mode to compare them")

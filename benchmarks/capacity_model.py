@@ -26,16 +26,21 @@ from tiered_cache.stack import CountingLRUPolicy
 from tiered_cache.tiers.unified_pool import UnifiedPool
 
 
+# a node's candidate sets, one bit each (Node.cand mirrors the policy's sets: only changes reach the policy)
+_BITS = {"kv": 1, "state": 2, "kv_host": 4, "state_host": 8}
+
+
 class Node:
     __slots__ = ("parent", "children", "key", "dev", "host", "hpend", "t1", "t2", "full", "mlock", "tickets",
-                 "alive", "__weakref__")
+                 "alive", "cand", "ndev", "nhost", "__weakref__")
 
     def __init__(self, parent: Optional[Node], key: list[int]) -> None:
         self.parent: Node = parent  # type: ignore[assignment]  # None at the root only
         self.children: dict[int, Node] = {}
         self.key = key
         self.dev = self.host = self.hpend = self.t1 = self.t2 = False
-        self.full = self.mlock = self.tickets = 0
+        self.full = self.mlock = self.tickets = self.cand = 0
+        self.ndev = self.nhost = 0  # children on the device / on the host or being copied there
         self.alive = True
 
     @property
@@ -99,6 +104,8 @@ class TreeModel:
             hkv += len(x.key) * x.host
             t1, t2 = t1 + x.t1, t2 + x.t2
             kids = x.children.values()
+            assert x.ndev == sum(c.dev for c in kids) and x.nhost == sum(c.host or c.hpend for c in kids), \
+                "a node's child counts disagree with its children"
             if x.dev and (not kids or (self.host_on and not any(c.dev for c in kids))):
                 want["kv"].add(x)
             if x.t1:
@@ -111,7 +118,17 @@ class TreeModel:
         assert t1 + self.t1_free == self.t1_cap and hkv + self.hkv_free == self.hkv_cap \
             and t2 + self.hst_free == self.hst_cap, "T1 / T2 slots leaked"
         for r, nodes in want.items():
-            assert self.pol.candidates(r) == nodes, f"the {r!r} candidates are not the nodes that may give it up"
+            got = self.pol.candidates(r)
+            assert got == nodes, f"the {r!r} candidates are not the nodes that may give it up"
+            assert {x for x in self._nodes() if x.cand & _BITS[r]} == got, f"Node.cand disagrees with {r!r}"
+
+    def _nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            stack.extend(x.children.values())
+        return out
 
     # ------------------------------------------------------------------------------------------ T0 room
     def kv_avail(self) -> int:
@@ -137,34 +154,45 @@ class TreeModel:
         """``RadixTree.sync`` + ``MambaRule.sync``: ``x`` in exactly the candidate sets it belongs to."""
         if x is self.root or not x.alive:
             return
-        pol = self.pol
         idle = not x.tickets
         unlocked = idle and x.full == 0
-        kids = x.children.values()
-        if x.dev and unlocked and (not kids or (self.host_on and not any(c.dev for c in kids))):
-            pol.add("kv", x)
-        else:
-            pol.discard("kv", x)
+        kids = x.children
+        want = 1 if x.dev and unlocked and (not kids or (self.host_on and not x.ndev)) else 0
         free_state = idle and x.mlock == 0
-        (pol.add if x.t1 and free_state else pol.discard)("state", x)
+        if x.t1 and free_state:
+            want |= 2
         if self.host_on:
-            host_leaf = x.host and unlocked and not any(c.host or c.hpend for c in kids)
-            (pol.add if host_leaf else pol.discard)("kv_host", x)
-            (pol.add if x.t2 and free_state else pol.discard)("state_host", x)
+            if x.host and unlocked and not x.nhost:
+                want |= 4
+            if x.t2 and free_state:
+                want |= 8
+        diff = want ^ x.cand
+        if diff:
+            pol = self.pol
+            for r, b in _BITS.items():
+                if diff & b:
+                    (pol.add if want & b else pol.discard)(r, x)
+            x.cand = want
+
+    def _discard(self, x: Node, bits: int) -> None:
+        hit = x.cand & bits
+        if hit:
+            for r, b in _BITS.items():
+                if hit & b:
+                    self.pol.discard(r, x)
+            x.cand &= ~bits
 
     # ------------------------------------------------------------------------------------------ locks
     def lock(self, node: Node) -> None:
         if node is self.root:
             return
         if node.mlock == 0:
-            self.pol.discard("state", node)
-            self.pol.discard("state_host", node)
+            self._discard(node, 2 | 8)
         node.mlock += 1
         x = node
         while x is not self.root:
             if x.full == 0:
-                self.pol.discard("kv", x)
-                self.pol.discard("kv_host", x)
+                self._discard(x, 1 | 4)
             x.full += 1
             x = x.parent
 
@@ -188,8 +216,12 @@ class TreeModel:
     # ------------------------------------------------------------------------------------------ removal
     def remove(self, x: Node) -> None:
         """``RadixTree.remove`` + ``Frees.take``: unlink ``x``, give back everything it holds."""
-        del x.parent.children[x.key[0]]
+        parent = x.parent
+        del parent.children[x.key[0]]
+        parent.ndev -= x.dev
+        parent.nhost -= x.host or x.hpend
         self.pol.forget(x)
+        x.cand = 0
         n = len(x.key)
         if x.dev:
             self.freed_kv += n
@@ -235,6 +267,7 @@ class TreeModel:
             x = self.pol.pop(resource)
             if x is None:
                 break  # no backup is ever in flight at a pop: settle() would find none
+            x.cand &= ~_BITS[resource]
             got += one(x)
         return got
 
@@ -245,6 +278,7 @@ class TreeModel:
     def _evict_kv_one(self, x: Node) -> int:
         if x.host:  # write_through: a backed-up victim is demoted
             x.dev = False
+            x.parent.ndev -= 1
             n = len(x.key)
             self.kv_live -= n
             self.freed_kv += n
@@ -289,6 +323,7 @@ class TreeModel:
 
     def _evict_host_kv_one(self, x: Node) -> int:
         x.host = False
+        x.parent.nhost -= 1
         self.hkv_free += len(x.key)
         if x.dev:
             self.sync(x)
@@ -344,6 +379,7 @@ class TreeModel:
         parent = child.parent
         new = Node(parent, child.key[:m])
         new.dev, new.host, new.hpend = child.dev, child.host, child.hpend
+        new.ndev, new.nhost = int(child.dev), int(child.host or child.hpend)
         new.full, new.tickets = child.full, child.tickets
         child.key = child.key[m:]
         child.parent = new
@@ -452,6 +488,7 @@ class TreeModel:
         # applied at once: the op's tickets are done by the next check_hicache_events
         for y in load:
             y.dev = True
+            y.parent.ndev += 1
         if scratch:
             if best.alive and best.dev and not best.t1:
                 self.set_state(best)
@@ -512,6 +549,7 @@ class TreeModel:
             if not child.dev:
                 prefix = i if prefix is None else prefix
                 child.dev = True  # takes the caller's pages for its span
+                child.parent.ndev += 1
                 self.sync(child)
                 self.sync(child.parent)
             elif prefix is None:
@@ -527,6 +565,7 @@ class TreeModel:
                 leaf = Node(node, toks[i:aligned])
                 node.children[leaf.key[0]] = leaf
                 leaf.dev = True
+                node.ndev += 1
                 touch("kv", leaf)
                 self.set_state(leaf)
                 self.sync(leaf)
@@ -573,6 +612,7 @@ class TreeModel:
         self.hkv_free -= need
         for n in chain:
             n.hpend = True
+            n.parent.nhost += 1
             n.tickets += 1
             self.sync(n)
         self.sync(chain[0].parent)
@@ -590,7 +630,7 @@ class TreeModel:
             if p is root or not p.host or p.full or p.tickets:
                 continue
             seen[id(p)] = seen.get(id(p), 0) + 1
-            if seen[id(p)] == sum(1 for c in p.children.values() if c.host or c.hpend):
+            if seen[id(p)] == p.nhost:
                 queue.append(p)
         return got >= want
 

@@ -87,13 +87,18 @@ def tiny_state(real: wc.TierBytes) -> StateSpec:
 
 
 def tier_sizes(config_name: str, gpu_bytes: int, host_bytes: int, *, page: int, max_running: int,
-               request_pages: int, kv_fraction: float) -> dict[str, Any]:
+               request_pages: int, kv_fraction: float, host_kv_fraction: Optional[float] = None) -> dict[str, Any]:
     """``config_name``'s tier sizes (``CacheConfig`` fields) at these budgets: ``workload_common.split_budget``'s
-    ((2b): (2)'s GPU tiers plus (4)'s host bytes split alike, its T2 state slots lossless envelopes)."""
+    ((2b): (2)'s GPU tiers plus (4)'s host bytes split alike, its T2 state slots lossless envelopes).
+    ``host_kv_fraction``: the host's KV share when it is not ``kv_fraction`` (the GPU split stays)."""
     if config_name not in SIM_CONFIGS:
         raise InvalidArgumentError("config_name", f"one of {SIM_CONFIGS}", config_name)
-    return wc.split_budget(real_bytes(page), gpu_bytes, host_bytes, max_running, request_pages,
-                           kv_fraction)[config_name]
+    real = real_bytes(page)
+    out = wc.split_budget(real, gpu_bytes, host_bytes, max_running, request_pages, kv_fraction)[config_name]
+    if host_kv_fraction is not None and "host_kv_pages" in out:
+        host = wc.split_budget(real, gpu_bytes, host_bytes, max_running, request_pages, host_kv_fraction)[config_name]
+        out = {**out, "host_kv_pages": host["host_kv_pages"], "host_states": host["host_states"]}
+    return out
 
 
 def mooncake_requests(trace: Sequence[TraceRequest], *, block: int = BLOCK) -> list[SimRequest]:
@@ -319,17 +324,17 @@ def simulate_tiers(trace: Iterable[SimRequest], tiers: Mapping[str, Any], *, cac
 
 def simulate(trace: Iterable[SimRequest], *, gpu_bytes: int, host_bytes: int, config_name: str,
              cache_overrides: Optional[Mapping[str, Any]] = None, mode: str = "model", page: int = BLOCK,
-             max_running: int = 4, kv_fraction: float = 0.6, request_pages: Optional[int] = None,
-             chunk_pages: Optional[int] = None, warm: int = 0, write_policy: str = "write_through",
-             keep_hits: bool = False, progress: Optional[str] = None) -> dict:
+             max_running: int = 4, kv_fraction: float = 0.6, host_kv_fraction: Optional[float] = None,
+             request_pages: Optional[int] = None, chunk_pages: Optional[int] = None, warm: int = 0,
+             write_policy: str = "write_through", keep_hits: bool = False, progress: Optional[str] = None) -> dict:
     """``trace`` (``SimRequest``s) through ``config_name`` (one of ``SIM_CONFIGS``) at these GPU / host
     byte budgets of Qwen3-Next-80B, split as ``workload_common.split_budget`` does (``max_running``,
-    ``kv_fraction``; ``request_pages``: the longest request's pages, taken from ``trace`` when it is a
-    sequence). ``cache_overrides``: ``CacheConfig`` fields set on top (an eviction policy, admission,
-    a write policy, even tier sizes): how another policy drives the same simulation. ``mode``: the real
-    tree with or without copies, or the model (``MODES``, module docstring). ``page``: real tokens per
-    sim token; ``chunk_pages``: the prefill chunk (None: 8192 tokens). Returns ``simulate_tiers``' dict
-    plus the tier sizes used.
+    ``kv_fraction``, ``host_kv_fraction``: ``tier_sizes``; ``request_pages``: the longest request's
+    pages, taken from ``trace`` when it is a sequence). ``cache_overrides``: ``CacheConfig`` fields set on
+    top (an eviction policy, admission, a write policy, even tier sizes): how another policy drives the
+    same simulation. ``mode``: the real tree with or without copies, or the model (``MODES``, module
+    docstring). ``page``: real tokens per sim token; ``chunk_pages``: the prefill chunk (None: 8192
+    tokens). Returns ``simulate_tiers``' dict plus the tier sizes used.
 
     hit_rate: prompt tokens reused / prompt tokens (real tokens); hit_rate_t2: of them, loaded from T2;
     state_hit_rate: requests that resumed from a cached state; req_per_s: simulated requests a second.
@@ -339,7 +344,7 @@ def simulate(trace: Iterable[SimRequest], *, gpu_bytes: int, host_bytes: int, co
             raise InvalidArgumentError("request_pages", "an int when trace is not a sequence", request_pages)
         request_pages = max(len(r.prompt) + len(r.answer) for r in trace)
     tiers = tier_sizes(config_name, gpu_bytes, host_bytes, page=page, max_running=max_running,
-                       request_pages=request_pages, kv_fraction=kv_fraction)
+                       request_pages=request_pages, kv_fraction=kv_fraction, host_kv_fraction=host_kv_fraction)
     out = simulate_tiers(trace, tiers, cache_overrides=cache_overrides, mode=mode, page=page, chunk_pages=chunk_pages,
                          warm=warm, write_policy=write_policy, keep_hits=keep_hits, progress=progress)
     return {**{k: tiers.get(k, 0) for k in ("kv_pages", "t1_states", "host_kv_pages", "host_states")}, **out}

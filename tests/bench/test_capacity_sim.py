@@ -45,6 +45,17 @@ def test_mooncake_requests_pages_and_fresh_answers():
     assert len(set(answers)) == len(answers) and min(answers) > 6  # no prompt names them
 
 
+def test_host_kv_fraction_moves_only_the_host_split():
+    kw = dict(page=512, max_running=2, request_pages=40, kv_fraction=0.6)
+    base = cs.tier_sizes("int8_t1_t2", 32 * GiB, 256 * GiB, **kw)
+    more = cs.tier_sizes("int8_t1_t2", 32 * GiB, 256 * GiB, host_kv_fraction=0.9, **kw)
+    assert {k: v for k, v in more.items() if not k.startswith("host_")} == \
+        {k: v for k, v in base.items() if not k.startswith("host_")}
+    assert more["host_kv_pages"] > base["host_kv_pages"] and more["host_states"] < base["host_states"]
+    assert cs.tier_sizes("int8_t1", 32 * GiB, 0, host_kv_fraction=0.9, **kw) == cs.tier_sizes("int8_t1", 32 * GiB, 0,
+                                                                                                 **kw)
+
+
 def test_gpu_only_host_has_the_host_bytes_of_4_in_lossless_states():
     kw = dict(page=512, max_running=2, request_pages=40, kv_fraction=0.6)
     real = cs.real_bytes(512)
@@ -212,7 +223,8 @@ def test_trace_grid_writes_every_metric(tmp_path):
               "ceiling_hybrid_hit_rate", "ceiling_attention_hit_rate", "bytes_to_90pct_2b", "bytes_to_90pct_4",
               "bytes_ratio_2b_vs_4_at_90pct", "bytes_ratio_2_vs_3_at_90pct", "hit_rate_4_vs_2b_1g_4g",
               "hit_rate_3_vs_2_1g", "model_mode_req_per_s_2b", "full_mode_req_per_s_4", "model_vs_fast_speed_3",
-              "wall_s_1e6_requests_4_1g_4g", "hit_rate_1e6_requests_4_1g_4g"):
+              "wall_s_1e6_requests_4_1g_4g", "hit_rate_1e6_requests_4_1g_4g", "bytes_to_90pct_4_any_split",
+              "bytes_ratio_2b_vs_4_at_90pct_any_split", "host_kv_fraction_at_90pct_2b_any_split"):
         assert k in m, k
     for tag in ("2", "2b", "3", "4"):
         assert m[f"model_same_hits_as_full_{tag}"] == 1.0 and m[f"fast_same_hits_as_full_{tag}"] == 1.0
@@ -221,6 +233,11 @@ def test_trace_grid_writes_every_metric(tmp_path):
     assert m["wall_s_1e6_requests_4_1g_4g"] > 0
     assert "ceiling" in rec["info"] and "10^6 requests" in rec["info"] and os.path.exists(path[:-5] + ".md")
     assert not any(r.get("million") for r in rec["rows"])  # the timed run is in the metrics, not a grid row
+    shares = {r["host_kv_fraction"] for r in rec["rows"] if r["config"] == "int8_t1_t2"}
+    assert shares == {0.6, 0.75, 0.9}
+    # the split the benchmarks share is one of the shares: the best over them is never worse
+    b4s = m["bytes_to_90pct_4_any_split"]
+    assert b4 is None or (b4s is not None and b4s <= b4)
 
 
 def test_synthetic_sweep_writes_the_2b_ratios(tmp_path):
