@@ -33,7 +33,8 @@ def _state_params(family: str):
     """SGLang's cache params for a state family, built as its model configs build them (tiny sizes):
     ``mamba2`` (NemotronH, FalconH1, GraniteMoeHybrid: ``Mamba2StateShape``), ``gdn`` (Qwen3-Next's
     gated delta-net: the same shape class with key heads as groups and the q/k/v conv groups), ``kda``
-    (Kimi Linear: ``KimiLinearStateShape``, conv windows laid out ``[K-1, channels]``)."""
+    (Kimi Linear: ``KimiLinearStateShape``, conv windows laid out ``[K-1, channels]``), ``short_conv``
+    (Lfm2: no recurrent state, conv windows only)."""
     dtype = mamba_utils.Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
     if family == "mamba2":
         shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
@@ -47,10 +48,14 @@ def _state_params(family: str):
     if family == "kda":  # configs/kimi_linear.py
         shape = mamba_utils.KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=4, conv_kernel_size=4)
         return mamba_utils.KimiLinearCacheParams(shape=shape, layers=[0, 2], dtype=dtype)
+    if family == "short_conv":  # Lfm2 (configs/lfm2.py): a Mamba2 shape with state_size 0, conv windows only
+        shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=1,
+                                                    head_dim=16, state_size=0, conv_kernel=3)
+        return mamba_utils.Mamba2CacheParams(shape=shape, layers=[0, 2], dtype=dtype)
     raise ValueError(family)
 
 
-STATE_FAMILIES = ("mamba2", "gdn", "kda")
+STATE_FAMILIES = ("mamba2", "gdn", "kda", "short_conv")
 
 
 def _pools(family: str = "mamba2"):

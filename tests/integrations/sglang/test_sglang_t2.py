@@ -19,6 +19,7 @@ from tests.support.sglang_util import (  # noqa: E402
     CHUNK,
     LAYERS,
     PAGE,
+    STATE_FAMILIES,
     TOKENS,
     _build,
     _check_prefix,
@@ -133,8 +134,9 @@ def _host_hit_loads_back(backend, rows, kv_pool, a, monkeypatch, poison):
 HOST = {"t1_states": 6, "codec": "lossless", "host_kv_pages": 32, "host_states": 6}
 
 
-def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poison):
-    rows, alloc, kv_pool = _pools()
+@pytest.mark.parametrize("family", STATE_FAMILIES)
+def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poison, family):
+    rows, alloc, kv_pool = _pools(family)
     kv_free, slots_free = alloc.available_size(), rows.mamba_allocator.available_size()
     backend = _build(monkeypatch, rows, alloc, HOST)
     stack = backend.stack

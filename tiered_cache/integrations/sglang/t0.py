@@ -233,7 +233,10 @@ class SGLangStateSide(_RowIds):
             raise InvalidArgumentError("allocator", f"the slot allocator of this pool ({t.shape[1] - 1} slots)",
                                        allocator.size)
         self._pool, self._alloc, self._name = pool, allocator, name
-        self._spec = StateSpec(num_layers=int(t.shape[0]), temporal_shape=tuple(t.shape[2:]), temporal_dtype=t.dtype,
+        # Lfm2's short convs come as a Mamba2 shape with state_size 0: a temporal buffer of no elements,
+        # which is what a conv-only spec (temporal_shape ()) says
+        temporal = tuple(t.shape[2:]) if t[0, 0].numel() else ()
+        self._spec = StateSpec(num_layers=int(t.shape[0]), temporal_shape=temporal, temporal_dtype=t.dtype,
                                conv_shapes=tuple(tuple(c.shape[2:]) for c in convs), conv_dtype=convs[0].dtype,
                                value_axis=1)  # SGLang's temporal is (HV, V, K): V is axis 1
         self._init_rows(name, int(t.shape[1]), 1, "slot")
