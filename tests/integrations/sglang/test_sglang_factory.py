@@ -18,6 +18,7 @@ import pytest
 B = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
 
 from tests.support.sglang_util import (  # noqa: E402
+    ROWS,
     SLOTS,
     STATE_FAMILIES,
     TOKENS,
@@ -26,6 +27,7 @@ from tests.support.sglang_util import (  # noqa: E402
     _ctx,
     _pools,
     _serve,
+    _state_params,
     memory_pool,
     sampling_params,
     schedule_batch,
@@ -124,6 +126,23 @@ def test_factory_refuses_pools_without_a_mamba_pool(monkeypatch):
     with pytest.raises(InvalidTypeError) as e:
         backend_pkg.factory(_ctx(plain, alloc))
     assert e.value.arg == "ctx.params.req_to_token_pool"
+
+
+def test_factory_refuses_a_mamba_pool_with_per_slot_side_states(monkeypatch):
+    """Qwen4-Exp's short convs ride on SGLang's mamba slots as a side state (``register_slot_state``);
+    T1 copies temporal and conv only, so a resume would leave them stale: refused, naming the pool."""
+    rows, alloc, _ = _pools()
+    params = _state_params("mamba2")
+    with_side = memory_pool.HybridReqToTokenPool(
+        size=ROWS, mamba_size=SLOTS, mamba_spec_state_size=0, max_context_len=256, device="cpu",
+        enable_memory_saver=False, cache_params=params, mamba_layer_ids=[0, 2], enable_mamba_extra_buffer=False,
+        enable_overlap_schedule=False, short_conv_layer_ids=[1], short_conv_state_shape=(16, 2))
+    assert with_side.short_conv_pool.enabled
+    free = alloc.available_size()
+    with pytest.raises(InvalidArgumentError) as e:
+        _build(monkeypatch, with_side, alloc, {})
+    assert e.value.arg == "ctx.params.req_to_token_pool.mamba_pool" and alloc.available_size() == free
+    _build(monkeypatch, rows, alloc, {}).close()  # the same pools without it build
 
 
 def test_factory_refuses_sglangs_int8_checkpoint_pool(monkeypatch):

@@ -68,6 +68,11 @@ def factory(ctx: Any) -> TieredRadixCache:
     if getattr(rows, "mamba_ckpt_pool", None) is not None:  # --enable-int8-mamba-checkpoint
         raise InvalidArgumentError("ctx.params.req_to_token_pool.mamba_ckpt_pool",
                                    "None (SGLang's int8 checkpoint pool: our T1 is the int8 tier)", "a pool")
+    siblings = getattr(rows.mamba_pool, "_slot_siblings", ())
+    if siblings:  # per-slot side states (Qwen4-Exp's short convs, n-gram context): T1 would not copy them
+        raise InvalidArgumentError("ctx.params.req_to_token_pool.mamba_pool",
+                                   "a mamba pool with no per-slot side states (they are not cached yet)",
+                                   [type(x).__name__ for x in siblings])
     kv = SGLangKVSide(allocator)
     states = SGLangStateSide(rows.mamba_pool, rows.mamba_allocator)
     if int(params.page_size) != kv.page_size:
