@@ -25,7 +25,6 @@ from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.stack import CountingLRUPolicy
 from tiered_cache.tiers.unified_pool import UnifiedPool
 
-
 # a node's candidate sets, one bit each (Node.cand mirrors the policy's sets: only changes reach the policy)
 _BITS = {"kv": 1, "state": 2, "kv_host": 4, "state_host": 8}
 
