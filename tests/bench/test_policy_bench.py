@@ -18,10 +18,11 @@ def test_sessions_continue_their_history():
         reqs = bp.marconi_sessions(kind, 1.0, 200, 0, a)
         seen: list[list[int]] = []
         starts = 0
-        for prompt, answer in reqs:
-            prev = [h for h in seen if len(h) < len(prompt) and prompt[:len(h)] == h]
+        for r in reqs:
+            prev = [h for h in seen if len(h) < len(r.prompt) and r.prompt[:len(h)] == h]
             starts += not prev
-            seen.append(prompt + answer)
+            seen.append(r.prompt + r.answer)
+            assert r.tokens == 64 * len(r.prompt)
         assert 0 < starts < len(reqs) // 2
         assert bp.marconi_sessions(kind, 1.0, 200, 0, a) == reqs  # seeded
 
@@ -34,6 +35,17 @@ def test_worst_point_and_undefined():
     assert bp.worst(rows, "x", "y", "hit_rate") is None  # a point without a ratio: no worst point
 
 
+def test_worst_gpu_bound_points():
+    """GPU-bound points: Marconi saves under half of what it saves unbounded (that row is no grid point)."""
+    rows = [{"scenario": "a", "trace": "t", "gpu_gib": g, "policy": p, "flops_saved": v}
+            for g, vals in ((8, {"ours_tiered": 0.8, "marconi": 0.2}), (24, {"ours_tiered": 0.9, "marconi": 0.85}),
+                            (None, {"marconi": 0.9})) for p, v in vals.items()]
+    assert bp.worst(rows, "ours_tiered", "marconi", "flops_saved") == pytest.approx(0.9 / 0.85)
+    assert bp.worst(rows, "ours_tiered", "marconi", "flops_saved", gpu_bound=True) == pytest.approx(4.0)
+    rows[1]["flops_saved"] = 0.5  # no point is GPU-bound: undefined
+    assert bp.worst(rows, "ours_tiered", "marconi", "flops_saved", gpu_bound=True) is None
+
+
 @pytest.mark.parametrize("policy,admission,cuts,config", [
     ("lru", "block", "every_block", "gpu_only"), ("lru", "chunk", None, "gpu_only"),
     ("marconi", "leaf_branch", None, "gpu_only"), ("tiered", "leaf_branch", None, "gpu_only"),
@@ -44,12 +56,13 @@ def test_a_short_run_of_each_configuration(policy, admission, cuts, config):
     a = bp.parse_args([])
     reqs = bp.marconi_sessions("chat", 2.0, 60, 1, a)
     real = wc.TierBytes.from_specs(bp.MARCONI_KV, bp.MARCONI_STATE, 64)
-    tiers = wc.split_budget(real, 6 << 30, 8 << 30, 4, max(len(p) + len(q) for p, q in reqs), 0.6)[config]
+    tiers = wc.split_budget(real, 6 << 30, 8 << 30, 4, max(len(r.prompt) + len(r.answer) for r in reqs), 0.6)[config]
     pc = bp.PrefixCosts.of(costs.MARCONI_7B, tokens_per_key=64, t1_int8=config != "gpu_only")
-    r = bp.run(reqs, 20, tiers, bp.tiny_state(real), pc, policy, admission, cuts, 8, 128, 20)
+    r = bp.run(reqs, 20, tiers, bp.cs.tiny_state(real), pc, policy, admission, cuts, 8, 128, 15)
     assert r["requests"] == 40 and 0.0 < r["hit_rate"] <= 1.0 and 0.0 < r["flops_saved"] <= 1.0
-    if policy == "marconi":
-        assert len(r["alphas_tuned"]) == 3 and r["alpha"] in bp.ALPHAS
+    if policy in bp.GRIDS and config == "gpu_only":  # tuned from the first eviction (the host budget here
+        # holds this trace: no eviction, no tuning): at least one window of 15 after it
+        assert r["tunings"] and set(r["tunings"]) <= set(bp.GRIDS[policy]) and r["tuned"] == r["tunings"][-1]
 
 
 def test_tiered_run_evicts_in_every_tier():
@@ -58,12 +71,12 @@ def test_tiered_run_evicts_in_every_tier():
     a = bp.parse_args([])
     reqs = bp.marconi_sessions("chat", 2.0, 120, 1, a)
     real = wc.TierBytes.from_specs(bp.MARCONI_KV, bp.MARCONI_STATE, 64)
-    longest = max(len(p) + len(q) for p, q in reqs)
+    longest = max(len(r.prompt) + len(r.answer) for r in reqs)
     tiers = wc.split_budget(real, int(4.5 * (1 << 30)), 1 << 30, 4, longest, 0.6)["int8_t1_t2"]
     pc = bp.PrefixCosts.of(costs.MARCONI_7B, tokens_per_key=64, t1_int8=True)
-    sim = bp.PolicySim(tiers, bp.tiny_state(real), pc, "tiered", "leaf_branch", 8)
-    for p, q in reqs:
-        sim.request(p, q, 128)
+    sim = bp.PolicySim(tiers, bp.cs.tiny_state(real), pc, "tiered", "leaf_branch", 8)
+    for r in reqs:
+        sim.request(r, 128)
     assert {"kv", "state", "kv_host", "state_host"} <= {r for r, n in sim.policy.counts.items() if n}
     assert sim.c["host"] > 0
     sim.cache.check_invariants(request_kv=bp.torch.empty(0, dtype=bp.torch.int64), request_states=bp.torch.empty(0))

@@ -37,6 +37,6 @@ def make_policy(name: str, costs: PrefixCosts, *, tiered: bool, **kw: Any) -> Sc
     return SCORED[name](costs, tiered=tiered, **kw)
 
 
-__all__ = ["ADMISSIONS", "ALPHA_GRID", "SCORED", "AlphaTuner", "MarconiPolicy", "NodeFacts", "PrefixCosts",
-           "ScoredPolicy", "SegLenPolicy", "StateAdmission", "TieredPolicy", "is_branch_point", "make_policy",
-           "stack_costs"]
+__all__ = ["ADMISSIONS", "ALPHA_GRID", "SCORED", "AlphaTuner", "MarconiPolicy", "NodeFacts",
+           "PrefixCosts", "ScoredPolicy", "SegLenPolicy", "StateAdmission", "TieredPolicy", "is_branch_point",
+           "make_policy", "stack_costs"]

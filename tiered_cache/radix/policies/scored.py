@@ -73,12 +73,19 @@ class PrefixCosts:
 class ScoredPolicy(LRUPolicy):
     """Candidates and stamps as ``LRUPolicy``; ``pop`` takes the candidate ``choose`` picks. ``counts``:
     victims per resource (as the stack's ``CountingLRUPolicy``). ``tiered``: a T2 lies below T1 (a T1
-    state and backed-up KV are demoted, not dropped)."""
+    state and backed-up KV are demoted, not dropped). ``tuner``: a ``tuning.AlphaTuner`` fed by ``observe``
+    that sets the attribute ``TUNED`` names (a policy without one takes no tuner)."""
 
-    def __init__(self, costs: PrefixCosts, *, tiered: bool = False, facts: Optional[NodeFacts] = None) -> None:
+    TUNED: Optional[str] = None
+
+    def __init__(self, costs: PrefixCosts, *, tiered: bool = False, facts: Optional[NodeFacts] = None,
+                 tuner: Any = None) -> None:
         if not isinstance(costs, PrefixCosts):
             raise InvalidTypeError("costs", "a PrefixCosts", type(costs).__name__)
-        self.costs, self.tiered = costs, bool(tiered)
+        if tuner is not None and (self.TUNED is None or not callable(getattr(tuner, "observe", None))):
+            raise InvalidTypeError("tuner", f"None{' or an AlphaTuner' if self.TUNED else ''} for "
+                                   f"{type(self).__name__}", type(tuner).__name__)
+        self.costs, self.tiered, self.tuner, self.tunings = costs, bool(tiered), tuner, 0
         self.facts = facts or NodeFacts()
         self.counts: collections.Counter = collections.Counter()
         super().__init__()
@@ -108,7 +115,12 @@ class ScoredPolicy(LRUPolicy):
         return self.least_recent(resource, cands)
 
     def observe(self, request: Any) -> None:
-        """A request arrived (a policy that learns from the trace records it; the others ignore it)."""
+        """A request arrived: the tuner records it and may set the tuned weight."""
+        if self.tuner is not None:
+            v = self.tuner.observe(request, evicting=bool(self.counts))
+            if v is not None:
+                setattr(self, self.TUNED, v)  # type: ignore[arg-type]
+                self.tunings += 1
 
     # ----------------------------------------------------------------------------- shared terms
     def recency(self, resource: str, x: Any) -> int:
@@ -145,19 +157,13 @@ def _norm(vals: list[float]) -> list[float]:
 
 
 class MarconiPolicy(ScoredPolicy):
-    """Marconi's eviction (module docstring); ``tuner``: an ``AlphaTuner`` fed by ``observe``."""
+    """Marconi's eviction (module docstring); the tuner sets ``alpha``."""
 
-    def __init__(self, costs: PrefixCosts, *, alpha: float = 1.0, tuner: Any = None, **kw: Any) -> None:
+    TUNED = "alpha"
+
+    def __init__(self, costs: PrefixCosts, *, alpha: float = 1.0, **kw: Any) -> None:
         super().__init__(costs, **kw)
         self.alpha = float_arg("alpha", alpha, lo=0.0)
-        self.tuner = tuner
-        self.tunings = 0
-
-    def observe(self, request: Any) -> None:
-        if self.tuner is not None:
-            a = self.tuner.observe(request)
-            if a is not None:
-                self.alpha, self.tunings = a, self.tunings + 1
 
     def choose(self, resource: str, cands: list[Any]) -> Any:
         if resource not in ("kv", "state"):
