@@ -198,10 +198,12 @@ def test_refused_family_says_why_and_still_runs_the_no_cache_baseline(family):
 
 
 @pytest.mark.parametrize("family, kw", [("bamba", dict(split_checkpoints=True)), ("kimi_linear",
-                                        dict(split_checkpoints=True)), ("bamba", dict(prefill_graphs=True))])
+                                        dict(split_checkpoints=True)), ("bamba", dict(prefill_graphs=True)),
+                                        ("lfm2", dict(split_checkpoints=True)), ("lfm2", dict(prefill_graphs=True))])
 def test_split_and_prefill_graphs_refused_for_layers_that_do_not_call_the_chunk_rule(family, kw):
-    """Mamba2 and KDA layers do not call the gated-delta chunk rule by name: asking for a split forward or
-    prefill graphs is a typed error naming the setting (by default they run two forwards per split chunk)."""
+    """Mamba2, KDA and Lfm2's short-conv layers do not call the gated-delta chunk rule by name: asking for a
+    split forward or prefill graphs is a typed error naming the setting (by default they run two forwards
+    per split chunk)."""
     with pytest.raises(InvalidArgumentError) as err:
         Engine(model_of(family), EngineConfig(cache=CacheConfig(**TIERS), **kw, **SERVE))
     assert err.value.arg == next(iter(kw))

@@ -1,11 +1,12 @@
 """What the engine does differently for the two kinds of hybrid: one object per kind, so the scheduler
 asks its kind and never which kind it runs.
 
-A state model (linear-attention layers: Qwen3-Next, Mamba2 hybrids) resumes only from a recurrent state
-saved at exactly the resume position: each running request holds a T0 state slot, the state is exported
-into it at every position the tree caches, and the tree takes it into T1. An SWA model (sliding-window
-layers: Gemma3) has no state: a resume needs the last ``window`` tokens' SWA KV, which the request holds
-in T0 beside its full KV, so every page it writes is cacheable::
+A state model (linear-attention layers: Qwen3-Next, Mamba2 hybrids; Lfm2's short convs, whose state is a
+conv window alone) resumes only from a state saved at exactly the resume position: each running request
+holds a T0 state slot, the state is exported into it at every position the tree caches, and the tree
+takes it into T1. An SWA model (sliding-window layers: Gemma3) has no state: a resume needs the last
+``window`` tokens' SWA KV, which the request holds in T0 beside its full KV, so every page it writes is
+cacheable::
 
                           StateKind                                SWAKind
     T0 a request holds    a state slot + KV pages                  SWA KV pages + KV pages
