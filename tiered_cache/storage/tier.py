@@ -28,10 +28,8 @@ have a breaker each: a full disk (writes failing) must not turn off reads of wha
 Sizes are the tier's, not the store's: a prefetch expects exactly ``HEADER_SIZE + slot_bytes`` bytes
 per value (a ``get``: ``HEADER_SIZE + entry_bytes[kind]`` when given), and the backend refuses a value
 of any other stored size or chunk count before fetching or allocating it (``bad_length``). A
-multi-round-trip read asks the op's cancel and deadline between round trips.
-
-A prefetched slot gets back the T2 checksum its bytes left the GPU with (kept in the header), so the
-GPU checks the bytes once more when they are promoted.
+multi-round-trip read asks the op's cancel and deadline between round trips. A prefetched slot gets
+back the T2 checksum its bytes left the GPU with (kept in the header): the GPU checks them once more.
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ from tiered_cache.validate import float_arg, int_arg, int_list
 
 log = logging.getLogger(__name__)
 _DOWN = object()  # what _backend_call returns while the backend is unreachable
-_WRITES = ("write", "put")  # the ops close() lets finish
 
 
 class StorageTier:
@@ -208,13 +205,11 @@ class StorageTier:
         return len(self._pending)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Cancel the reads in flight, let the writes in flight land (a write-through is what a restart
-        reads back), all within ``timeout_s``; a write still queued then is cancelled. Then the workers
-        stop (each call bounded by the backend's timeouts) and the backend closes."""
+        """Cancel the reads in flight, let the writes land (a restart reads them back) within ``timeout_s``
+        (then cancel the rest), stop the workers (bounded by the backend's timeouts), close the backend."""
         timeout_s = float_arg("timeout_s", timeout_s, lo=0)
-        for op in list(self._pending.values()):
-            if op.op not in _WRITES:
-                self._cancel(op)
+        for op in [op for op in self._pending.values() if op.op not in ("write", "put")]:
+            self._cancel(op)
         deadline = time.monotonic() + timeout_s
         for op in list(self._pending.values()):
             if not self.wait(op, max(0.0, deadline - time.monotonic())):
