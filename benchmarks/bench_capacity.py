@@ -226,9 +226,9 @@ def _check_point(cfg: str, mode: str) -> dict:
     """One mode on the first ``--check-requests`` requests of the trace at ``--check-at`` (a budget where
     every tier evicts), every request's hit kept: the model and the fast mode are compared to the full one."""
     a = _RUN["args"]
-    g, h = a.check_at
+    g, h = a.check_at[0], a.check_at[1] if cfg in HOST_CONFIGS else 0.0
     trace = _RUN["trace"][:a.check_requests]
-    r = simulate(trace, gpu_bytes=int(g * GiB), host_bytes=int(h * GiB) if cfg in HOST_CONFIGS else 0,
+    r = simulate(trace, gpu_bytes=int(g * GiB), host_bytes=int(h * GiB),
                  config_name=cfg, mode=mode, page=BLOCK, max_running=a.max_running, kv_fraction=a.kv_fraction,
                  request_pages=_RUN["request_pages"], write_policy=a.write_policy, keep_hits=True)
     return {"config": cfg, "mode": mode, "gpu_gib": g, "host_gib": h, "hits": r["hits"], "req_per_s": r["req_per_s"],
