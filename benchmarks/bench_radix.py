@@ -58,7 +58,8 @@ PS = 16
 EVICT_TOKENS = 256
 KV = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
 ST = StateSpec(num_layers=1, temporal_shape=(1, 4, 4), conv_shapes=((4, 3),), conv_dtype=torch.float32)
-T1_CALLS = ("store_from_active", "load_to_active", "free", "alloc", "alloc_ids", "poll_flags")
+T1_CALLS = ("store_from_active", "load_to_active", "store_rows", "load_rows", "free", "alloc", "alloc_ids",
+            "poll_flags")
 SKIP = ("bench_radix: sglang is not installed (pip install --no-deps -r constraints/sglang-test.txt): "
         "the side-by-side benchmark needs SGLang's RadixCache; skipped, nothing measured")
 
@@ -106,20 +107,25 @@ def pool_pages(tokens: int, ops: int) -> int:
 
 
 class T1Timer:
-    """Seconds spent inside the T1 pool's calls (instance attributes wrap its methods)."""
+    """Seconds spent inside the T1 pool's calls (instance attributes wrap its methods; a call made inside
+    another, ``store_from_active``'s ``store_rows``, is counted once, in the outer)."""
 
     def __init__(self, ckpt: Any):
         self.s = 0.0
+        self.depth = 0
         for name in T1_CALLS:
             setattr(ckpt, name, self._wrap(getattr(ckpt, name)))
 
     def _wrap(self, fn):
         def timed(*a, **kw):
+            self.depth += 1
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                self.s += time.perf_counter() - t0
+                self.depth -= 1
+                if not self.depth:
+                    self.s += time.perf_counter() - t0
         return timed
 
 

@@ -104,13 +104,18 @@ def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:
         raise InvalidTypeError(arg, what, desc(slot))
     if slot.numel() != 1 or slot.device != states.device:
         raise InvalidArgumentError(arg, what, desc(slot))
+    if slot.dtype is torch.int64 and slot.dim() == 1:
+        return slot  # already the shape asked for: no view made (a torch call per match and insert)
     return slot.reshape(1) if slot.dtype in (torch.int64, torch.int32) else slot.reshape(1).to(torch.int64)
 
 
-def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mamba_value") -> None:
+def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mamba_value") -> np.ndarray:
+    """-> the slot's id as a host array [1] (checked: T1's trusted moves take it)."""
     v = int(slot)
-    if not 0 < v < states.capacity or int(states.translate_host(np.array([v]))[0]) < 0:  # host table: no launch
+    ids = np.array([v])
+    if not 0 < v < states.capacity or states.translate_host(ids)[0] < 0:  # host table: no launch
         raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
+    return ids
 
 
 def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value") -> np.ndarray:
@@ -122,12 +127,13 @@ def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value") -> np.ndarr
     toks = v.numpy() if v.device.type == "cpu" else v.cpu().numpy()
     first = toks[::ps]
     pages = first // ps
-    if ps > 1 and not np.array_equal(toks.reshape(-1, ps), (pages * ps)[:, None] + tree.offsets):
+    # whole pages: the ids equal page*ps + 0..ps-1, compared as bytes (one memcmp, no bool array)
+    if ps > 1 and np.ascontiguousarray(toks).tobytes() != ((pages * ps)[:, None] + tree.offsets).tobytes():
         raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", toks[:16].tolist())
-    if pages.size and (pages.min() < 1 or pages.max() >= tree.kv.capacity):
+    lst = pages.tolist()  # a few dozen pages: Python's min, max and set beat numpy's calls
+    if lst and (min(lst) < 1 or max(lst) >= tree.kv.capacity):
         raise InvalidArgumentError(arg, f"KV ids of pages in [1, {tree.kv.capacity})", toks[:16].tolist())
-    if (tree.kv.translate_host(first).min(initial=0) < 0 or tree.owned[pages].any()
-            or len(set(pages.tolist())) != pages.size):
+    if lst and ((tree.kv.translate_host(first) < 0).any() or tree.owned[pages].any() or len(set(lst)) != len(lst)):
         raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)", toks[:16].tolist())
     return pages
 

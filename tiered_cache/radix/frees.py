@@ -4,6 +4,7 @@ T0 KV ids are the tree's own (``kv``: its ownership map is cleared with them, an
 the side's trusted ``free_pages``: they were validated when the tree took them); everything else goes
 to a named *sink*, a pool or host region that the component owning it registered in ``tree.sinks``:
 "kv_host" (``HostTier``), "t1" and "state_host" (``MambaStates``), "swa" and "swa_host" (the SWA cache).
+T1 slots the tree owns go back by host id through the pool's trusted ``free_owned`` (``put_t1``).
 """
 
 from __future__ import annotations
@@ -19,17 +20,22 @@ from tiered_cache.radix.node import TreeNode
 class Frees:
     """Ids to give back to the pools of ``tree`` (a ``RadixTree``)."""
 
-    __slots__ = ("tree", "kv", "ids", "pages")
+    __slots__ = ("tree", "kv", "ids", "pages", "t1")
 
     def __init__(self, tree: Any) -> None:
         self.tree = tree
         self.kv: list[torch.Tensor] = []
         self.ids: dict[str, list[torch.Tensor]] = {}
         self.pages: dict[str, list[int]] = {}
+        self.t1: list[int] = []
 
     def put(self, sink: str, ids: torch.Tensor) -> None:
         """T0/T1 ids to free; ``sink`` "kv" is the tree's own KV side."""
         (self.kv if sink == "kv" else self.ids.setdefault(sink, [])).append(ids)
+
+    def put_t1(self, slot: int) -> None:
+        """The host id of a T1 slot the tree owns (a node's state)."""
+        self.t1.append(slot)
 
     def put_pages(self, sink: str, pages: Sequence[int]) -> None:
         self.pages.setdefault(sink, []).extend(pages)
@@ -60,4 +66,6 @@ class Frees:
         for sink, lst in self.pages.items():
             if lst:
                 tree.sinks[sink].free(lst)
-        self.kv, self.ids, self.pages = [], {}, {}
+        if self.t1:
+            tree.sinks["t1"].free_owned(self.t1)
+        self.kv, self.ids, self.pages, self.t1 = [], {}, {}, []

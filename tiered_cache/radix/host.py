@@ -65,6 +65,7 @@ class Op:
     finish: Callable[[Op], None]  # applies it to the tree once its tickets are done
     lock: Optional[TreeNode] = None  # a load's own lock on its best node, released when it finishes
     scratch: Optional[torch.Tensor] = None  # T1 slot a state restore lands in (freed when it finishes)
+    scratch_id: int = 0  # its host id
     handle: Any = None  # a load's ``LoadBack``
 
 

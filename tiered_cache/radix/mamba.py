@@ -17,6 +17,7 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
@@ -42,13 +43,15 @@ if TYPE_CHECKING:
 
 
 class MambaPayload:
-    """The state at a node's end: ``mamba_value`` (T1 slot, a 1-element LongTensor) and/or ``state_host``
-    (T2 slot); ``t1_unverified``: host id of ``mamba_value`` until its store's NaN/inf flag was read."""
+    """The state at a node's end: ``mamba_value`` (T1 slot, a 1-element LongTensor; ``t1_slot`` its host id,
+    valid while it is set) and/or ``state_host`` (T2 slot); ``t1_unverified``: host id of ``mamba_value``
+    until its store's NaN/inf flag was read."""
 
-    __slots__ = ("mamba_value", "state_host", "t1_unverified")
+    __slots__ = ("mamba_value", "t1_slot", "state_host", "t1_unverified")
 
     def __init__(self) -> None:
         self.mamba_value: Optional[torch.Tensor] = None
+        self.t1_slot = 0
         self.state_host: Optional[int] = None
         self.t1_unverified: Optional[int] = None
 
@@ -58,7 +61,7 @@ class MambaPayload:
 
     def release(self, f: Frees) -> None:
         if self.mamba_value is not None:
-            f.put("t1", self.mamba_value)
+            f.put_t1(self.t1_slot)  # by host id: no tensor read back, no second check
         if self.state_host is not None:
             f.put_pages("state_host", [self.state_host])
         self.mamba_value = self.state_host = None
@@ -154,15 +157,17 @@ class MambaRule:
         if self.tree.host_on:
             seen.host.append((self.tree.sinks["state_host"], seen.sets["state_host"], set()))
 
-    def set_state(self, node: TreeNode, t1: torch.Tensor) -> None:
+    def set_state(self, node: TreeNode, t1: torch.Tensor, t1_id: int, sync: bool = True) -> None:
+        """``node`` takes the T1 slot ``t1`` (host id ``t1_id``); ``sync`` False: the caller syncs ``node`` next."""
         tree = self.tree
-        node.payload.mamba_value = t1
+        node.payload.mamba_value, node.payload.t1_slot = t1, t1_id
         tree.policy.touch("state", node)
         if node.mamba_lock_ref:  # a locked tombstone got its state: protected at once
             tree.state_protected += 1
         else:
             tree.state_evictable += 1
-        tree.sync(node)
+        if sync:
+            tree.sync(node)
 
     # ----------------------------------------------------------------------------- match
     def match(self, params: MatchPrefixParams) -> MatchResult:
@@ -179,11 +184,12 @@ class MambaRule:
         if not isinstance(cow, bool):
             raise InvalidTypeError("cow_mamba", "a bool", cow)
         dst: Any = None
+        dst_id = None  # its id, where checked here: the load then takes the trusted path
         if cow:
             if req is None or not hasattr(req, "mamba_pool_idx"):
                 raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
             if req.mamba_pool_idx is not None:
-                dst = self.req_slot(req)
+                dst, dst_id = self.req_slot(req)
         # Every check is done: what follows may change the tree.
         if host.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
             host.t3.maybe_prefetch(toks.tolist(), salt, req)
@@ -217,18 +223,21 @@ class MambaRule:
         if dev is not best and dev is not root:
             touch("state", dev)
         host.count_hits(path, best)
-        if cow and dev is not root:
+        if cow and dev is not root and dst_id is not None:  # both ids checked: no second check in T1
+            self.ckpt.load_rows(np.array([dev.payload.t1_slot]), self.states, self.states.translate_host(dst_id))
+        elif cow and dev is not root:
             self.ckpt.load_to_active(dev.payload.mamba_value, self.states, dst)
         idx = tree.empty if dev_k == 0 else values[0] if dev_k == 1 else torch.cat(values[:dev_k])
         mamba_host = int(best is not dev and best.payload.mamba_value is None)
         return tree.match_result(idx, dev, best, best_len - dev_len, mamba_host, branching, kv_len)
 
-    def req_slot(self, req: Any) -> torch.Tensor:
-        """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds."""
+    def req_slot(self, req: Any) -> tuple[torch.Tensor, Optional[np.ndarray]]:
+        """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and its id as a host
+        array where ``validate`` checked it is allocated (else None)."""
         slot = state_slot(self.states, "req.mamba_pool_idx", req.mamba_pool_idx)
         if self.tree.validate:
-            check_state_allocated(self.states, slot, "req.mamba_pool_idx")
-        return slot
+            return slot, check_state_allocated(self.states, slot, "req.mamba_pool_idx")
+        return slot, None
 
     def _walk(self, toks: array, salt: Optional[str], end: int):
         """Read-only walk. -> (nodes on the path, device values of fully matched nodes, page-aligned
@@ -288,8 +297,7 @@ class MambaRule:
         path, end_node, _, pending = tree.probe(toks, salt, aligned, prev)
         # the caller's pages, checked once: duplicates and new leaves use them without another check
         pages = check_callers_kv(tree, value[prev:aligned]) if tree.validate and prev < aligned else None
-        if tree.validate and slot is not None:
-            check_state_allocated(self.states, slot)
+        sid = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
         if pending:  # the caller computed on KV a load is writing: its ticket is done, or nearly
             self.host.settle("load")
             path, end_node, _, _ = tree.probe(toks, salt, aligned, prev, "the prefix whose load succeeded")
@@ -305,11 +313,16 @@ class MambaRule:
                 return InsertResult(prefix_len=prev, cached_len=prev, last_device_node=None)
             t1, (t1_id,) = got
             try:
-                self.ckpt.store_from_active(self.states, slot, t1)
+                if sid is not None:  # checked above, and a slot just allocated: the trusted store
+                    self.ckpt.store_rows(self.states, self.states.translate_host(sid), np.array(got[1]))
+                else:
+                    self.ckpt.store_from_active(self.states, slot, t1)
             except BaseException:
                 self.ckpt.free(t1)
                 raise
-        res = self._insert_walk(toks, salt, value, aligned, prev, t1, mamba_exist, slot is not None, pages)
+        # path[-1] was locked while states were evicted for room: the probed path is the tree's still
+        res = self._insert_walk(toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, slot is not None, pages,
+                                path)
         node = res.last_device_node
         if res.mamba_stored:
             self.flags.stored(node, t1_id)  # type: ignore[arg-type]  # stored: t1 and its id were taken
@@ -318,19 +331,18 @@ class MambaRule:
             self.host.t3.on_state(node, demoted=False)  # T3 is shared: a NaN state never goes there
         return res
 
-    def _insert_walk(self, toks, salt, value, aligned, prev, t1, mamba_exist, offered, pages) -> InsertResult:
+    def _insert_walk(self, toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, offered, pages,
+                     path) -> InsertResult:
         """``pages``: the page ids of ``value[prev:aligned]`` as ``check_callers_kv`` checked them, or None
-        (``validate`` off: the duplicates go back through the checked ``free``)."""
+        (``validate`` off: the duplicates go back through the checked ``free``). ``path``: ``probe``'s: each
+        node matched whole but the last, so the walk looks up no child and compares no key again."""
         tree = self.tree
         root, touch, ps = tree.root, tree.policy.touch, tree.page_size
         node, i, prefix = root, 0, None
         dups: list[tuple[int, int]] = []  # token ranges of value the tree already holds: freed at the end
         split_suffix = None
-        while i < aligned:
-            step = tree.insert_step(node, toks, i, aligned, salt)
-            if step is None:
-                break
-            child, m, lower = step
+        for k, probed in enumerate(path):
+            child, m, lower = tree.insert_step(node, toks, i, aligned, salt, probed, k < len(path) - 1)
             split_suffix = lower or split_suffix
             if child.value is None:  # on the host only (or dead): take the caller's ids for its span
                 prefix = i if prefix is None else prefix
@@ -346,12 +358,12 @@ class MambaRule:
         if i < aligned:
             if t1 is not None:
                 node = tree.new_leaf(node, toks[i:aligned], value[i:aligned], salt,
-                                     lambda leaf: self.set_state(leaf, t1),
+                                     lambda leaf: self.set_state(leaf, t1, t1_id, sync=False),
                                      None if pages is None else pages[(i - prev) // ps:])
                 stored, i = True, aligned
         elif node is not root:
             if not node.payload.resumable and t1 is not None:
-                self.set_state(node, t1)
+                self.set_state(node, t1, t1_id)
                 stored = True
             elif mamba_exist and offered:
                 touch("state", node)

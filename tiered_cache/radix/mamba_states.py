@@ -71,7 +71,7 @@ class MambaStates:
             tree.stats["nonfinite_states"] += 1
         elif self.host.enabled and p.state_host is None:
             self.demote_sync(x)
-        f.put("t1", p.mamba_value)
+        f.put_t1(p.t1_slot)
         p.mamba_value = None
         tree.state_evictable -= 1
         tree.freed["state"] += 1
@@ -159,7 +159,7 @@ class MambaStates:
         return best.payload.mamba_value is None
 
     def prepare_load(self, best: TreeNode, req: Any) -> Optional[tuple]:
-        """-> (the request's T0 slot, whether the load allocated it, a T1 scratch slot or None)."""
+        """-> (the request's T0 slot, whether the load allocated it, a T1 scratch slot and its host id, or None)."""
         own = req.mamba_pool_idx is None
         slot = req.mamba_pool_idx if not own else self.alloc_active_state(best)
         if slot is None:
@@ -172,15 +172,15 @@ class MambaStates:
                 if own:
                     self.states.free(slot)
                 return None
-            scratch = t1[0]
+            scratch = t1
         return slot, own, scratch
 
     def start_load(self, op: Op, prepared: tuple, best: TreeNode, req: Any) -> None:
         slot, own, scratch = prepared
-        op.scratch = scratch
         if scratch is not None:
+            op.scratch, op.scratch_id = scratch[0], scratch[1][0]
             op.tickets["state"] = restore_states(self.host.engine, self.region, [best.payload.state_host], self.ckpt,
-                                                 scratch.tolist(), self.states, slot.tolist())
+                                                 scratch[1], self.states, slot.tolist())
         else:
             self.ckpt.load_to_active(best.payload.mamba_value, self.states, slot)
         if own:
@@ -201,7 +201,7 @@ class MambaStates:
                 best.payload.state_host = None
         if op.scratch is not None:
             if ok and best.alive and best.value is not None and best.payload.mamba_value is None:
-                self.rule.set_state(best, op.scratch)  # promoted: the next hit is a T1 hit, no PCIe copy
+                self.rule.set_state(best, op.scratch, op.scratch_id)  # promoted: the next hit is a T1 hit, no PCIe copy
                 self.tree.stats["state_promotes"] += 1
             else:
                 f.put("t1", op.scratch)

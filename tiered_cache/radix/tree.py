@@ -37,13 +37,12 @@ from tiered_cache.tiers.protocols import KVSide
 
 
 class RadixTree:
-    """Nodes over the KV side ``kv`` of T0, victims ranked by ``policy``.
-
-    Public state the components read: ``root``, ``page_size``, ``device``, ``policy``, ``stats`` (event
-    counts of the whole cache), ``freed`` (running totals of device units freed, per resource: the
-    eviction reports deltas), ``owned`` (page-level "the tree owns this KV page": refuses inserts of
-    ids it already holds), ``sinks`` (``Frees``' pools) and ``host_on`` (a T2 tier is attached: a
-    device node whose children are on the host only may give up its KV)."""
+    """Nodes over the KV side ``kv`` of T0, victims ranked by ``policy``. Public state the components
+    read: ``root``, ``page_size``, ``device``, ``policy``, ``stats`` (event counts of the whole cache),
+    ``freed`` (running totals of device units freed, per resource: the eviction reports deltas),
+    ``owned`` (page-level "the tree owns this KV page": refuses inserts of ids it already holds),
+    ``sinks`` (``Frees``' pools) and ``host_on`` (a T2 tier is attached: a device node whose children
+    are on the host only may give up its KV)."""
 
     def __init__(self, kv: KVSide, policy: Optional[EvictionPolicy], validate: bool) -> None:
         if policy is not None and not isinstance(policy, EvictionPolicy):
@@ -91,12 +90,9 @@ class RadixTree:
         self.full_evictable = self.full_protected = self.state_evictable = self.state_protected = 0
         self.freed = {"kv": 0, "state": 0, "swa": 0}
 
-    def pages_of(self, ids: torch.Tensor) -> np.ndarray:
-        """Whole-page token ids (any device) -> page ids, on the host. On the CPU a numpy view: a torch
-        slice and copy cost more host time than the numpy ops together (~9 us against ~1 us)."""
-        if ids.device.type == "cpu":
-            return ids.numpy()[::self.page_size] // self.page_size
-        return ids[::self.page_size].cpu().numpy() // self.page_size
+    def pages_of(self, ids: torch.Tensor) -> np.ndarray:  # whole-page token ids (any device) -> host page ids
+        first = ids.numpy()[::self.page_size] if ids.device.type == "cpu" else ids[::self.page_size].cpu().numpy()
+        return first // self.page_size  # on the CPU through a numpy view: a torch slice costs ~5 us
 
     # ----------------------------------------------------------------------------- keys
     def child_key(self, toks: Sequence[int], i: int, at_root: bool, salt: Optional[str]) -> Any:
@@ -107,8 +103,7 @@ class RadixTree:
 
     @staticmethod
     def key_salt(ck: Any) -> Optional[str]:
-        """The request key a root child's key was filed under (``child_key``'s inverse): a str first
-        element can only be an extra_key, since a page is a tuple of ints."""
+        """The request key a root child's key was filed under (``child_key``'s inverse; a page is ints)."""
         return ck[0] if isinstance(ck, tuple) and len(ck) == 2 and isinstance(ck[0], str) else None
 
     def child(self, node: TreeNode, toks: Sequence[int], i: int, salt: Optional[str]) -> Optional[TreeNode]:
@@ -171,17 +166,17 @@ class RadixTree:
                            mamba_branching_seqlen=branching, cache_protected_len=len(idx), kv_hit_length=kv_len,
                            **kw)
 
-    def insert_step(self, node: TreeNode, toks: list[int], i: int, end: int, salt: Optional[str]):
-        """One step of an insert walk: the child of ``node`` holding ``toks[i:end]``, split where the
-        match ends inside it, its KV recency refreshed. -> (child, tokens matched, the lower half of a
-        split or None), or None: no such child."""
-        child = self.child(node, toks, i, salt)
+    def insert_step(self, node: TreeNode, toks: list[int], i: int, end: int, salt: Optional[str],
+                    child: Optional[TreeNode] = None, whole: bool = False):
+        """One step of an insert walk: the child of ``node`` holding ``toks[i:end]`` (``child``: that child,
+        found by ``probe``; ``whole``: matched in full), split where the match ends inside it, its KV
+        recency refreshed. -> (child, tokens matched, the lower half of a split or None), or None: no child."""
+        child = self.child(node, toks, i, salt) if child is None else child
         if child is None:
             return None
-        m = common_len(child.akey if type(toks) is array else child.key, toks, i, end, self.page_size)
-        lower = None
-        if m < len(child.key):
-            lower, child = child, self.split(child, m)
+        key = child.akey if type(toks) is array else child.key
+        m = len(key) if whole else common_len(key, toks, i, end, self.page_size)
+        lower, child = (child, self.split(child, m)) if m < len(key) else (None, child)
         self.policy.touch("kv", child)
         return child, m, lower
 
@@ -202,15 +197,15 @@ class RadixTree:
     def link(self, parent: TreeNode, key: Any, value: Optional[torch.Tensor], salt: Optional[str]) -> TreeNode:
         """A new node under ``parent`` (nothing counted, listed or touched yet); ``key`` a list or an array."""
         akey = key if type(key) is array else None  # the list made once, here
-        x = TreeNode(self.token, parent, key.tolist() if akey is not None else key, value, self.rule.payload(), akey)
+        x = TreeNode(self.token, parent, key if akey is None else key.tolist(), value, self.rule.payload(), akey)
         x.ck = self.child_key(key, 0, parent is self.root, salt)
         parent.children[x.ck] = x
         return x
 
     def new_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, salt: Optional[str],
                  fill: Any = None, pages: Optional[np.ndarray] = None) -> TreeNode:
-        """A device leaf taking a copy of the caller's ids ``value``; ``fill(leaf)`` gives it its payload;
-        ``pages``: ``value``'s page ids where the caller has them (``check_callers_kv``)."""
+        """A device leaf taking a copy of the caller's ids ``value`` (``pages``: theirs, if checked);
+        ``fill(leaf)`` gives it its payload."""
         leaf = self.link(parent, key, value.clone(), salt)
         self.owned[self.pages_of(value) if pages is None else pages] = True
         self.full_evictable += len(key)

@@ -252,8 +252,9 @@ class MultiEndedAllocator(BusyMarks):
         if self._busy and any(v in self._busy for v in vids):
             busy = [v for v in vids if v in self._busy]
             raise SlotBusyError(f"side {self.name!r}: slots {busy[:16]} are read or written by a transfer in flight")
-        rows = self._v2p[vids]
-        self._v2p[vids] = -1
+        arr = np.array(vids, dtype=np.int64)  # one conversion for both fancy indexes
+        rows = self._v2p[arr]
+        self._v2p[arr] = -1
         self._p2v[rows] = -1
         self._live -= len(vids)
         self._free_vids.extend(reversed(vids))

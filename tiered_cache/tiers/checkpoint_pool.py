@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from tiered_cache import device as dev
@@ -188,6 +189,11 @@ class Int8CheckpointPool:
         self.allocator.free(host)
         self.flags.forget(host.tolist())
 
+    def free_owned(self, ids: list[int]) -> None:
+        """Trusted ``free`` of host ids an owner took from ``alloc_ids`` (``SlotAllocator.free_owned``)."""
+        self.allocator.free_owned(ids)
+        self.flags.forget(ids)
+
     def available_size(self) -> int:
         return self.allocator.available_size()
 
@@ -228,13 +234,20 @@ class Int8CheckpointPool:
         host_slots = self._args.slots("ckpt_slots", ckpt_slots, unique=True)
         if rows.size != host_slots.size:
             raise InvalidArgumentError("ckpt_slots", f"{rows.size} ids, as many as active_ids", host_slots.size)
+        self.store_rows(side, rows, host_slots)
+
+    def store_rows(self, side: ActiveLike, rows: np.ndarray, slots: np.ndarray) -> None:
+        """``store_from_active`` past its checks, for an owner that made them once (the radix tree: its
+        T0 slot checked at insert, a T1 slot it just allocated): physical ``rows`` of ``side`` into
+        allocated, distinct ``slots``, as many (host int64 arrays). Nothing is checked again."""
+        lay = self._args.layout(side)
         self.stats["stores"] += rows.size
         self.stats["store_bytes"] += rows.size * self.slot_bytes
         if rows.size == 0:
             return
-        rows_t, slots_t = self._args.to_device(rows, host_slots)
+        rows_t, slots_t = self._args.to_device(rows, slots)
         t1_args.kernels_store(self, lay, rows_t, slots_t, self.flags.arm(slots_t))
-        self.flags.sent(host_slots.tolist())
+        self.flags.sent(slots.tolist())
 
     def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
         """Hit: dequantize (or copy) checkpoints ``ckpt_slots`` into the T0 states ``active_ids``.
@@ -247,11 +260,17 @@ class Int8CheckpointPool:
         rows = self._args.rows(side, lay, active_ids, unique=True)
         if rows.size != host_slots.size:
             raise InvalidArgumentError("active_ids", f"{host_slots.size} ids, as many as ckpt_slots", rows.size)
+        self.load_rows(host_slots, side, rows)
+
+    def load_rows(self, slots: np.ndarray, side: ActiveLike, rows: np.ndarray) -> None:
+        """``load_to_active`` past its checks (``store_rows``' terms): allocated ``slots`` into distinct
+        physical ``rows`` of ``side``. Nothing is checked again."""
+        lay = self._args.layout(side)
         self.stats["loads"] += rows.size
         self.stats["load_bytes"] += rows.size * self.slot_bytes
         if rows.size == 0:
             return
-        rows_t, slots_t = self._args.to_device(rows, host_slots)
+        rows_t, slots_t = self._args.to_device(rows, slots)
         t1_args.kernels_load(self, lay, slots_t, rows_t)
 
     def __repr__(self) -> str:

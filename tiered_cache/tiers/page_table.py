@@ -73,7 +73,10 @@ class PageTable:
                 raise OutOfRangeError("ids", f"virtual ids in [0, {self.capacity * self.page_size})", lst[:16])
             ids = np.asarray(lst, dtype=np.int64)
         pages = ids // self.page_size if self.page_size > 1 else ids
-        if ids.size and (ids.min() < 0 or pages.max() >= self.v2p.shape[0]):  # two reductions, not a mask
+        # the range: a few ids (a request's slot, a prompt's pages) by Python's min/max, more by numpy's
+        few = ids.ravel().tolist() if 0 < ids.size <= 64 else None
+        lo, hi = (min(few), max(few)) if few else (ids.min(), ids.max()) if ids.size else (0, 0)
+        if lo < 0 or hi // self.page_size >= self.v2p.shape[0]:
             raise OutOfRangeError("ids", f"virtual ids in [0, {self.v2p.shape[0] * self.page_size})",
                                   ids[(ids < 0) | (pages >= self.v2p.shape[0])][:16].tolist())
         if self.page_size == 1:

@@ -25,6 +25,7 @@ from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, SlotStateError
 from tiered_cache.kernels import quant
 from tiered_cache.tiers.protocols import StateSide
+from tiered_cache.tiers.t1_host import HostMoves, host_moves
 from tiered_cache.validate import _INT_TORCH, int_list
 
 
@@ -50,6 +51,7 @@ class Layout:
     state: Optional[torch.Tensor]
     convs: tuple[torch.Tensor, ...]
     what: str  # what the ids name, for errors: virtual ids of a side, or physical rows
+    host: Optional[HostMoves] = None  # the moves on numpy views, where they apply (CPU: ``t1_host``)
 
     @property
     def rows(self) -> int:
@@ -143,7 +145,7 @@ def make_layout(pool, side: Any) -> Layout:
     for c_side, c_t1 in zip(convs, pool.conv):
         quant.validate_copy_rows(c_side, e, c_t1, e, check_ids=False, names=("side", "conv"), finite=pool.flags.flags)
         quant.validate_copy_rows(c_t1, e, c_side, e, check_ids=False, names=("conv", "side"))
-    return Layout(temporal, state, convs, what)
+    return Layout(temporal, state, convs, what, host_moves(pool, temporal, state, convs))
 
 
 class CallArgs:
@@ -196,6 +198,8 @@ class CallArgs:
     def to_device(self, rows: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and slots on the pool's device in one non-blocking copy from page-locked memory."""
         n = rows.size
+        if self.pool.device.type == "cpu":  # nothing to send: views of the checked arrays
+            return torch.from_numpy(rows), torch.from_numpy(slots)
         both = dev.host_to_device(torch.from_numpy(np.concatenate([rows, slots])), self.pool.device)
         return both[:n], both[n:]
 
@@ -212,6 +216,8 @@ def _repeats(a: np.ndarray) -> bool:
 def kernels_store(pool, lay: Layout, rows: torch.Tensor, slots: torch.Tensor, fin: torch.Tensor) -> None:
     """The launches of a store (all checked before): int8, the temporal state and the first conv window
     in one launch; lossless, one copy per field; any further conv window, one copy each."""
+    if lay.host is not None and lay.host.store(rows.numpy(), slots.numpy()):
+        return  # on the CPU, all finite: numpy did it (a NaN or an inf: the twins below, which flag it)
     va, b = pool.spec.value_axis, pool.backend
     convs = list(zip(lay.convs, pool.conv))
     if lay.temporal is None:
@@ -229,6 +235,9 @@ def kernels_store(pool, lay: Layout, rows: torch.Tensor, slots: torch.Tensor, fi
 
 def kernels_load(pool, lay: Layout, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """The launches of a load, as ``kernels_store``'s."""
+    if lay.host is not None:
+        lay.host.load(slots.numpy(), rows.numpy())
+        return
     va, b = pool.spec.value_axis, pool.backend
     convs = list(zip(pool.conv, lay.convs))
     if lay.temporal is None:
