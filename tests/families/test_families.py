@@ -9,8 +9,10 @@ Each family's pass is checked not to be vacuous: the same run with the cached st
 resume (a state model) or the sliding layers' KV zeroed (an SWA model) must break that equality. A
 state model's recipe for a state that matters is ``long_memory=True`` (``engine.models``; the zeroed
 drift it gives per family is in README "Families", beside int8's). Lfm2's state is a conv window alone
-(a ``StateSpec`` without a temporal state). The families the tiers refuse (an SWA-only Mistral, Jamba)
-are refused at construction, and still run the no-cache baseline."""
+(a ``StateSpec`` without a temporal state). Mistral's ``sliding_window`` makes every layer sliding: its
+first layer is kept as full KV, every token of it, to key the tree on, and a resume gives it its last
+window (``ModelSpecs.full_window``; its other layers are the SWA side). The family the tiers refuse
+(Jamba) is refused at construction, and still runs the no-cache baseline."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ VALUE_AXIS = {"bamba": 1, "granitemoehybrid": 1, "nemotron_h": 1, "falcon_h1": 1
               "kimi_linear": 2, "qwen3_next": 2, "qwen3_5": 2, "olmo_hybrid": 2,  # delta rules: [H, d_k, d_v]
               "lfm2": None}
 STATE = list(VALUE_AXIS)
-SWA = ["gemma3", "gpt_oss", "cohere2"]
+SWA = ["gemma3", "gpt_oss", "cohere2", "mistral"]  # mistral: sliding on every layer (full_window)
 # decode paths per family: one request per forward everywhere; batched (decode_batch) and static
 # (decode_graphs, run eagerly on CPU) where the family has no sliding layers (sliding ones decode one
 # request at a time, as EngineConfig.decode_batch says)
@@ -131,6 +133,9 @@ def check_lossless(family: str, path: str, device: str) -> None:
     else:  # no state: the hits are SWA windows, from T0 and loaded back from T2
         assert st["hits"]["T1_states"] == st["hits"]["T2_states"] == 0
         assert st["hits"]["T0_swa_windows"] > 0 and st["hits"]["T2_swa_windows"] > 0
+        all_sliding = family == "mistral"  # its first layer is the full side, resumed from its last window
+        want = (model.config.sliding_window - 1, (0,)) if all_sliding else (0, e.specs.full_layers)
+        assert (e.specs.full_window, e.specs.full_layers) == want
     if path != "alone":  # some steps did batch
         assert st["tokens"]["decode_forwards"] < st["tokens"]["decoded"]
     if path in ("static", "prefill"):
@@ -171,9 +176,54 @@ def test_negative_control_zeroed_cache_breaks_equality(family, monkeypatch):
     assert differ, f"{family}: zeroed states left every turn equal"
 
 
+# ------------------------------------------------------------------------------ an all-sliding Mistral
+def test_mistral_full_side_layer_zeroed_on_resume_breaks_equality(monkeypatch):
+    """Mistral's first layer, the full side, is resumed from its full-KV pages through its last window
+    (``full_window``): zeroed there alone (the SWA side's layers as the tiers bring them), some turn
+    differs, so the window it is given is what the equality above rests on."""
+    real = kinds_mod.SWAKind.resume
+
+    def resume(self, req, n):
+        cache, nbytes = real(self, req, n)
+        for i in self.adapter.specs.full_layers:
+            layer = cache.layers[i]
+            assert layer.keys.shape[-2] == min(n, self.adapter.specs.full_window) and layer.cumulative_length == n
+            layer.keys.zero_()
+            layer.values.zero_()
+        return cache, nbytes
+    monkeypatch.setattr(kinds_mod.SWAKind, "resume", resume)
+    _, st, got = run_checked(model_of("mistral"), config("alone"))
+    assert st["tokens"]["reused"] > 0
+    assert any(a.output != b.output for a, b in zip(baseline_of("mistral"), got, strict=True))
+
+
+def test_mistral_says_its_fallback_decodes_one_by_one_and_refuses_graphs(caplog):
+    """The fallback is stated, never silent: a warning at construction and ``specs.full_window``;
+    ``decode_batch=True`` decodes one request per forward (sliding layers, as for Gemma3), every token
+    still equal to the no-cache run; ``decode_graphs=True`` is a typed error naming the setting."""
+    with caplog.at_level("WARNING", logger="tiered_cache.engine.model_specs"):
+        e, st, got = run_checked(model_of("mistral"), config("batch"))
+    assert "SWA memory saving unused" in caplog.text and e.specs.full_window == 15 and e.specs.swa_layers == (1, 2)
+    assert st["tokens"]["decode_forwards"] == st["tokens"]["decoded"] > 0
+    assert [t.output for t in got] == [t.output for t in baseline_of("mistral")]
+    with pytest.raises(InvalidArgumentError) as err:
+        Engine(model_of("mistral"), config("static"))
+    assert err.value.arg == "decode_graphs"
+
+
+def test_one_sliding_layer_and_nothing_else_is_refused():
+    """A single sliding layer cannot be both the tree's full-KV key and the SWA side: refused, naming
+    ``model``, before any pool is built; its no-cache baseline runs."""
+    model = tiny_family("mistral", seed=0, num_hidden_layers=1)
+    with pytest.raises(InvalidArgumentError, match="two sliding layers") as err:
+        Engine(model, config("alone"))
+    assert err.value.arg == "model"
+    wl = WorkloadConfig(clients=1, rounds=1, question_len=13, system_len=0, max_new_tokens=4)
+    assert len(run_workload(Engine(model, NO_CACHE), wl)[0].output) == 4
+
+
 # ------------------------------------------------------------------------------ refused families
 REFUSED = {
-    "mistral": "at least one full-attention layer",
     "jamba": "Mamba1",
 }
 
@@ -224,18 +274,20 @@ def test_split_checkpoints_true_refused_where_there_is_no_state_to_take(use_cach
 def int8_drift(family: str, zeroed: bool = False) -> tuple[float, float]:
     """(max |logit difference|, top-1 agreement) over every generated position of the workload through
     T1 and T2, teacher-forced with the no-cache answers so the logits compare at the same positions:
-    with the int8 codec, or (``zeroed``) lossless with every resumed state zeroed."""
+    with the int8 codec, or (``zeroed``) lossless with every resumed state (an SWA model: the sliding
+    layers' KV) zeroed."""
     model = model_of(family)
     base = run_workload(Engine(model, NO_CACHE), WL, record_logits=True)
     forced = {(t.client, t.round): t.output for t in base}
     cfg = EngineConfig(cache=CacheConfig(**dict(TIERS, codec="lossless" if zeroed else "int8")), **SERVE)
-    real = kinds_mod.StateKind.resume
+    cls = kinds_mod.StateKind if family in STATE else kinds_mod.SWAKind
+    real = cls.resume
     if zeroed:
-        kinds_mod.StateKind.resume = _zeroing(real)
+        cls.resume = _zeroing(real)
     try:
         got = run_workload(Engine(model, cfg), WL, forced=forced, record_logits=True)
     finally:
-        kinds_mod.StateKind.resume = real
+        cls.resume = real
     drift, n, agree = 0.0, 0, 0
     for a, b in zip(base, got, strict=True):
         for x, y in zip(a.logits, b.logits, strict=True):
@@ -245,20 +297,23 @@ def int8_drift(family: str, zeroed: bool = False) -> tuple[float, float]:
     return drift, agree / n
 
 
-@pytest.mark.parametrize("family", STATE)
+@pytest.mark.parametrize("family", STATE + ["mistral"])
 def test_int8_through_t2_drifts_far_less_than_a_zeroed_state(family):
     """int8 states through T1 and T2 on the long-memory variant: the logits drift, but far less than
-    with the state zeroed (README "Families"; measured there), and the top-1 token mostly agrees."""
+    with the state zeroed (README "Families"; measured there), and the top-1 token mostly agrees.
+    Mistral (no state; int8 quantizes no KV) against its sliding layers' KV zeroed: the README's row."""
     drift, top1 = int8_drift(family)
     z_drift, z_top1 = int8_drift(family, zeroed=True)
     assert drift < z_drift / 4, (drift, z_drift)
     assert top1 >= INT8_TOP1_BOUND and top1 > z_top1, (top1, z_top1)
 
 
-if __name__ == "__main__":  # the README table: python3 -m tests.families.test_families
+if __name__ == "__main__":  # the README table: python3 -m tests.families.test_families [family ...]
+    import sys
+
     torch.set_num_threads(1)
     print("| family | int8 drift (T2) | int8 top-1 | zeroed-state drift | zeroed top-1 |\n|---|---|---|---|---|")
-    for f in STATE:
+    for f in sys.argv[1:] or STATE + ["mistral"]:
         (d, t), (zd, zt) = int8_drift(f), int8_drift(f, zeroed=True)
         print(f"| {f} | {d:.3f} | {t:.4f} | {zd:.2f} | {zt:.4f} |")
 

@@ -14,6 +14,8 @@ Per kind of layer (``config.layer_types``), the cache layer and the pool side th
     full_attention     DynamicLayer               keys/values [1, kv_heads, T, D]   -> full KV side, every token
     sliding_attention  DynamicSlidingWindowLayer  keys/values, only the last ``sliding_window - 1`` tokens
                                                    after a forward (``cumulative_length`` counts all) -> swa KV side
+                                                   (all-sliding Mistral: its first layer -> full KV side, every
+                                                   token, and a resume gives it the last ``full_window``)
     hybrid             LinearAttentionAnd-        both: its keys/values to the full KV side, its conv window
                        FullAttentionLayer         and state to the state side (FalconH1, Zamba2)
     mlp, moe           DummyLayer                 nothing (NemotronH's MLP / MoE layers)
@@ -234,12 +236,16 @@ class HybridCacheAdapter:
 
     def import_kv(self, cache, side: KVSide, token_ids: IdsLike, n_tokens: int) -> None:
         """Fill the side's (empty) layers of ``cache`` with positions ``[0, n_tokens)`` from the pages;
-        sliding layers take only the last ``spec.window`` of them and count all ``n_tokens``."""
+        sliding layers take only the last ``spec.window`` of them (an all-sliding model's full side: its
+        ``specs.full_window``, as the layer would hold them after running the prefix) and count all
+        ``n_tokens``."""
         spec, model_layers = self._kv_side(side)
         ids = _ids("token_ids", token_ids)
         if not isinstance(n_tokens, int) or not 0 <= n_tokens <= ids.numel():
             raise InvalidArgumentError("n_tokens", f"an int in [0, {ids.numel()}] (len(token_ids))", n_tokens)
-        start = max(0, n_tokens - spec.window) if spec.window else 0
+        # an all-sliding model's full side is a sliding layer too: it takes its window of the pages' tokens
+        window = spec.window or (self.specs.full_window if spec is self.specs.full else 0)
+        start = max(0, n_tokens - window) if window else 0
         for i in model_layers:
             if cache.layers[i].get_seq_length() != 0:
                 raise InvalidArgumentError("cache", f"an empty layer {i}", cache.layers[i].get_seq_length())
@@ -253,7 +259,7 @@ class HybridCacheAdapter:
             layer = cache.layers[i]
             layer.update(k[j].transpose(0, 1).unsqueeze(0).to(self.model.device, self.dtype),
                          v[j].transpose(0, 1).unsqueeze(0).to(self.model.device, self.dtype))
-            if spec.window:
+            if window:
                 layer.cumulative_length = n_tokens  # the positions it has seen, not the ones it keeps
 
     def build_cache(self, kv_side: KVSide, token_ids: IdsLike, state_side: Optional[StateSide] = None,

@@ -6,7 +6,8 @@ conv window alone) resumes only from a state saved at exactly the resume positio
 holds a T0 state slot, the state is exported into it at every position the tree caches, and the tree
 takes it into T1. An SWA model (sliding-window layers: Gemma3) has no state: a resume needs the last
 ``window`` tokens' SWA KV, which the request holds in T0 beside its full KV, so every page it writes is
-cacheable::
+cacheable. (A model sliding on every layer, Mistral's ``sliding_window``, is an SWA model whose first
+layer is the full side: ``ModelSpecs.full_window``.)::
 
                           StateKind                                SWAKind
     T0 a request holds    a state slot + KV pages                  SWA KV pages + KV pages

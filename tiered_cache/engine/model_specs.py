@@ -8,6 +8,7 @@ hold, on whichever transformers version is installed (5.17 stores the conv windo
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +18,8 @@ from tiered_cache.engine.models import CONV, KV_KINDS, SLIDING, STATE_KINDS, lay
 from tiered_cache.engine.runner.forward import forward_chunk, new_cache
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.specs import KVSpec, StateSpec
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class ModelSpecs:
     the window alone, a ``StateSpec`` with ``temporal_shape=()``), or None.
     ``swa``: KV of the sliding-window layers (``swa_layers``), ``window`` = tokens a resume needs
     (the layer's ``sliding_window - 1``: a query at ``p`` sees keys ``(p - sliding_window, p]``), or None.
+    ``full_window``: 0 where the full side's layers attend to every token; for a model with sliding
+    windows on every layer (Mistral's ``sliding_window``), the tokens a resume gives its first layer,
+    which the full side holds for every token (the tree keys each prefix on full-KV pages; that layer's
+    SWA memory saving is not used, and ``spec_for`` logs it), the other layers being the SWA side.
     """
 
     full: KVSpec
@@ -37,6 +44,7 @@ class ModelSpecs:
     linear_layers: tuple[int, ...]
     swa_layers: tuple[int, ...]
     page_size: int
+    full_window: int = 0
 
 
 @torch.no_grad()
@@ -46,17 +54,22 @@ def spec_for(model, page_size: int = 16) -> ModelSpecs:
     A hybrid layer (attention and Mamba2 in one) is both a full-attention and a linear layer: its KV
     goes to the full side, its state to the state side. Layers that cache nothing are in no list.
     The state's ``value_axis`` comes from the layer's mixer (``_value_axis``). Conv-only layers (Lfm2)
-    give a ``StateSpec`` without a temporal state (its conv window is all their cache holds).
+    give a ``StateSpec`` without a temporal state (its conv window is all their cache holds). A model
+    with sliding windows on every layer and no other cache (Mistral's ``sliding_window``) keeps its first
+    layer on the full side, every token of it, as the prefix's key (``ModelSpecs.full_window``; a warning
+    says so), and the others on the SWA side; with one layer only it is refused.
     """
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise InvalidArgumentError("page_size", "an int >= 1", page_size)
     kinds = layer_kinds(model.config)
     idx = {k: tuple(i for i, t in enumerate(kinds) if t in ks)
            for k, ks in (("linear", STATE_KINDS), ("full", KV_KINDS), ("sliding", (SLIDING,)))}
+    keyed = not idx["full"] and not idx["linear"] and len(idx["sliding"]) >= 2
+    if keyed:  # every layer sliding: the first is kept as full KV, to key the tree on (ModelSpecs.full_window)
+        idx["full"], idx["sliding"] = idx["sliding"][:1], idx["sliding"][1:]
     if not idx["full"]:
-        raise InvalidArgumentError("model", "at least one full-attention layer (the tree keys every cached prefix "
-                                   "on full KV; a model with sliding windows on every layer, as Mistral's "
-                                   "sliding_window gives, has none)", kinds)
+        raise InvalidArgumentError("model", "at least one full-attention layer, or two sliding layers and no "
+                                   "other cache (the tree keys every cached prefix on full KV)", kinds)
     cache = new_cache(model)
     probe = torch.ones(1, 1, dtype=torch.long, device=model.device)
     forward_chunk(model, cache, probe, 0)
@@ -70,15 +83,22 @@ def spec_for(model, page_size: int = 16) -> ModelSpecs:
         return KVSpec(num_layers=len(layers), kv_heads=k_shape[1], head_dim=k_shape[3], dtype=dtype,
                       v_head_dim=v_shape[3], window=window)
 
-    swa = None
+    swa, window = None, 0
     if idx["sliding"]:
-        windows = {int(cache.layers[i].sliding_window) for i in idx["sliding"]}
+        windows = {int(cache.layers[i].sliding_window) for i in idx["sliding"] + (idx["full"] if keyed else ())}
         if len(windows) != 1:
             raise InvalidArgumentError("model", "one sliding window for all sliding layers", windows)
-        swa = kv_spec(idx["sliding"], windows.pop() - 1)
+        window = windows.pop() - 1
+        swa = kv_spec(idx["sliding"], window)
     state = _state_spec(model, cache, kinds, idx["linear"]) if idx["linear"] else None
+    full_window = window if keyed else 0
+    if keyed:
+        _log.warning("%s: sliding windows on every layer; layer %d's KV is kept for every token (the tree's key, "
+                     "its SWA memory saving unused; a resume gives it the last %d), layers %s are the SWA side",
+                     type(model).__name__, idx["full"][0], full_window, list(idx["sliding"]))
     return ModelSpecs(full=kv_spec(idx["full"], 0), state=state, swa=swa, full_layers=idx["full"],
-                      linear_layers=idx["linear"], swa_layers=idx["sliding"], page_size=page_size)
+                      linear_layers=idx["linear"], swa_layers=idx["sliding"], page_size=page_size,
+                      full_window=full_window)
 
 
 def _state_spec(model, cache, kinds: tuple[str, ...], linear: tuple[int, ...]) -> StateSpec:
