@@ -58,8 +58,8 @@ PS = 16
 EVICT_TOKENS = 256
 KV = KVSpec(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
 ST = StateSpec(num_layers=1, temporal_shape=(1, 4, 4), conv_shapes=((4, 3),), conv_dtype=torch.float32)
-T1_CALLS = ("store_from_active", "load_to_active", "store_rows", "load_rows", "free", "alloc", "alloc_ids",
-            "poll_flags")
+T1_CALLS = ("store_from_active", "load_to_active", "store_rows", "load_rows", "free", "free_owned", "alloc",
+            "alloc_ids", "poll_flags")
 SKIP = ("bench_radix: sglang is not installed (pip install --no-deps -r constraints/sglang-test.txt): "
         "the side-by-side benchmark needs SGLang's RadixCache; skipped, nothing measured")
 
