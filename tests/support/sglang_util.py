@@ -29,7 +29,7 @@ from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402
 PAGE, TOKENS, LAYERS, HEADS, DIM, ROWS, SLOTS, CHUNK = 16, 512, 2, 2, 8, 4, 4, 32
 
 
-def _state_params(family: str):
+def _state_params(family: str, tp: int = 1):
     """SGLang's cache params for a state family, built as its model configs build them (tiny sizes):
     ``mamba2`` (NemotronH, FalconH1, GraniteMoeHybrid: ``Mamba2StateShape``), ``gdn`` (Qwen3-Next's
     gated delta-net: the same shape class with key heads as groups and the q/k/v conv groups), ``kda``
@@ -37,9 +37,11 @@ def _state_params(family: str):
     (Lfm2: no recurrent state, conv windows only)."""
     dtype = mamba_utils.Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
     if family == "mamba2":
-        shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
-                                                    head_dim=4, state_size=8, conv_kernel=4)
+        shape = mamba_utils.Mamba2StateShape.create(tp_world_size=tp, intermediate_size=16, n_groups=tp,
+                                                    num_heads=2, head_dim=4, state_size=8, conv_kernel=4)
         return mamba_utils.Mamba2CacheParams(shape=shape, layers=[0, 2], dtype=dtype)
+    if tp != 1:
+        raise ValueError(f"TP pools are built for mamba2 only, not {family}")
     if family == "gdn":  # 2 key heads of 4, 4 value heads of 4 (configs/qwen3_next.py): conv over q, k and v
         shape = mamba_utils.Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=4,
                                                     head_dim=4, state_size=4, conv_kernel=4,
@@ -58,11 +60,14 @@ def _state_params(family: str):
 STATE_FAMILIES = ("mamba2", "gdn", "kda", "short_conv")
 
 
-def _pools(family: str = "mamba2"):
-    kv_pool = memory_pool.MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
+def _pools(family: str = "mamba2", rank: int = 0, tp: int = 1):
+    """SGLang's pools on CPU; under TP (``tp`` ranks), rank ``rank``'s: its share of the KV heads and of
+    the state heads, as SGLang builds a rank's pools (``kv_pool.test_rank`` / ``test_tp`` say whose)."""
+    kv_pool = memory_pool.MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS // tp,
                                            head_dim=DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    kv_pool.test_rank, kv_pool.test_tp = rank, tp
     alloc = allocator_mod.PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.float32, "cpu", kv_pool, need_sort=False)
-    params = _state_params(family)
+    params = _state_params(family, tp)
     rows = memory_pool.HybridReqToTokenPool(
         size=ROWS, mamba_size=SLOTS, mamba_spec_state_size=0, max_context_len=256, device="cpu",
         enable_memory_saver=False, cache_params=params, mamba_layer_ids=[0, 2], enable_mamba_extra_buffer=False,
@@ -102,14 +107,19 @@ def _code(toks) -> float:
     return float(zlib.crc32(array("q", toks).tobytes()) % (1 << 22))
 
 
-def _kv_of(toks, layer: int) -> torch.Tensor:
-    """The K rows the model writes for every token of ``toks``: [n, HEADS, DIM]."""
+def _kv_of(toks, layer: int, kv_pool=None) -> torch.Tensor:
+    """The K rows the model writes for every token of ``toks``: [n, heads, DIM], each head its own (exact
+    in float32); ``kv_pool``: a TP rank's, whose share of the heads it holds (default: all of them)."""
     codes = torch.tensor([_code(toks[:i + 1]) for i in range(len(toks))], dtype=torch.float32)
-    return (codes + layer)[:, None, None].expand(-1, HEADS, DIM)
+    rank, tp = (0, 1) if kv_pool is None else (kv_pool.test_rank, kv_pool.test_tp)
+    h = HEADS // tp
+    heads = torch.arange(rank * h, (rank + 1) * h, dtype=torch.float32)
+    return ((codes + layer)[:, None] + 4096 * heads[None, :])[:, :, None].expand(-1, h, DIM)
 
 
-def _state_of(toks, cache):
-    g = torch.Generator().manual_seed(zlib.crc32(array("q", toks).tobytes()))
+def _state_of(toks, cache, rank: int = 0):
+    """The state after ``toks`` (a TP rank's share: seeded by the rank too)."""
+    g = torch.Generator().manual_seed(zlib.crc32(array("q", toks).tobytes()) + rank)
     t = torch.randn(cache.temporal[:, 0].shape, generator=g)
     return t, [torch.randn(c[:, 0].shape, generator=g) for c in cache.conv]
 
@@ -120,11 +130,11 @@ def _check_prefix(backend, kv_pool, mcache, req, toks):
     ids = backend.prefix_device_indices(req)
     assert ids.numel() == n
     for layer in range(LAYERS):
-        assert torch.equal(kv_pool.k_buffer[layer][ids], _kv_of(toks[:n], layer))
-        assert torch.equal(kv_pool.v_buffer[layer][ids], -_kv_of(toks[:n], layer))
+        assert torch.equal(kv_pool.k_buffer[layer][ids], _kv_of(toks[:n], layer, kv_pool))
+        assert torch.equal(kv_pool.v_buffer[layer][ids], -_kv_of(toks[:n], layer, kv_pool))
     if n:
         slot = int(req.kv.mamba_pool_idx)
-        t, convs = _state_of(toks[:n], mcache)
+        t, convs = _state_of(toks[:n], mcache, kv_pool.test_rank)
         assert torch.equal(mcache.temporal[:, slot], t)  # lossless T1: bit-exact
         assert all(torch.equal(c[:, slot], want) for c, want in zip(mcache.conv, convs))
 
@@ -146,9 +156,9 @@ def _serve(backend, rows, alloc, kv_pool, rid: str, toks: list[int]) -> int:
     for end in range(start + CHUNK, len(toks) + CHUNK, CHUNK):  # chunked prefill
         end = min(end, len(toks))
         for layer in range(LAYERS):
-            kv_pool.k_buffer[layer][row[start:end]] = _kv_of(toks, layer)[start:end]
-            kv_pool.v_buffer[layer][row[start:end]] = -_kv_of(toks, layer)[start:end]
-        t, convs = _state_of(toks[:end], mcache)
+            kv_pool.k_buffer[layer][row[start:end]] = _kv_of(toks, layer, kv_pool)[start:end]
+            kv_pool.v_buffer[layer][row[start:end]] = -_kv_of(toks, layer, kv_pool)[start:end]
+        t, convs = _state_of(toks[:end], mcache, kv_pool.test_rank)
         slot = int(req.kv.mamba_pool_idx)
         mcache.temporal[:, slot] = t
         for c, want in zip(mcache.conv, convs):

@@ -196,7 +196,7 @@ def _ctx(**kw):
 
 
 @pytest.mark.parametrize("kw, arg", [
-    ({"tp_size": 2}, "ctx.tp_size"),
+    ({"tp_size": 2}, "ctx.tp_group"),  # TP without a group to agree over
     ({"is_hybrid_ssm": False, "is_hybrid_swa": True}, "ctx.is_hybrid_swa"),
     ({"is_hybrid_ssm": False}, "ctx.is_hybrid_ssm"),
     ({"disable_radix_cache": True}, "ctx.disable_radix_cache"),

@@ -120,8 +120,8 @@ def _host_hit_loads_back(backend, rows, kv_pool, a, monkeypatch, poison):
     assert req.tiered_load_back.ok
     ids = backend.path_device_indices(node)
     for layer in range(LAYERS):  # the KV the host held, scattered back into SGLang's per-layer buffers
-        assert torch.equal(kv_pool.k_buffer[layer][ids], _kv_of(a, layer))
-        assert torch.equal(kv_pool.v_buffer[layer][ids], -_kv_of(a, layer))
+        assert torch.equal(kv_pool.k_buffer[layer][ids], _kv_of(a, layer, kv_pool))
+        assert torch.equal(kv_pool.v_buffer[layer][ids], -_kv_of(a, layer, kv_pool))
     req.prefix_len = n
     req.last_node = node
     req.kv.cache_protected_len = 0

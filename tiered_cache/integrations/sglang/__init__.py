@@ -36,10 +36,10 @@ __all__ = ["BACKEND_NAME", "CONFIG_ENV", "KEYS", "BackendConfig", "TieredRadixCa
 
 def check_context(ctx: Any) -> BackendConfig:
     """The refusals of ``factory``, before anything is built: a typed error naming the context field."""
-    if int(ctx.tp_size) > 1:
-        # Every rank must make the same tree decisions (evictions, T3 answers); until the TP issue lands,
-        # refuse instead of letting ranks diverge.
-        raise InvalidArgumentError("ctx.tp_size", "1 (tensor-parallel ranks are not kept in step yet)", ctx.tp_size)
+    if int(ctx.tp_size) > 1 and getattr(ctx.tp_group, "cpu_group", None) is None:
+        # every rank must make the same tree decisions: they agree over the TP group's gloo group
+        raise InvalidArgumentError("ctx.tp_group", "SGLang's GroupCoordinator of the TP ranks (with its cpu_group)",
+                                   ctx.tp_group)
     if ctx.is_hybrid_swa and not ctx.is_hybrid_ssm:
         raise InvalidArgumentError("ctx.is_hybrid_swa", "False (the SWA backend is not built yet)", True)
     if not ctx.is_hybrid_ssm:
@@ -54,6 +54,7 @@ def factory(ctx: Any) -> TieredRadixCache:
     SGLang's pools in ``ctx.params`` to T0 (``SGLangT0``: SGLang's memory, no copy) and builds T1 and the
     tree above it with ``TieredCache.build_on``. Refusals are typed errors naming the field or key."""
     from tiered_cache.integrations.sglang.t0 import SGLangKVSide, SGLangStateSide, SGLangT0
+    from tiered_cache.parallel import TPGroup
     from tiered_cache.stack import TieredCache
 
     conf = check_context(ctx)
@@ -79,7 +80,10 @@ def factory(ctx: Any) -> TieredRadixCache:
         raise InvalidArgumentError("ctx.params.page_size", f"the KV allocator's page size {kv.page_size}",
                                    params.page_size)
     cfg = conf.cache_config(page_size=kv.page_size, kv_pages=kv.capacity - 1, t0_states=states.capacity - 1)
-    stack = TieredCache.build_on(cfg, SGLangT0(kv, states), model_id=conf.model_id)
+    # Under TP each rank's pools hold its share of the heads already; the ranks' trees agree once per
+    # step over the group's gloo group (host votes, as SGLang's own HiCache agrees), T3 keys name the rank
+    tp = TPGroup(int(ctx.tp_rank), int(ctx.tp_size), ctx.tp_group.cpu_group) if int(ctx.tp_size) > 1 else None
+    stack = TieredCache.build_on(cfg, SGLangT0(kv, states), model_id=conf.model_id, tp=tp)
     return TieredRadixCache(stack.tree, req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
                             page_size=kv.page_size, disable=bool(params.disable), stack=stack)
 
