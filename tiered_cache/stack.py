@@ -126,7 +126,8 @@ class TieredCache:
         (``kv_pages``, ``t0_states``, ``lazy_compaction``) are not read, the specs and the device are the
         sides'. State models only. ``tp``: as for ``build``, but the sides' specs are taken as they are
         (an engine's TP pools hold their rank's share already). Bad input raises a typed error naming
-        the argument."""
+        the argument. An SWA hybrid's T0 names its SWA KV side ``"swa"`` (a ``KVSpec`` with ``window``) and
+        passes ``state_side="swa"``: the tree is then a ``HiSWARadixCache`` and there is no T1."""
         from tiered_cache.radix.facade import side_of
         from tiered_cache.tiers.protocols import T0Pool
 
@@ -137,13 +138,15 @@ class TieredCache:
                                                                            "state_side")
         if not isinstance(getattr(kv, "spec", None), KVSpec):
             raise InvalidTypeError("kv_side", "the name of a full-KV side (a KVSpec)", kv_side)
-        if not isinstance(getattr(st, "spec", None), StateSpec):
-            raise InvalidTypeError("state_side", "the name of a state side (a StateSpec)", state_side)
+        swa = state_side == "swa" and isinstance(getattr(st, "spec", None), KVSpec)
+        if not swa and not isinstance(getattr(st, "spec", None), StateSpec):
+            raise InvalidTypeError("state_side", "the name of a state side (a StateSpec) or \"swa\"", state_side)
         if kv.page_size != cfg.page_size:
             raise InvalidArgumentError("page_size", f"the KV side's page size {kv.page_size}", cfg.page_size)
-        _check_build(cfg, kv.spec, st.spec, None, model_id, storage, placement)
+        state = None if swa else st.spec
+        _check_build(cfg, kv.spec, state, st.spec if swa else None, model_id, storage, placement)
         instance_arg("tp", tp, TPGroup, "a parallel.TPGroup", none_ok=True)
-        return cls._assemble(cfg, t0, kv.spec, st.spec, kv.device, model_id, storage, placement, kv_side, state_side,
+        return cls._assemble(cfg, t0, kv.spec, state, kv.device, model_id, storage, placement, kv_side, state_side,
                              tp)
 
     @classmethod
@@ -187,7 +190,7 @@ class TieredCache:
                                          admission=StateAdmission(cfg.state_admission, cfg.admission_block))
             else:
                 tree = HiSWARadixCache(pool, policy=policy, validate=cfg.validate, host=host, transfer=transfer,
-                                       host_config=hconf)
+                                       host_config=hconf, kv_side=kv_side)
         except BaseException:
             if owns_storage and storage is not None:
                 storage.close()

@@ -75,9 +75,9 @@ def _pools(family: str = "mamba2", rank: int = 0, tp: int = 1):
     return rows, alloc, kv_pool
 
 
-def _ctx(rows, alloc, **kw):
+def _ctx(rows, alloc, params_kw=None, **kw):
     params = cache_init_params.CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc,
-                                               page_size=PAGE)
+                                               page_size=PAGE, **(params_kw or {}))
     fields = dict(server_args=None, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
                   enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
                   tp_size=1, tp_rank=0, tp_group=None)
@@ -85,7 +85,7 @@ def _ctx(rows, alloc, **kw):
     return registry.TreeCacheBuildContext(**fields)
 
 
-def _build(monkeypatch, rows, alloc, config: dict):
+def _build(monkeypatch, rows, alloc, config: dict, params_kw=None, **ctx_kw):
     # Req.owned_kv_len and release_kv_cache read SGLang's published config (a launched server's
     # ServerArgs); this test launches none, so the fields they read get their defaults
     serving = types.SimpleNamespace(strip_thinking_cache=False, enable_streaming_session=False)
@@ -98,7 +98,8 @@ def _build(monkeypatch, rows, alloc, config: dict):
     monkeypatch.setattr(common, "get_spec", lambda: types.SimpleNamespace(speculative_algorithm=None))
     monkeypatch.setenv(backend_pkg.CONFIG_ENV, json.dumps(config))
     backend_pkg.register()
-    return registry.create_tree_cache(_ctx(rows, alloc))  # SGLang's own routing to the registered factory
+    # SGLang's own routing to the registered factory
+    return registry.create_tree_cache(_ctx(rows, alloc, params_kw=params_kw, **ctx_kw))
 
 
 # ----------------------------------------------------------------------------- the "model"
@@ -171,3 +172,127 @@ def _serve(backend, rows, alloc, kv_pool, rid: str, toks: list[int]) -> int:
     common.release_kv_cache(req, backend, checkpoint=True)  # final checkpoint, free row, unlock, slot back
     assert req.kv.mamba_pool_idx is None and req.kv.req_pool_idx is None  # slot and row back to SGLang
     return resumed
+
+
+# ----------------------------------------------------------------------------- an SWA hybrid (full + SWA layers)
+SWA_TOKENS, WINDOW, FULL_LAYERS, SWA_LAYERS = 256, 24, [0], [1, 2]
+
+
+def _swa_pools(size_swa: int = SWA_TOKENS):
+    """SGLang's pools of an SWA hybrid on CPU: a ``ReqToTokenPool``, the ``SWATokenToKVPoolAllocator``
+    (a paged full allocator and a paged SWA allocator, the full-to-SWA mapping) and its ``SWAKVPool``
+    (one full-attention layer, two sliding-window layers)."""
+    swa_pool_mod = pytest.importorskip("sglang.srt.mem_cache.swa_memory_pool")
+    swa_alloc_mod = pytest.importorskip("sglang.srt.mem_cache.allocator.swa")
+    pool = swa_pool_mod.SWAKVPool(size=TOKENS, size_swa=size_swa, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
+                                  head_dim=DIM, swa_attention_layer_ids=SWA_LAYERS,
+                                  full_attention_layer_ids=FULL_LAYERS, device="cpu", enable_memory_saver=False)
+    pool.test_rank, pool.test_tp = 0, 1
+    alloc = swa_alloc_mod.SWATokenToKVPoolAllocator(TOKENS, size_swa, PAGE, torch.float32, "cpu", pool,
+                                                    need_sort=False)
+    rows = memory_pool.ReqToTokenPool(size=ROWS, max_context_len=256, device="cpu", enable_memory_saver=False)
+    return rows, alloc, pool
+
+
+def _build_swa(monkeypatch, rows, alloc, config=None, window: int = WINDOW):
+    """The backend of an SWA hybrid through SGLang's registry (``is_hybrid_swa``, its window)."""
+    return _build(monkeypatch, rows, alloc, config or {}, {"sliding_window_size": window}, is_hybrid_swa=True,
+                  is_hybrid_ssm=False)
+
+
+def _write_swa(pool, alloc, row, toks, start: int, end: int) -> None:
+    """The model's forward over ``[start, end)``: full KV at the row's ids, SWA KV at their SWA ids."""
+    ids = row[start:end]
+    swa = alloc.full_to_swa_index_mapping[ids]
+    assert bool((swa > 0).all()), "a token computed without SWA KV"
+    for i, layer in enumerate(FULL_LAYERS):
+        pool.full_kv_pool.k_buffer[i][ids] = _kv_of(toks, layer)[start:end]
+        pool.full_kv_pool.v_buffer[i][ids] = -_kv_of(toks, layer)[start:end]
+    for i, layer in enumerate(SWA_LAYERS):
+        pool.swa_kv_pool.k_buffer[i][swa] = _kv_of(toks, layer)[start:end]
+        pool.swa_kv_pool.v_buffer[i][swa] = -_kv_of(toks, layer)[start:end]
+
+
+def _check_swa_prefix(backend, pool, alloc, req, toks) -> None:
+    """The full ids handed to SGLang hold the prefix's full KV; their SWA ids (SGLang's mapping) the SWA
+    KV of the window before the resume point, exactly."""
+    n = req.prefix_len
+    ids = backend.prefix_device_indices(req)
+    assert ids.numel() == n
+    for i, layer in enumerate(FULL_LAYERS):
+        assert torch.equal(pool.full_kv_pool.k_buffer[i][ids], _kv_of(toks[:n], layer))
+        assert torch.equal(pool.full_kv_pool.v_buffer[i][ids], -_kv_of(toks[:n], layer))
+    lo = max(0, n - backend.swa_retain_window)
+    swa = alloc.full_to_swa_index_mapping[ids[lo:]]
+    assert bool((swa > 0).all()), "the window before the resume point has no SWA KV"
+    for i, layer in enumerate(SWA_LAYERS):
+        assert torch.equal(pool.swa_kv_pool.k_buffer[i][swa], _kv_of(toks[:n], layer)[lo:])
+        assert torch.equal(pool.swa_kv_pool.v_buffer[i][swa], -_kv_of(toks[:n], layer)[lo:])
+
+
+def _alloc_extend(backend, alloc, prefix, n: int) -> torch.Tensor:
+    """The full ids of tokens ``[len(prefix), n)`` from SGLang's ``alloc_extend`` (an SWA page paired with
+    each full page), evicting through SGLang's ``evict_to_free_tokens`` when a pool is short."""
+    p = prefix.numel()
+    one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    args = (one(p), one(p), one(n), one(n), one(int(prefix[-1]) if p else -1), n - p)
+    out = alloc.alloc_extend(*args)
+    if out is None:
+        alloc.evict_to_free_tokens(backend, -(-(n - p) // PAGE) * PAGE)
+        out = alloc.alloc_extend(*args)
+    assert out is not None, "no room after eviction"
+    return out.to(torch.int64)
+
+
+def _serve_swa(backend, rows, alloc, pool, rid: str, toks: list[int], prompt_len: int, shield: bool = False) -> int:
+    """One request of an SWA hybrid in the scheduler's order: match, lock, alloc, chunked prefill of
+    ``prompt_len`` tokens with a checkpoint after each chunk, decode of the rest one token a step with
+    SGLang's sliding-window frees (``evict_sliding_windows``), finish (``release_kv_cache``). ``shield``:
+    SGLang's prefill-aware SWA (``req.kv.swa_evict_floor`` at the prefill's end: decode frees nothing
+    below it). Returns the prefix it resumed at."""
+    req = schedule_batch.Req(rid, "", array("q", toks), sampling_params.SamplingParams(max_new_tokens=1))
+    req.init_next_round_input(backend)
+    assert req.host_hit_length == 0 and req.swa_host_hit_length == 0  # no T2
+    _check_swa_prefix(backend, pool, alloc, req, toks)
+    req.lock = backend.lock(req.last_node)
+    assert rows.alloc([req]) is not None
+    start = resumed = int(req.prefix_len)
+    prefix = backend.prefix_device_indices(req)
+    row = torch.cat([prefix, _alloc_extend(backend, alloc, prefix, len(toks))])
+    rows.write((req.kv.req_pool_idx, slice(0, len(toks))), row.to(torch.int32))
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = len(toks)
+    while start < prompt_len:  # chunked prefill
+        end = min(start + CHUNK, prompt_len)
+        _write_swa(pool, alloc, row, toks, start, end)
+        backend.checkpoint(req, up_to=end)
+        req.prefix_len = start = end
+    if shield:
+        req.kv.swa_evict_floor = prompt_len
+    for pos in range(start, len(toks)):  # decode: SGLang frees what slid out of the window
+        _write_swa(pool, alloc, row, toks, pos, pos + 1)
+        backend.evict_sliding_windows(req, pos + 1)
+    req.finished_reason = schedule_batch.FINISH_LENGTH(length=1)
+    common.release_kv_cache(req, backend, checkpoint=True)
+    assert req.kv.req_pool_idx is None
+    return resumed
+
+
+def _check_swa_mapping(backend, alloc) -> tuple[int, int]:
+    """With no request running: SGLang's mapping is exactly the tree's (each cached full id maps to its
+    node's SWA id, a tombstone's to 0, no other full id to anything); every allocated page of either
+    pool is the tree's. Returns (full tokens, SWA tokens) the tree holds."""
+    m = alloc.full_to_swa_index_mapping
+    want = torch.zeros_like(m[:-1])
+    full = swa = 0
+    stack = list(backend.root_node.children.values())
+    while stack:
+        x = stack.pop()
+        stack.extend(x.children.values())
+        full += x.value.numel()
+        if x.payload.swa_value is not None:
+            want[x.value] = x.payload.swa_value
+            swa += x.value.numel()
+    assert torch.equal(m[:-1], want), "SGLang's full-to-SWA mapping differs from the tree's SWA ids"
+    assert alloc.full_available_size() + full == TOKENS
+    assert alloc.swa_available_size() + swa == alloc.size_swa
+    return full, swa

@@ -197,8 +197,8 @@ def _ctx(**kw):
 
 @pytest.mark.parametrize("kw, arg", [
     ({"tp_size": 2}, "ctx.tp_group"),  # TP without a group to agree over
-    ({"is_hybrid_ssm": False, "is_hybrid_swa": True}, "ctx.is_hybrid_swa"),
-    ({"is_hybrid_ssm": False}, "ctx.is_hybrid_ssm"),
+    ({"is_hybrid_swa": True}, "ctx.is_hybrid_ssm"),  # SWA + mamba
+    ({"is_hybrid_ssm": False}, "ctx.is_hybrid_ssm"),  # neither
     ({"disable_radix_cache": True}, "ctx.disable_radix_cache"),
 ])
 def test_factory_refuses_what_it_cannot_run_with_a_typed_error(kw, arg):

@@ -11,11 +11,15 @@
 - ``t0.py``: ``SGLangKVSide`` (SGLang's paged allocator + MHA KV pool: ids, room, and per-layer page rows
   for the T2 moves), ``SGLangStateSide`` (SGLang's mamba pool + slot allocator: a whole ``StateSide``),
   ``SGLangT0``.
+- ``t0_swa.py``: ``SGLangSWASide`` and ``SGLangSWAT0``: an SWA hybrid's full and SWA halves of SGLang's
+  ``SWATokenToKVPoolAllocator``, the tree's SWA ids kept what SGLang's full-to-SWA mapping says.
 
 Built: the factory builds T1, T2 (``host_kv_pages`` / ``host_states``; KV pages gathered from and
 scattered into SGLang's per-layer buffers), T3 and the tree over SGLang's own pools (``SGLangT0``, no
-second T0) through ``TieredCache.build_on``. Not built: the extra mamba buffer and SGLang's int8
-checkpoint pool (refused), SWA hybrids, tensor parallelism (``docs/sglang.md``, "Left").
+second T0) through ``TieredCache.build_on``; for an SWA hybrid (full + sliding-window layers) a
+``HiSWARadixCache`` over SGLang's SWA allocator (``SGLangSWAT0``), device tier only. Not built: the extra
+mamba buffer and SGLang's int8 checkpoint pool (refused); for SWA hybrids T2 and T3, SWA + mamba, TP,
+SGLang's per-request SWA ring and all-SWA allocator (refused; ``docs/sglang.md``, "Left").
 """
 
 from __future__ import annotations
@@ -40,10 +44,15 @@ def check_context(ctx: Any) -> BackendConfig:
         # every rank must make the same tree decisions: they agree over the TP group's gloo group
         raise InvalidArgumentError("ctx.tp_group", "SGLang's GroupCoordinator of the TP ranks (with its cpu_group)",
                                    ctx.tp_group)
-    if ctx.is_hybrid_swa and not ctx.is_hybrid_ssm:
-        raise InvalidArgumentError("ctx.is_hybrid_swa", "False (the SWA backend is not built yet)", True)
-    if not ctx.is_hybrid_ssm:
-        raise InvalidArgumentError("ctx.is_hybrid_ssm", "True (a hybrid model with recurrent states)", False)
+    if ctx.is_hybrid_swa and ctx.is_hybrid_ssm:
+        raise InvalidArgumentError("ctx.is_hybrid_ssm", "False with is_hybrid_swa (SWA + mamba is not built yet)",
+                                   True)
+    if ctx.is_hybrid_swa and int(ctx.tp_size) > 1:
+        raise InvalidArgumentError("ctx.tp_size", "1 for an SWA hybrid (its TP agreement is not built yet)",
+                                   ctx.tp_size)
+    if not ctx.is_hybrid_ssm and not ctx.is_hybrid_swa:
+        raise InvalidArgumentError("ctx.is_hybrid_ssm", "True (a hybrid model with recurrent states or SWA layers)",
+                                   False)
     if ctx.disable_radix_cache:
         raise InvalidArgumentError("ctx.disable_radix_cache", "False (a disabled cache needs no backend)", True)
     return parse_backend_config(os.environ.get(CONFIG_ENV), CONFIG_ENV)
@@ -59,6 +68,8 @@ def factory(ctx: Any) -> TieredRadixCache:
 
     conf = check_context(ctx)
     params = ctx.params
+    if ctx.is_hybrid_swa:
+        return swa_factory(params, conf)
     if getattr(params, "enable_mamba_extra_buffer", False):
         raise InvalidArgumentError("ctx.params.enable_mamba_extra_buffer",
                                    "False (the ping-pong track buffers are not read yet)", True)
@@ -86,6 +97,41 @@ def factory(ctx: Any) -> TieredRadixCache:
     stack = TieredCache.build_on(cfg, SGLangT0(kv, states), model_id=conf.model_id, tp=tp)
     return TieredRadixCache(stack.tree, req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
                             page_size=kv.page_size, disable=bool(params.disable), stack=stack)
+
+
+def swa_factory(params: Any, conf: BackendConfig) -> TieredRadixCache:
+    """``factory`` for an SWA hybrid: a ``HiSWARadixCache`` over SGLang's ``SWATokenToKVPoolAllocator``
+    (``SGLangSWAT0``), its window SGLang's retain window; T2 and T3 refused (typed errors naming the key)."""
+    from tiered_cache.integrations.sglang.t0_swa import SGLangSWAT0
+    from tiered_cache.stack import TieredCache
+
+    allocator = params.token_to_kv_pool_allocator
+    if not hasattr(allocator, "full_to_swa_index_mapping") or not hasattr(allocator, "full_attn_allocator"):
+        raise InvalidTypeError("ctx.params.token_to_kv_pool_allocator", "SGLang's SWATokenToKVPoolAllocator",
+                               type(allocator).__name__)
+    if allocator.full_attn_allocator is allocator.swa_attn_allocator or getattr(allocator, "swa_req_ring", False):
+        raise InvalidArgumentError("ctx.params.token_to_kv_pool_allocator",
+                                   "separate paged full and SWA pools (not the all-SWA allocator or the per-request "
+                                   "SWA ring)", type(allocator).__name__)
+    window = params.swa_retain_window
+    if window is None:
+        raise InvalidArgumentError("ctx.params.sliding_window_size", "the model's window (an int >= 1)", None)
+    for key in ("host_kv_pages", "host_swa_pages", "storage_url"):
+        if conf.tiers.get(key):
+            raise InvalidArgumentError(key, "unset for an SWA hybrid (its T2 and T3 are not built yet)",
+                                       conf.tiers[key])
+    t0 = SGLangSWAT0(allocator, window)
+    kv = t0.side("full")
+    if int(params.page_size) != kv.page_size:
+        raise InvalidArgumentError("ctx.params.page_size", f"the KV allocator's page size {kv.page_size}",
+                                   params.page_size)
+    cfg = conf.cache_config(page_size=kv.page_size, kv_pages=kv.capacity - 1, t0_states=1)
+    stack = TieredCache.build_on(cfg, t0, state_side="swa", model_id=conf.model_id)
+    return TieredRadixCache(stack.tree, req_to_token_pool=params.req_to_token_pool,
+                            token_to_kv_pool_allocator=allocator, page_size=kv.page_size,
+                            disable=bool(params.disable), stack=stack,
+                            sliding_window_size=params.sliding_window_size,
+                            draft_swa_window=int(params.draft_swa_window))
 
 
 def register() -> None:

@@ -86,10 +86,14 @@ class TieredRadixCache(B.BasePrefixCache):
         page_size: tokens per KV page; must be the tree's.
         disable: SGLang's ``--disable-radix-cache``.
         stack: the ``TieredCache`` that owns ``tree`` (``factory`` passes it; ``close()`` closes it).
+        sliding_window_size, draft_swa_window: an SWA hybrid's (``tree`` a ``HiSWARadixCache``, the
+            allocator SGLang's ``SWATokenToKVPoolAllocator``): SGLang reads them off the cache to know
+            which SWA KV a running request may free; None for a model without SWA layers.
     """
 
     def __init__(self, tree: Any, *, req_to_token_pool: Any, token_to_kv_pool_allocator: Any,
-                 page_size: int, disable: bool = False, stack: Any = None) -> None:
+                 page_size: int, disable: bool = False, stack: Any = None,
+                 sliding_window_size: Optional[int] = None, draft_swa_window: int = 0) -> None:
         if not hasattr(tree, "match_prefix") or not hasattr(tree, "tree"):
             raise InvalidTypeError("tree", "a radix cache of tiered_cache.radix", type(tree).__name__)
         if page_size != tree.page_size:
@@ -102,6 +106,11 @@ class TieredRadixCache(B.BasePrefixCache):
         self.page_size = page_size
         self.disable = disable
         self.stack = stack
+        self.sliding_window_size = sliding_window_size
+        self.draft_swa_window = draft_swa_window
+        # SGLang's full id -> SWA id of each token (0: its SWA KV freed), for an SWA hybrid
+        self.swa_mapping: Optional[torch.Tensor] = (
+            None if sliding_window_size is None else token_to_kv_pool_allocator.full_to_swa_index_mapping)
 
     def close(self) -> None:
         """Close the stack the factory built (T3's workers and backend); idempotent."""
@@ -170,15 +179,18 @@ class TieredRadixCache(B.BasePrefixCache):
         prev = int(kv.cache_protected_len)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :up_to].to(torch.int64)
         slot = kv.mamba_pool_idx
+        swa: dict[str, Any] = {} if self.swa_mapping is None else self._swa_insert(row, prev)
         res = self.cache.insert(P.InsertParams(
             key=salted(toks, req.extra_key, getattr(req, "cache_salt", None)),
             value=row, mamba_value=None if slot is None else slot.reshape(1),
-            prev_prefix_len=prev, priority=int(req.priority or 0)))
+            prev_prefix_len=prev, priority=int(req.priority or 0), **swa))
         kv.cache_inserted_len = max(int(getattr(kv, "cache_inserted_len", 0)), res.cached_len)
         if res.cached_len <= prev:
             return
         node = res.last_device_node
         ids = self.cache.tree.path_values(node)
+        if self.swa_mapping is not None:
+            self._swa_remap(node, row[prev:ids.numel()], ids[prev:])
         self.req_to_token_pool.write((kv.req_pool_idx, slice(prev, ids.numel())),
                                      ids[prev:].to(self.req_to_token_pool.req_to_token.dtype))
         old = req.lock
@@ -186,6 +198,38 @@ class TieredRadixCache(B.BasePrefixCache):
         self.unlock(old)
         req.last_node = node
         kv.cache_protected_len = int(ids.numel())
+
+    def _swa_insert(self, row: torch.Tensor, prev: int) -> dict[str, Any]:
+        """The SWA fields of an SWA hybrid's insert, read off SGLang's mapping: ``swa_value`` (each token's
+        SWA id) and ``swa_evicted_seqlen`` (where the request's trailing run of live SWA pages starts).
+        The tree takes one cut (SWA KV gone before it, present after): a live page of the request's below
+        a page SGLang freed (its prefill's shield, ``swa_evict_floor``) lies outside every window the
+        tree keeps, so it is freed here, through SGLang, before the tree caches it as a tombstone."""
+        ps, m = self.page_size, self.swa_mapping
+        assert m is not None
+        swa = m[row]
+        n = row.numel() // ps * ps
+        live = swa[prev:n:ps] > 0
+        dead = torch.nonzero(~live).reshape(-1)
+        cut = prev if dead.numel() == 0 else prev + (int(dead[-1]) + 1) * ps
+        stale = torch.nonzero(live[:(cut - prev) // ps]).reshape(-1)
+        if stale.numel():
+            toks = (prev + stale[:, None] * ps + torch.arange(ps, device=stale.device)[None, :]).reshape(-1)
+            self.token_to_kv_pool_allocator.free_swa(row[toks])
+            swa = m[row]
+        return {"swa_value": swa, "swa_evicted_seqlen": cut}
+
+    def _swa_remap(self, node: Any, old: torch.Tensor, new: torch.Tensor) -> None:
+        """After an insert, SGLang's mapping says what the tree holds: each cached full id maps to its
+        node's SWA id (0 under a tombstone; a tombstone that took the request's SWA KV keeps its own full
+        ids), and the request's full ids the tree freed as duplicates map to nothing."""
+        m, x = self.swa_mapping, node
+        assert m is not None
+        m[old[old != new]] = 0
+        while x is not self.cache.root:
+            s = x.payload.swa_value
+            m[x.value] = 0 if s is None else s.to(m.dtype)
+            x = x.parent
 
     def evict(self, params: B.EvictParams) -> B.EvictResult:
         # SGLang's mamba_num asks for free slots of its mamba pool; the tree holds none there (its states
@@ -245,6 +289,12 @@ class TieredRadixCache(B.BasePrefixCache):
 
     def supports_mamba(self) -> bool:
         return bool(self.cache.supports_mamba())
+
+    def supports_swa(self) -> bool:
+        return self.swa_mapping is not None
+
+    def swa_evictable_size(self) -> int:
+        return self.cache.swa_evictable_size() if self.swa_mapping is not None else 0
 
     def supports_prefix_sharing(self) -> bool:
         return not self.disable

@@ -1,0 +1,159 @@
+"""The backend for an SWA hybrid (full-attention + sliding-window layers) over SGLang 0.5.23's real SWA
+pools on CPU (``SWATokenToKVPoolAllocator`` over an ``SWAKVPool``), built through SGLang's registry and
+driven in its scheduler's order, with SGLang's own sliding-window frees during decode: resumed prefixes
+hold the exact full KV and the exact SWA KV of their window, SGLang's full-to-SWA mapping stays the
+tree's, nothing leaks, and what is not built is a typed error."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+
+from tests.support.sglang_util import (
+    PAGE,
+    SWA_TOKENS,
+    TOKENS,
+    WINDOW,
+    _build,
+    _build_swa,
+    _check_swa_mapping,
+    _pools,
+    _serve_swa,
+    _swa_pools,
+    backend_pkg,
+)
+from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.integrations.sglang.backend import TieredRadixCache
+
+B = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
+
+A = [random.Random(1).randrange(1, 1000) for _ in range(100)]
+
+
+def _drain(backend, alloc):
+    """Evict everything: both pools back to their free counts, the mapping all 0."""
+    backend.evict(B.EvictParams(num_tokens=TOKENS, swa_num_tokens=alloc.size_swa))
+    assert alloc.full_available_size() == TOKENS and alloc.swa_available_size() == alloc.size_swa
+    assert not bool((alloc.full_to_swa_index_mapping[:-1] != 0).any())
+    backend.check_invariants()
+
+
+@pytest.mark.parametrize("shield", [False, True])
+def test_multi_turn_resumes_with_the_exact_swa_window(monkeypatch, shield):
+    """``shield``: SGLang's prefill-aware SWA keeps the page [32, 48) of turn 1's prompt live below pages
+    it freed; the backend frees it when the tree caches the span as a tombstone (the same tree results)."""
+    rows, alloc, pool = _swa_pools()
+    backend = _build_swa(monkeypatch, rows, alloc)
+    assert backend.supports_swa() and not backend.supports_mamba() and backend.swa_retain_window == WINDOW
+    # turn 1: a 40-token prompt (checkpoints at 32 and 40) and 60 decode steps, SGLang freeing the SWA KV
+    # that slid out of the window above the tree's prefix: [32, 64) is cached as an SWA tombstone
+    assert _serve_swa(backend, rows, alloc, pool, "t1", A, 40, shield) == 0
+    assert _check_swa_mapping(backend, alloc) == (96, 64)  # full KV of [0, 96), SWA KV of [0, 32) + [64, 96)
+    backend.check_invariants()
+    # turn 2: the conversation goes on; it resumes at the last whole page, its window [72, 96) on the device
+    assert _serve_swa(backend, rows, alloc, pool, "t2", A + [7] * 30, 130) == 96
+    _check_swa_mapping(backend, alloc)
+    # a request sharing 70 tokens cannot resume at 64: the window before 64 was freed (tombstone); it
+    # resumes at 32 and its prefill puts SWA KV back under the tombstone, the tree keeping its full ids
+    full, swa = _check_swa_mapping(backend, alloc)
+    assert _serve_swa(backend, rows, alloc, pool, "t3", A[:70] + [3] * 20, 90) == 32
+    assert _check_swa_mapping(backend, alloc) == (full + 16, swa + 32 + 16)  # [32, 64) and t3's own page
+    # ... so now 64 is a resume point, its window read through SGLang's mapping exact
+    assert _serve_swa(backend, rows, alloc, pool, "t4", A[:64] + [5] * 20, 84) == 64
+    _check_swa_mapping(backend, alloc)
+    backend.check_invariants()
+    _drain(backend, alloc)
+    backend.close()
+
+
+def test_without_the_remap_the_mapping_and_the_resumed_window_go_wrong(monkeypatch):
+    """Control: the same turns with the backend's remap after an insert left out: a tombstone that takes
+    the request's SWA KV keeps its own full ids, which SGLang's mapping then does not pair with it."""
+    rows, alloc, pool = _swa_pools()
+    backend = _build_swa(monkeypatch, rows, alloc)
+    monkeypatch.setattr(TieredRadixCache, "_swa_remap", lambda self, node, old, new: None)
+    _serve_swa(backend, rows, alloc, pool, "t1", A, 40)
+    _serve_swa(backend, rows, alloc, pool, "t3", A[:70] + [3] * 20, 90)
+    with pytest.raises(AssertionError):
+        _check_swa_mapping(backend, alloc)
+    with pytest.raises(AssertionError):
+        _serve_swa(backend, rows, alloc, pool, "t4", A[:64] + [5] * 20, 84)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, seed):
+    """Conversations that go on, branch and start afresh, over an SWA pool of 10 pages (a request takes
+    up to 9): SGLang's allocator evicts through the backend (SWA tombstones, leaves dropped) on every
+    few requests. After each: the resumed prefix exact (``_serve_swa``), the mapping the tree's, the
+    tree's invariants; at the end both pools back to their free counts."""
+    rng = random.Random(seed)
+    rows, alloc, pool = _swa_pools(10 * PAGE)
+    backend = _build_swa(monkeypatch, rows, alloc)
+    convs: list[list[int]] = []
+    evictions = []
+    evict = backend.evict
+    backend.evict = lambda params: evictions.append(evict(params)) or evictions[-1]  # SGLang's calls, counted
+    for i in range(14):
+        pick = rng.random()
+        if convs and pick < 0.5:  # the conversation goes on
+            c = rng.choice(convs)
+            toks = c + [rng.randrange(1, 1000) for _ in range(rng.randrange(8, 40))]
+        elif convs and pick < 0.75:  # a branch off a cached conversation
+            c = rng.choice(convs)
+            toks = c[:rng.randrange(1, len(c))] + [rng.randrange(1, 1000) for _ in range(rng.randrange(8, 40))]
+        else:
+            toks = [rng.randrange(1, 1000) for _ in range(rng.randrange(20, 60))]
+        toks = toks[:140]
+        _serve_swa(backend, rows, alloc, pool, f"r{i}", toks, max(1, len(toks) - rng.randrange(0, 60)))
+        convs.append(toks)
+        _check_swa_mapping(backend, alloc)
+        backend.check_invariants()
+    assert sum(r.swa_num_tokens_evicted for r in evictions) > 0  # the SWA pool was short
+    _drain(backend, alloc)
+    backend.close()
+
+
+def test_swa_eviction_tombstones_through_sglangs_allocator(monkeypatch):
+    """``evict(swa_num_tokens=)`` frees SWA pages through SGLang's SWA allocator and unmaps their full ids;
+    the full KV stays cached (a longer match still uses it) and a leaf goes whole."""
+    rows, alloc, pool = _swa_pools()
+    backend = _build_swa(monkeypatch, rows, alloc)
+    _serve_swa(backend, rows, alloc, pool, "t1", A[:64], 64)  # two nodes: [0, 32) and [32, 64)
+    full, swa = _check_swa_mapping(backend, alloc)
+    assert (full, swa) == (64, 64) and backend.swa_evictable_size() == 64
+    r = backend.evict(B.EvictParams(num_tokens=0, swa_num_tokens=PAGE))
+    assert r.swa_num_tokens_evicted >= PAGE
+    full2, swa2 = _check_swa_mapping(backend, alloc)
+    assert swa2 == swa - r.swa_num_tokens_evicted and alloc.swa_available_size() == SWA_TOKENS - swa2
+    backend.check_invariants()
+    _drain(backend, alloc)
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_swa_refusals_are_typed_errors_naming_the_field(monkeypatch):
+    rows, alloc, _ = _swa_pools()
+    for config, key in (({"host_kv_pages": 8}, "host_kv_pages"), ({"host_swa_pages": 8}, "host_swa_pages"),
+                        ({"storage_url": "file:///tmp/x", "model_id": "m"}, "storage_url")):
+        with pytest.raises(InvalidArgumentError) as e:
+            _build_swa(monkeypatch, rows, alloc, config)
+        assert e.value.arg == key
+    with pytest.raises(InvalidArgumentError) as e:  # SWA + mamba
+        _build(monkeypatch, rows, alloc, {}, {"sliding_window_size": WINDOW}, is_hybrid_swa=True, is_hybrid_ssm=True)
+    assert e.value.arg == "ctx.is_hybrid_ssm"
+    group = types.SimpleNamespace(cpu_group=object())
+    with pytest.raises(InvalidArgumentError) as e:
+        _build(monkeypatch, rows, alloc, {}, {"sliding_window_size": WINDOW}, is_hybrid_swa=True, is_hybrid_ssm=False,
+               tp_size=2, tp_group=group)
+    assert e.value.arg == "ctx.tp_size"
+    with pytest.raises(InvalidArgumentError) as e:  # no window
+        _build(monkeypatch, rows, alloc, {}, {}, is_hybrid_swa=True, is_hybrid_ssm=False)
+    assert e.value.arg == "ctx.params.sliding_window_size"
+    prows, palloc, _ = _pools()
+    with pytest.raises(InvalidTypeError) as e:  # a plain paged allocator
+        _build(monkeypatch, prows, palloc, {}, {"sliding_window_size": WINDOW}, is_hybrid_swa=True,
+               is_hybrid_ssm=False)
+    assert e.value.arg == "ctx.params.token_to_kv_pool_allocator"
+    assert alloc.full_available_size() == TOKENS and alloc.swa_available_size() == SWA_TOKENS
+    assert backend_pkg.BACKEND_NAME
