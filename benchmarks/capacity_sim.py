@@ -1,13 +1,14 @@
 """The capacity simulation's core: one configuration's real cache structures driven by a request trace.
 
 ``simulate(trace, gpu_bytes=, host_bytes=, config_name=)`` builds a ``TieredCache`` (the radix tree over
-a real ``UnifiedPool`` (T0), ``Int8CheckpointPool`` (T1) and ``HostMirror`` + ``TransferEngine`` (T2))
-whose slot COUNTS come from byte budgets of Qwen3-Next-80B (KV: 12 full layers x 2 heads x 256, bf16;
-state: 36 linear layers x [32, 128, 128] fp32 + a bf16 conv window; T1 / T2 states int8 or lossless as
-the configuration says), split as ``workload_common.split_budget`` splits the GPU budget for the engine
-benchmark. The slots themselves are tiny byte-sized stand-ins (their T0 KV : state byte ratio kept, so
-the two sides of T0 trade bytes at the real rate). One sim token is one KV page of ``page`` real tokens
-(page_size 1 in the tree; checkpoints on page boundaries, as the engine places them).
+a real ``UnifiedPool`` (T0), ``Int8CheckpointPool`` (T1) and ``HostMirror`` + ``TransferEngine`` (T2);
+in the model mode, below, its model) whose slot COUNTS come from byte budgets of Qwen3-Next-80B (KV: 12
+full layers x 2 heads x 256, bf16; state: 36 linear layers x [32, 128, 128] fp32 + a bf16 conv window;
+T1 / T2 states int8 or lossless as the configuration says), split as ``workload_common.split_budget``
+splits the GPU budget for the engine benchmark. The slots themselves are tiny byte-sized stand-ins
+(their T0 KV : state byte ratio kept, so the two sides of T0 trade bytes at the real rate). One sim
+token is one KV page of ``page`` real tokens (page_size 1 in the tree; checkpoints on page boundaries,
+as the engine places them).
 
 Each request does what the reference engine does with the cache, minus the compute (``serve``, which
 bench_policy.py can call too): ``match_prefix`` (cow_mamba), ``init_load_back`` of a host hit, lock, a
@@ -22,7 +23,7 @@ a copier that copies nothing); ``model`` (the default) runs ``capacity_model.Tre
 flows ported to flags and counts at block granularity (byte accounting, instant tickets), the same
 ``CountingLRUPolicy`` fed the same touches. Every decision is the same in all three, so the hits are
 (tests/bench/test_capacity_sim.py checks it on traces that evict in every tier); the model serves
-10^6 Mooncake requests in minutes where the real tree takes hours. The model knows what this
+10^6 Mooncake requests in ~7 minutes of one core where the real tree takes hours. The model knows what this
 simulation uses (LRU, chunk admission, write-through, no T3): other ``cache_overrides`` need ``fast``.
 
 A trace is any iterable of ``SimRequest`` (prompt and answer in sim tokens, and the prompt's real token
