@@ -23,6 +23,7 @@ common = pytest.importorskip("sglang.srt.mem_cache.common")
 mamba_utils = pytest.importorskip("sglang.srt.configs.mamba_utils")
 schedule_batch = pytest.importorskip("sglang.srt.managers.schedule_batch")
 sampling_params = pytest.importorskip("sglang.srt.sampling.sampling_params")
+B = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
 
 from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402
 
@@ -178,17 +179,17 @@ def _serve(backend, rows, alloc, kv_pool, rid: str, toks: list[int]) -> int:
 SWA_TOKENS, WINDOW, FULL_LAYERS, SWA_LAYERS = 256, 24, [0], [1, 2]
 
 
-def _swa_pools(size_swa: int = SWA_TOKENS):
+def _swa_pools(size_swa: int = SWA_TOKENS, size: int = TOKENS):
     """SGLang's pools of an SWA hybrid on CPU: a ``ReqToTokenPool``, the ``SWATokenToKVPoolAllocator``
     (a paged full allocator and a paged SWA allocator, the full-to-SWA mapping) and its ``SWAKVPool``
     (one full-attention layer, two sliding-window layers)."""
     swa_pool_mod = pytest.importorskip("sglang.srt.mem_cache.swa_memory_pool")
     swa_alloc_mod = pytest.importorskip("sglang.srt.mem_cache.allocator.swa")
-    pool = swa_pool_mod.SWAKVPool(size=TOKENS, size_swa=size_swa, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
+    pool = swa_pool_mod.SWAKVPool(size=size, size_swa=size_swa, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
                                   head_dim=DIM, swa_attention_layer_ids=SWA_LAYERS,
                                   full_attention_layer_ids=FULL_LAYERS, device="cpu", enable_memory_saver=False)
     pool.test_rank, pool.test_tp = 0, 1
-    alloc = swa_alloc_mod.SWATokenToKVPoolAllocator(TOKENS, size_swa, PAGE, torch.float32, "cpu", pool,
+    alloc = swa_alloc_mod.SWATokenToKVPoolAllocator(size, size_swa, PAGE, torch.float32, "cpu", pool,
                                                     need_sort=False)
     rows = memory_pool.ReqToTokenPool(size=ROWS, max_context_len=256, device="cpu", enable_memory_saver=False)
     return rows, alloc, pool
@@ -230,6 +231,15 @@ def _check_swa_prefix(backend, pool, alloc, req, toks) -> None:
         assert torch.equal(pool.swa_kv_pool.v_buffer[i][swa], -_kv_of(toks[:n], layer)[lo:])
 
 
+def _poison_free(pool, alloc) -> None:
+    """NaN into every free page of the full and the SWA pool."""
+    for sub, side in ((pool.full_kv_pool, alloc.full_attn_allocator), (pool.swa_kv_pool, alloc.swa_attn_allocator)):
+        pages = side.get_all_free_pages().to(torch.int64)
+        toks = (pages[:, None] * PAGE + torch.arange(PAGE)[None, :]).reshape(-1)
+        for buf in (*sub.k_buffer, *sub.v_buffer):
+            buf[toks] = float("nan")
+
+
 def _alloc_extend(backend, alloc, prefix, n: int) -> torch.Tensor:
     """The full ids of tokens ``[len(prefix), n)`` from SGLang's ``alloc_extend`` (an SWA page paired with
     each full page), evicting through SGLang's ``evict_to_free_tokens`` when a pool is short."""
@@ -249,10 +259,18 @@ def _serve_swa(backend, rows, alloc, pool, rid: str, toks: list[int], prompt_len
     ``prompt_len`` tokens with a checkpoint after each chunk, decode of the rest one token a step with
     SGLang's sliding-window frees (``evict_sliding_windows``), finish (``release_kv_cache``). ``shield``:
     SGLang's prefill-aware SWA (``req.kv.swa_evict_floor`` at the prefill's end: decode frees nothing
-    below it). Returns the prefix it resumed at."""
+    below it). A host hit is loaded back (``init_load_back``, as SGLang's admission does). Every free page
+    of both pools is NaN first, so a token read from anywhere but what the tree holds fails the checks.
+    Returns the prefix it resumed at (device and host)."""
+    _poison_free(pool, alloc)
     req = schedule_batch.Req(rid, "", array("q", toks), sampling_params.SamplingParams(max_new_tokens=1))
     req.init_next_round_input(backend)
-    assert req.host_hit_length == 0 and req.swa_host_hit_length == 0  # no T2
+    if req.host_hit_length:
+        got, req.last_node = backend.init_load_back(B.InitLoadBackParams(req.best_match_node, req.host_hit_length,
+                                                                         req=req))
+        assert got == req.host_hit_length
+        req.prefix_len += got
+        req.kv.cache_protected_len = req.prefix_len
     _check_swa_prefix(backend, pool, alloc, req, toks)
     req.lock = backend.lock(req.last_node)
     assert rows.alloc([req]) is not None
@@ -274,13 +292,15 @@ def _serve_swa(backend, rows, alloc, pool, rid: str, toks: list[int], prompt_len
     req.finished_reason = schedule_batch.FINISH_LENGTH(length=1)
     common.release_kv_cache(req, backend, checkpoint=True)
     assert req.kv.req_pool_idx is None
+    backend.check_hicache_events()  # backups to T2 land
     return resumed
 
 
 def _check_swa_mapping(backend, alloc) -> tuple[int, int]:
     """With no request running: SGLang's mapping is exactly the tree's (each cached full id maps to its
     node's SWA id, a tombstone's to 0, no other full id to anything); every allocated page of either
-    pool is the tree's. Returns (full tokens, SWA tokens) the tree holds."""
+    pool is the tree's, and SGLang's leak check (free + evictable = capacity) holds. Returns (full
+    tokens, SWA tokens) the tree holds on the device."""
     m = alloc.full_to_swa_index_mapping
     want = torch.zeros_like(m[:-1])
     full = swa = 0
@@ -288,11 +308,16 @@ def _check_swa_mapping(backend, alloc) -> tuple[int, int]:
     while stack:
         x = stack.pop()
         stack.extend(x.children.values())
+        if x.value is None:  # on the host only
+            assert x.payload.swa_value is None
+            continue
         full += x.value.numel()
         if x.payload.swa_value is not None:
             want[x.value] = x.payload.swa_value
             swa += x.value.numel()
     assert torch.equal(m[:-1], want), "SGLang's full-to-SWA mapping differs from the tree's SWA ids"
-    assert alloc.full_available_size() + full == TOKENS
+    assert alloc.full_available_size() + full == alloc.size_full
+    assert alloc.full_available_size() + backend.full_evictable_size() == alloc.size_full  # SGLang's leak check
+    assert alloc.swa_available_size() + backend.swa_evictable_size() == alloc.size_swa
     assert alloc.swa_available_size() + swa == alloc.size_swa
     return full, swa

@@ -34,8 +34,8 @@ A = [random.Random(1).randrange(1, 1000) for _ in range(100)]
 
 def _drain(backend, alloc):
     """Evict everything: both pools back to their free counts, the mapping all 0."""
-    backend.evict(B.EvictParams(num_tokens=TOKENS, swa_num_tokens=alloc.size_swa))
-    assert alloc.full_available_size() == TOKENS and alloc.swa_available_size() == alloc.size_swa
+    backend.evict(B.EvictParams(num_tokens=alloc.size_full, swa_num_tokens=alloc.size_swa))
+    assert alloc.full_available_size() == alloc.size_full and alloc.swa_available_size() == alloc.size_swa
     assert not bool((alloc.full_to_swa_index_mapping[:-1] != 0).any())
     backend.check_invariants()
 
@@ -82,15 +82,18 @@ def test_without_the_remap_the_mapping_and_the_resumed_window_go_wrong(monkeypat
         _serve_swa(backend, rows, alloc, pool, "t4", A[:64] + [5] * 20, 84)
 
 
+@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, seed):
-    """Conversations that go on, branch and start afresh, over an SWA pool of 10 pages (a request takes
-    up to 9): SGLang's allocator evicts through the backend (SWA tombstones, leaves dropped) on every
-    few requests. After each: the resumed prefix exact (``_serve_swa``), the mapping the tree's, the
-    tree's invariants; at the end both pools back to their free counts."""
+def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, seed, host):
+    """Conversations that go on, branch and start afresh (a request takes up to 9 pages): SGLang's
+    allocator evicts through the backend every few requests. Without ``host``, over an SWA pool of 10
+    pages (SWA tombstones, leaves dropped); with it, a full pool of 12 and T2 (full KV demoted with its
+    SWA KV, loaded back on a host hit). After each request: the resumed prefix exact with every free
+    page NaN (``_serve_swa``), the mapping the tree's, the tree's invariants; at the end both pools back
+    to their free counts."""
     rng = random.Random(seed)
-    rows, alloc, pool = _swa_pools(10 * PAGE)
-    backend = _build_swa(monkeypatch, rows, alloc)
+    rows, alloc, pool = _swa_pools(24 * PAGE, 12 * PAGE) if host else _swa_pools(10 * PAGE, 14 * PAGE)
+    backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": 64} if host else {})
     convs: list[list[int]] = []
     evictions = []
     evict = backend.evict
@@ -110,7 +113,10 @@ def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, see
         convs.append(toks)
         _check_swa_mapping(backend, alloc)
         backend.check_invariants()
-    assert sum(r.swa_num_tokens_evicted for r in evictions) > 0  # the SWA pool was short
+    if host:  # T2 in use (host hits themselves: seeds 0-2 here, and the T2 test below)
+        assert backend.cache.stats["backups"] > 0 and sum(r.num_tokens_evicted for r in evictions) > 0
+    else:  # the SWA pool was short
+        assert sum(r.swa_num_tokens_evicted for r in evictions) > 0
     _drain(backend, alloc)
     backend.close()
 
@@ -131,14 +137,45 @@ def test_swa_eviction_tombstones_through_sglangs_allocator(monkeypatch):
     _drain(backend, alloc)
 
 
+def test_t2_demotes_and_loads_back_the_swa_window(monkeypatch):
+    """T2 (``host_kv_pages``): a conversation written through to the host, evicted from the device
+    (its full and SWA pages given back to SGLang, their mapping cleared), then resumed: the match is a
+    host hit, ``init_load_back`` loads the full pages and the SWA pages of the nodes that had them
+    (a tombstone comes back full KV only) into fresh pages of SGLang's pools, sets SGLang's mapping for
+    them, and the resumed prefix and its window are exact with every free page NaN."""
+    rows, alloc, pool = _swa_pools()
+    backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": 32})
+    _serve_swa(backend, rows, alloc, pool, "t1", A, 40)  # [0, 32) SWA, [32, 64) tombstone, [64, 96) SWA
+    assert backend.cache.stats["backups"] > 0
+    backend.evict(B.EvictParams(num_tokens=TOKENS))  # to the host: nothing of it on the device
+    assert alloc.full_available_size() == TOKENS and alloc.swa_available_size() == SWA_TOKENS
+    assert not bool((alloc.full_to_swa_index_mapping[:-1] != 0).any())
+    assert _serve_swa(backend, rows, alloc, pool, "t2", A + [7] * 30, 130) == 96  # a host hit of 96
+    assert backend.cache.stats["load_backs"] == 1
+    _check_swa_mapping(backend, alloc)
+    backend.check_invariants()
+    _drain(backend, alloc)
+    backend.close()
+
+
+def test_without_the_remap_after_a_load_the_loaded_window_is_not_sglangs(monkeypatch):
+    """Control: the T2 test with the backend's remap left out: the loaded full pages map to no SWA page,
+    so the window SGLang would read is not the one loaded."""
+    rows, alloc, pool = _swa_pools()
+    backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": 32})
+    _serve_swa(backend, rows, alloc, pool, "t1", A, 40)
+    backend.evict(B.EvictParams(num_tokens=TOKENS))
+    monkeypatch.setattr(TieredRadixCache, "_swa_remap", lambda self, node, old, new: None)
+    with pytest.raises(AssertionError, match="no SWA KV"):
+        _serve_swa(backend, rows, alloc, pool, "t2", A + [7] * 30, 130)
+
+
 # ----------------------------------------------------------------------------- refusals
 def test_swa_refusals_are_typed_errors_naming_the_field(monkeypatch):
     rows, alloc, _ = _swa_pools()
-    for config, key in (({"host_kv_pages": 8}, "host_kv_pages"), ({"host_swa_pages": 8}, "host_swa_pages"),
-                        ({"storage_url": "file:///tmp/x", "model_id": "m"}, "storage_url")):
-        with pytest.raises(InvalidArgumentError) as e:
-            _build_swa(monkeypatch, rows, alloc, config)
-        assert e.value.arg == key
+    with pytest.raises(InvalidArgumentError) as e:  # T3
+        _build_swa(monkeypatch, rows, alloc, {"storage_url": "file:///tmp/x", "model_id": "m"})
+    assert e.value.arg == "storage_url"
     with pytest.raises(InvalidArgumentError) as e:  # SWA + mamba
         _build(monkeypatch, rows, alloc, {}, {"sliding_window_size": WINDOW}, is_hybrid_swa=True, is_hybrid_ssm=True)
     assert e.value.arg == "ctx.is_hybrid_ssm"

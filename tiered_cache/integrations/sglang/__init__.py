@@ -17,9 +17,9 @@
 Built: the factory builds T1, T2 (``host_kv_pages`` / ``host_states``; KV pages gathered from and
 scattered into SGLang's per-layer buffers), T3 and the tree over SGLang's own pools (``SGLangT0``, no
 second T0) through ``TieredCache.build_on``; for an SWA hybrid (full + sliding-window layers) a
-``HiSWARadixCache`` over SGLang's SWA allocator (``SGLangSWAT0``), device tier only. Not built: the extra
-mamba buffer and SGLang's int8 checkpoint pool (refused); for SWA hybrids T2 and T3, SWA + mamba, TP,
-SGLang's per-request SWA ring and all-SWA allocator (refused; ``docs/sglang.md``, "Left").
+``HiSWARadixCache`` over SGLang's SWA allocator (``SGLangSWAT0``) and T2. Not built: the extra mamba
+buffer and SGLang's int8 checkpoint pool (refused); for SWA hybrids T3, SWA + mamba, TP, SGLang's
+per-request SWA ring and all-SWA allocator (refused; ``docs/sglang.md``, "Left").
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def factory(ctx: Any) -> TieredRadixCache:
 
 def swa_factory(params: Any, conf: BackendConfig) -> TieredRadixCache:
     """``factory`` for an SWA hybrid: a ``HiSWARadixCache`` over SGLang's ``SWATokenToKVPoolAllocator``
-    (``SGLangSWAT0``), its window SGLang's retain window; T2 and T3 refused (typed errors naming the key)."""
+    (``SGLangSWAT0``), its window SGLang's retain window, and T2 as the config asks; T3 refused (a typed
+    error naming the key)."""
     from tiered_cache.integrations.sglang.t0_swa import SGLangSWAT0
     from tiered_cache.stack import TieredCache
 
@@ -116,10 +117,9 @@ def swa_factory(params: Any, conf: BackendConfig) -> TieredRadixCache:
     window = params.swa_retain_window
     if window is None:
         raise InvalidArgumentError("ctx.params.sliding_window_size", "the model's window (an int >= 1)", None)
-    for key in ("host_kv_pages", "host_swa_pages", "storage_url"):
-        if conf.tiers.get(key):
-            raise InvalidArgumentError(key, "unset for an SWA hybrid (its T2 and T3 are not built yet)",
-                                       conf.tiers[key])
+    if conf.tiers.get("storage_url") is not None:
+        raise InvalidArgumentError("storage_url", "None for an SWA hybrid (its T3 is not built yet)",
+                                   conf.tiers["storage_url"])
     t0 = SGLangSWAT0(allocator, window)
     kv = t0.side("full")
     if int(params.page_size) != kv.page_size:

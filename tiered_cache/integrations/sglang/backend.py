@@ -276,6 +276,8 @@ class TieredRadixCache(B.BasePrefixCache):
         if not lb.done:
             self.cache.host_tier.settle("load")
         if lb.ok:
+            if self.swa_mapping is not None:  # the loaded full pages to the SWA pages loaded beside them
+                self._swa_remap(node, self.cache.tree.empty, self.cache.tree.empty)
             return int(ids.numel()), node
         dev = req.last_node  # SGLang's last device node, locked by its admission: its T1 state stays
         if had_slot and dev is not self.cache.root and dev.payload.mamba_value is not None:

@@ -17,9 +17,9 @@ mapping says, and an SWA tombstone's full ids map to 0. So:
   ``cache_protected_len`` only) is never the tree's, and the backend reads the request's SWA ids off the
   mapping when it inserts, so an SWA id SGLang freed is never handed to the tree.
 
-Not built: room from ``alloc`` (the tree asks the SWA side for pages only to load back from T2, and the
-factory refuses T2 for SWA models: a loaded page would need its mapping set), SGLang's per-request SWA
-ring and its all-SWA allocator (refused by the factory).
+``alloc`` gives SWA pages with no full id mapped to them: the tree asks for them only to load back from
+T2 beside the full pages, and the backend's ``init_load_back`` maps the loaded full ids to them before it
+returns. Not built: SGLang's per-request SWA ring and its all-SWA allocator (refused by the factory).
 """
 
 from __future__ import annotations
