@@ -85,7 +85,8 @@ def test_without_the_remap_the_mapping_and_the_resumed_window_go_wrong(monkeypat
 @pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, seed, host):
-    """Conversations that go on, branch and start afresh (a request takes up to 9 pages): SGLang's
+    """Conversations that go on, branch and start afresh (a request takes up to 9 pages; half of them
+    with SGLang's prefill shield): SGLang's
     allocator evicts through the backend every few requests. Without ``host``, over an SWA pool of 10
     pages (SWA tombstones, leaves dropped); with it, a full pool of 12 and T2 (full KV demoted with its
     SWA KV, loaded back on a host hit). After each request: the resumed prefix exact with every free
@@ -109,11 +110,12 @@ def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, see
         else:
             toks = [rng.randrange(1, 1000) for _ in range(rng.randrange(20, 60))]
         toks = toks[:140]
-        _serve_swa(backend, rows, alloc, pool, f"r{i}", toks, max(1, len(toks) - rng.randrange(0, 60)))
+        _serve_swa(backend, rows, alloc, pool, f"r{i}", toks, max(1, len(toks) - rng.randrange(0, 60)),
+                   shield=rng.random() < 0.5)
         convs.append(toks)
         _check_swa_mapping(backend, alloc)
         backend.check_invariants()
-    if host:  # T2 in use (host hits themselves: seeds 0-2 here, and the T2 test below)
+    if host:  # T2 in use (host hits themselves: seeds 1-3 here, and the T2 test below)
         assert backend.cache.stats["backups"] > 0 and sum(r.num_tokens_evicted for r in evictions) > 0
     else:  # the SWA pool was short
         assert sum(r.swa_num_tokens_evicted for r in evictions) > 0

@@ -180,6 +180,7 @@ class TieredRadixCache(B.BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :up_to].to(torch.int64)
         slot = kv.mamba_pool_idx
         swa: dict[str, Any] = {} if self.swa_mapping is None else self._swa_insert(row, prev)
+        stale = swa.pop("stale", None)
         res = self.cache.insert(P.InsertParams(
             key=salted(toks, req.extra_key, getattr(req, "cache_salt", None)),
             value=row, mamba_value=None if slot is None else slot.reshape(1),
@@ -190,6 +191,8 @@ class TieredRadixCache(B.BasePrefixCache):
         node = res.last_device_node
         ids = self.cache.tree.path_values(node)
         if self.swa_mapping is not None:
+            if stale is not None and bool((stale < res.cached_len).any()):  # now the tree's, as tombstones
+                self.token_to_kv_pool_allocator.free_swa(row[stale[stale < res.cached_len]])
             self._swa_remap(node, row[prev:ids.numel()], ids[prev:])
         self.req_to_token_pool.write((kv.req_pool_idx, slice(prev, ids.numel())),
                                      ids[prev:].to(self.req_to_token_pool.req_to_token.dtype))
@@ -204,7 +207,9 @@ class TieredRadixCache(B.BasePrefixCache):
         SWA id) and ``swa_evicted_seqlen`` (where the request's trailing run of live SWA pages starts).
         The tree takes one cut (SWA KV gone before it, present after): a live page of the request's below
         a page SGLang freed (its prefill's shield, ``swa_evict_floor``) lies outside every window the
-        tree keeps, so it is freed here, through SGLang, before the tree caches it as a tombstone."""
+        tree keeps; ``stale`` names its tokens, and the caller frees their SWA KV through SGLang once the
+        insert has cached them (as tombstones, or as duplicates it freed: the SWA half stays otherwise);
+        a stale page the insert did not reach stays the request's, for SGLang's ``release_kv_cache``."""
         ps, m = self.page_size, self.swa_mapping
         assert m is not None
         swa = m[row]
@@ -212,12 +217,9 @@ class TieredRadixCache(B.BasePrefixCache):
         live = swa[prev:n:ps] > 0
         dead = torch.nonzero(~live).reshape(-1)
         cut = prev if dead.numel() == 0 else prev + (int(dead[-1]) + 1) * ps
-        stale = torch.nonzero(live[:(cut - prev) // ps]).reshape(-1)
-        if stale.numel():
-            toks = (prev + stale[:, None] * ps + torch.arange(ps, device=stale.device)[None, :]).reshape(-1)
-            self.token_to_kv_pool_allocator.free_swa(row[toks])
-            swa = m[row]
-        return {"swa_value": swa, "swa_evicted_seqlen": cut}
+        pages = torch.nonzero(live[:(cut - prev) // ps]).reshape(-1)
+        stale = (prev + pages[:, None] * ps + torch.arange(ps, device=pages.device)[None, :]).reshape(-1)
+        return {"swa_value": swa, "swa_evicted_seqlen": cut, "stale": stale if stale.numel() else None}
 
     def _swa_remap(self, node: Any, old: torch.Tensor, new: torch.Tensor) -> None:
         """After an insert, SGLang's mapping says what the tree holds: each cached full id maps to its
