@@ -277,6 +277,9 @@ def _serve_swa(backend, rows, alloc, pool, rid: str, toks: list[int], prompt_len
     start = resumed = int(req.prefix_len)
     prefix = backend.prefix_device_indices(req)
     row = torch.cat([prefix, _alloc_extend(backend, alloc, prefix, len(toks))])
+    own = -(-(len(toks) - start) // PAGE) * PAGE  # the request's SWA pages, whole
+    assert (alloc.swa_available_size() + backend.swa_evictable_size() + backend.swa_protected_size() + own
+            == alloc.size_swa)  # SGLang's SWA leak check with the request running: its prefix protected
     rows.write((req.kv.req_pool_idx, slice(0, len(toks))), row.to(torch.int32))
     req.kv.kv_allocated_len = req.kv.kv_committed_len = len(toks)
     while start < prompt_len:  # chunked prefill
@@ -319,5 +322,6 @@ def _check_swa_mapping(backend, alloc) -> tuple[int, int]:
     assert alloc.full_available_size() + full == alloc.size_full
     assert alloc.full_available_size() + backend.full_evictable_size() == alloc.size_full  # SGLang's leak check
     assert alloc.swa_available_size() + backend.swa_evictable_size() == alloc.size_swa
+    assert backend.swa_protected_size() == 0
     assert alloc.swa_available_size() + swa == alloc.size_swa
     return full, swa

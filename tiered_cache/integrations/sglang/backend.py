@@ -300,6 +300,18 @@ class TieredRadixCache(B.BasePrefixCache):
     def swa_evictable_size(self) -> int:
         return self.cache.swa_evictable_size() if self.swa_mapping is not None else 0
 
+    def swa_protected_size(self) -> int:
+        """SWA KV tokens the tree holds on the device under a lock (SGLang's leak check: free + evictable +
+        protected + the requests' own = the SWA pool). One walk of the tree: SGLang asks only there."""
+        if self.swa_mapping is None:
+            return 0
+        held, todo = 0, list(self.cache.root.children.values())
+        while todo:
+            x = todo.pop()
+            todo.extend(x.children.values())
+            held += len(x.key) if x.payload.swa_value is not None else 0
+        return held - self.cache.swa_evictable_size()
+
     def supports_prefix_sharing(self) -> bool:
         return not self.disable
 
