@@ -308,7 +308,28 @@ class SGLangStateSide(_RowIds):
 
 
 
-class SGLangT0:
+class NamedSides:
+    """What a T0 over SGLang's memory shares: its sides by name (``side``) and the check that busy marks
+    sit only on allocated ids (a transfer reads or writes a live row)."""
+
+    _sides: dict[str, Any]
+
+    def side(self, name: str) -> Any:
+        if not isinstance(name, str):
+            raise InvalidTypeError("name", f"one of {sorted(self._sides)}", name)
+        if name not in self._sides:
+            raise InvalidArgumentError("name", f"one of {sorted(self._sides)}", name)
+        return self._sides[name]
+
+    def check_invariants(self) -> None:
+        """Busy marks only on allocated ids. Raises AssertionError."""
+        for name, side in self._sides.items():
+            live = set(side.live_virtual_ids())
+            busy = {i for i, n in side._busy.items() if n}
+            assert busy <= live, f"side {name!r}: busy ids that are free: {sorted(busy - live)[:8]}"
+
+
+class SGLangT0(NamedSides):
     """The two sides as the radix tree asks for them (``side(name)``, ``check_invariants()``): SGLang's
     KV memory under ``kv_name`` and its mamba memory under ``state_name``. Unlike ``UnifiedPool`` the two
     share no bytes: evicting KV frees no state slot (``sides_share_bytes`` False tells the tree so)."""
@@ -324,17 +345,3 @@ class SGLangT0:
         if kv.device != states.device:
             raise InvalidArgumentError("states", f"a side on {kv.device}", states.device)
         self._sides: dict[str, Union[SGLangKVSide, SGLangStateSide]] = {kv_name: kv, state_name: states}
-
-    def side(self, name: str) -> Any:
-        if not isinstance(name, str):
-            raise InvalidTypeError("name", f"one of {sorted(self._sides)}", name)
-        if name not in self._sides:
-            raise InvalidArgumentError("name", f"one of {sorted(self._sides)}", name)
-        return self._sides[name]
-
-    def check_invariants(self) -> None:
-        """Busy marks only on allocated ids (a transfer reads or writes a live row). Raises AssertionError."""
-        for name, side in self._sides.items():
-            live = set(side.live_virtual_ids())
-            busy = {i for i, n in side._busy.items() if n}
-            assert busy <= live, f"side {name!r}: busy ids that are free: {sorted(busy - live)[:8]}"

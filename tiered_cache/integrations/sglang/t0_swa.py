@@ -29,7 +29,7 @@ from typing import Any, Union
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
-from tiered_cache.integrations.sglang.t0 import SGLangKVSide
+from tiered_cache.integrations.sglang.t0 import NamedSides, SGLangKVSide
 from tiered_cache.specs import KVSpec
 from tiered_cache.validate import int_arg
 
@@ -60,7 +60,7 @@ class SGLangSWASide(SGLangKVSide):
         m[hit] = 0
 
 
-class SGLangSWAT0:
+class SGLangSWAT0(NamedSides):
     """The sides of an SWA hybrid as the radix tree asks for them: SGLang's full KV under ``"full"`` and
     its SWA KV under ``"swa"`` (the names ``HiSWARadixCache`` and ``TieredCache`` read). They share no
     bytes: evicting one frees nothing of the other."""
@@ -77,20 +77,10 @@ class SGLangSWAT0:
         self._sides: dict[str, Union[SGLangKVSide, SGLangSWASide]] = {"full": kv, "swa": swa}
         self.mapping = allocator.full_to_swa_index_mapping
 
-    def side(self, name: str) -> Any:
-        if not isinstance(name, str):
-            raise InvalidTypeError("name", f"one of {sorted(self._sides)}", name)
-        if name not in self._sides:
-            raise InvalidArgumentError("name", f"one of {sorted(self._sides)}", name)
-        return self._sides[name]
-
     def check_invariants(self) -> None:
         """Busy marks only on allocated pages, and no free full page mapped to an SWA id. Raises
         AssertionError."""
-        for name, side in self._sides.items():
-            live = set(side.live_virtual_ids())
-            busy = {i for i, n in side._busy.items() if n}
-            assert busy <= live, f"side {name!r}: busy pages that are free: {sorted(busy - live)[:8]}"
+        super().check_invariants()
         kv = self._sides["full"]
         m = self.mapping[:-1]
         mapped = set((torch.nonzero(m > 0).reshape(-1) // kv.page_size).tolist())
