@@ -146,6 +146,11 @@ class CacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
     @rule(toks=TOKENS, salt=SALTS)
     def insert(self, toks, salt):
+        self.insert_written(toks, salt, lambda ids, res, room: self.model_insert(toks, salt, ids, 0, res, room))
+
+    def insert_written(self, toks, salt, check, chunked: bool = False) -> None:
+        """Insert ``toks`` from fresh pages and a fresh slot holding their patterns (nothing when the
+        pools have no room), ``check(ids, result, t1_had_room)`` it, then free what the tree did not take."""
         c = self.cache
         ids = c.kv.alloc(-(-len(toks) // self.ps) * self.ps)
         slot = c.states.alloc(1)
@@ -157,8 +162,9 @@ class CacheMachine(RuleBasedStateMachine):
         write_kv(c, ids, toks, salt)
         write_state(c, slot, toks, salt)
         room = self.t1_room(toks, salt)
-        res = c.insert(InsertParams(key=RadixKey(toks, salt), value=ids[:len(toks)], mamba_value=slot))
-        self.model_insert(toks, salt, ids, 0, res, room)
+        res = c.insert(InsertParams(key=RadixKey(toks, salt), value=ids[:len(toks)], mamba_value=slot,
+                                    chunked=chunked))
+        check(ids, res, room)
         if ids[res.cached_len:].numel():
             c.kv.free(ids[res.cached_len:])
         c.states.free(slot)
