@@ -228,10 +228,14 @@ class TieredRadixCache(B.BasePrefixCache):
         m, x = self.swa_mapping, node
         assert m is not None
         m[old[old != new]] = 0
+        full, swa = [], []  # the path's ids, gathered: one indexed write, not one per node
         while x is not self.cache.root:
             s = x.payload.swa_value
-            m[x.value] = 0 if s is None else s.to(m.dtype)
+            full.append(x.value)
+            swa.append(torch.zeros_like(x.value) if s is None else s)
             x = x.parent
+        if full:
+            m[torch.cat(full)] = torch.cat(swa).to(m.dtype)
 
     def evict(self, params: B.EvictParams) -> B.EvictResult:
         # SGLang's mamba_num asks for free slots of its mamba pool; the tree holds none there (its states
