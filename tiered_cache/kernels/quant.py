@@ -243,28 +243,19 @@ def _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, fin_ptr, N, C, s_l, s_r, d_l, d_r,
+def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, fin_ptr, N, C, s_l, s_r, d_l, d_r, CB,
                       BLOCK: tl.constexpr, EXP_MASK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    n = pid % N
-    layer = pid // N
-    row = tl.load(rows_ptr + n).to(tl.int64)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < C
-    vals = tl.load(src_ptr + layer * s_l + row * s_r + offs, mask=mask, other=0)
-    tl.store(dst_ptr + layer * d_l + slot * d_r + offs, vals, mask=mask)
-    if EXP_MASK != 0:
-        # The bits of a float: NaN and +-inf are the values whose exponent bits are all ones.
-        bad = tl.max(((vals & EXP_MASK) == EXP_MASK).to(tl.int32), axis=0)
-        tl.store(fin_ptr + slot, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
+    """``copy_rows``: program (layer * N + n, blk) copies one ``BLOCK`` of one (layer, row), the body the
+    conv-window copy of a store or load launch shares (``_conv_rows``)."""
+    _conv_rows(tl.program_id(0).to(tl.int64) * CB + tl.program_id(1), rows_ptr, slots_ptr, src_ptr, dst_ptr, fin_ptr,
+               N, C, s_l, s_r, d_l, d_r, CB, BLOCK, EXP_MASK)
 
 
 @triton.jit
 def _conv_rows(p, src_ids_ptr, dst_ids_ptr, src_ptr, dst_ptr, fin_ptr, N, C, s_l, s_r, d_l, d_r, CB,
                BLOCK: tl.constexpr, EXP_MASK: tl.constexpr):
-    """Block ``p`` of the conv-window copy that rides along a store or load launch (``_copy_rows_kernel``'s
-    work, one ``BLOCK`` of one (layer, state) row per program): ``dst[layer, dst_ids[n]] = src[layer,
+    """Block ``p`` of a row copy (``copy_rows``, and the conv-window copy that rides along a store or load
+    launch), one ``BLOCK`` of one (layer, state) row per program: ``dst[layer, dst_ids[n]] = src[layer,
     src_ids[n]]``, bits; with ``EXP_MASK`` a NaN / inf clears ``fin[dst_ids[n]]``."""
     p = p.to(tl.int64)
     blk = p % CB
@@ -615,4 +606,4 @@ def copy_rows_checked(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tens
     grid = (s.shape[0] * n, triton.cdiv(c, block))
     mask = 0 if finite is None else _EXP_MASK.get(src.dtype, 0)
     _copy_rows_kernel[grid](s, src_rows, d, dst_rows, d if finite is None else finite, n, c, s.stride(0), s.stride(1),
-                            d.stride(0), d.stride(1), BLOCK=block, EXP_MASK=mask)
+                            d.stride(0), d.stride(1), grid[1], BLOCK=block, EXP_MASK=mask)
