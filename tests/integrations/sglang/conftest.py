@@ -19,6 +19,8 @@ import importlib.util
 import sys
 import types
 
+import pytest
+
 
 def _stand_in(name: str) -> types.ModuleType:
     mod = types.ModuleType(name, "stand-in for the tests of tiered_cache.integrations.sglang (conftest.py)")
@@ -62,3 +64,10 @@ if importlib.util.find_spec("sglang") is not None:
     from tests.support import sgl_kernel_stub
 
     sgl_kernel_stub.install()  # with CUDA and no sgl_kernel (the H200 image) SGLang imports it at module level
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Where a test builds SGLang's pools (and so the tiers above them): the CPU, and the GPU under
+    ``-m gpu`` (tests/conftest.py skips it where CUDA is absent)."""
+    return request.param

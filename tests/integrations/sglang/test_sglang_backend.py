@@ -4,7 +4,7 @@ registry and a real ``TreeCacheBuildContext``; and the backend config's typed er
 T0 here is still our ``UnifiedPool`` (the adapters over SGLang's KV and mamba pools are not built), so
 the rows of SGLang's ``ReqToTokenPool`` hold our T0 ids: the test checks the translation (what a
 checkpoint writes into the row, where the lock goes, what a later match hands back), not SGLang's
-memory."""
+memory. The request tests run with everything on CPU and on CUDA (``device``)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ STATE = StateSpec(num_layers=2, temporal_shape=(1, 4, 4), temporal_dtype=torch.f
                   conv_shapes=((8, 3),), conv_dtype=torch.float32, value_axis=2)
 
 
-def _cache(codec: str = "lossless") -> TieredCache:
+def _cache(device: str, codec: str = "lossless") -> TieredCache:
     kv = KVSpec(num_layers=2, kv_heads=1, head_dim=8, dtype=torch.float32)
     cfg = CacheConfig(page_size=PAGE, kv_pages=16, t0_states=4, t1_states=4, codec=codec, check_memory=False)
-    return TieredCache.build(cfg, kv=kv, state=STATE, device="cpu")
+    return TieredCache.build(cfg, kv=kv, state=STATE, device=device)
 
 
 def _req(rid: str, toks: list[int]):
@@ -49,17 +49,18 @@ def _req(rid: str, toks: list[int]):
 def _write_state(cache: TieredCache, slot: torch.Tensor, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     row = cache.states.translate(slot.reshape(1))
-    t = torch.randn((STATE.num_layers, 1, *STATE.temporal_shape), generator=g)
-    cache.states.temporal_view_all()[:, row] = t
+    view = cache.states.temporal_view_all()
+    t = torch.randn((STATE.num_layers, 1, *STATE.temporal_shape), generator=g).to(view.device)
+    view[:, row] = t
     return t
 
 
-def test_chunked_prefill_checkpoints_then_a_second_request_resumes_from_the_tree():
+def test_chunked_prefill_checkpoints_then_a_second_request_resumes_from_the_tree(device):
     """The scheduler's order for one request (match with cow_mamba, lock, a checkpoint per prefill chunk,
     the final checkpoint, release), then a second request with the same prompt and more: its match
     hands back exactly the ids the tree holds, and its copied state is the cached one, bit for bit."""
-    with _cache() as cache:
-        rows = memory_pool.ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    with _cache(device) as cache:
+        rows = memory_pool.ReqToTokenPool(size=4, max_context_len=128, device=device, enable_memory_saver=False)
         backend = TieredRadixCache(cache.tree, req_to_token_pool=rows, token_to_kv_pool_allocator=None,
                                    page_size=PAGE)
         free0 = cache.free_sizes()
@@ -126,9 +127,9 @@ def test_chunked_prefill_checkpoints_then_a_second_request_resumes_from_the_tree
         assert cache.free_sizes() == free0
 
 
-def test_an_aborted_request_gives_its_state_slot_back_on_release():
-    with _cache() as cache:
-        rows = memory_pool.ReqToTokenPool(size=2, max_context_len=64, device="cpu", enable_memory_saver=False)
+def test_an_aborted_request_gives_its_state_slot_back_on_release(device):
+    with _cache(device) as cache:
+        rows = memory_pool.ReqToTokenPool(size=2, max_context_len=64, device=device, enable_memory_saver=False)
         backend = TieredRadixCache(cache.tree, req_to_token_pool=rows, token_to_kv_pool_allocator=None,
                                    page_size=PAGE)
         free0 = cache.free_sizes()
@@ -142,9 +143,9 @@ def test_an_aborted_request_gives_its_state_slot_back_on_release():
         assert cache.free_sizes() == free0
 
 
-def test_checkpoint_refuses_a_position_past_the_fill_ids():
-    with _cache() as cache:
-        rows = memory_pool.ReqToTokenPool(size=2, max_context_len=64, device="cpu", enable_memory_saver=False)
+def test_checkpoint_refuses_a_position_past_the_fill_ids(device):
+    with _cache(device) as cache:
+        rows = memory_pool.ReqToTokenPool(size=2, max_context_len=64, device=device, enable_memory_saver=False)
         backend = TieredRadixCache(cache.tree, req_to_token_pool=rows, token_to_kv_pool_allocator=None,
                                    page_size=PAGE)
         req = _req("a", list(range(16)))

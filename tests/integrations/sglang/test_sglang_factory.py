@@ -1,12 +1,14 @@
 """The backend as SGLang builds it: ``factory`` through SGLang's registry with a real
-``TreeCacheBuildContext`` over SGLang's real pools on CPU (``ReqToTokenPool`` with its mamba pool, the
-paged token-to-KV allocator and its MHA KV pool), driven with SGLang's ``Req`` in the scheduler's order
-(``init_next_round_input`` -> match with copy-on-write, lock, the request's row and slot, a checkpoint
-per prefill chunk, ``release_kv_cache``) over a multi-turn workload with T1 (lossless) and no T2.
+``TreeCacheBuildContext`` over SGLang's real pools, on CPU and on CUDA (``ReqToTokenPool`` with its mamba
+pool, the paged token-to-KV allocator and its MHA KV pool), driven with SGLang's ``Req`` in the
+scheduler's order (``init_next_round_input`` -> match with copy-on-write, lock, the request's row and
+slot, a checkpoint per prefill chunk, ``release_kv_cache``) over a multi-turn workload with T1 (lossless
+and int8) and no T2.
 
 The "model" writes, for every token, KV that is a function of the prefix up to it, and at every chunk
 end a state that is a function of the prefix; so whatever the tree hands back is checked against what
-that prefix must hold: the ids SGLang gets hold exactly that KV, the restored slot exactly that state."""
+that prefix must hold: the ids SGLang gets hold exactly that KV, the restored slot exactly that state
+(int8: its one rounding)."""
 
 from __future__ import annotations
 
@@ -37,18 +39,22 @@ from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402
 from tiered_cache.integrations.sglang.t0 import SGLangT0  # noqa: E402
 
 
+@pytest.mark.parametrize("codec", ["lossless", "int8"])
 @pytest.mark.parametrize("family", STATE_FAMILIES)
-def test_factory_builds_the_tree_over_sglangs_pools_and_serves_a_multi_turn_workload(monkeypatch, family):
+def test_factory_builds_the_tree_over_sglangs_pools_and_serves_a_multi_turn_workload(monkeypatch, family, codec,
+                                                                                    device):
     """Per state family SGLang has a pool layout for (its own cache params, built as its model configs
-    build them): every prefix handed to SGLang holds exactly its KV, every resumed slot its state."""
-    rows, alloc, kv_pool = _pools(family)
+    build them): every prefix handed to SGLang holds exactly its KV, every resumed slot its state
+    (lossless T1: bit-exact; int8: the reference's one rounding). The tiers are on the pools' device."""
+    rows, alloc, kv_pool = _pools(family, device=device)
     kv_free, rows_free = alloc.available_size(), rows.available_size()
     slots_free = rows.mamba_allocator.available_size()
-    backend = _build(monkeypatch, rows, alloc, {"t1_states": 6, "codec": "lossless"})
+    backend = _build(monkeypatch, rows, alloc, {"t1_states": 6, "codec": codec})
     assert isinstance(backend, B.BasePrefixCache) and backend.supports_mamba()
     stack = backend.stack
     assert isinstance(stack.pool, SGLangT0) and stack.host is None  # T0 is SGLang's; no T2
     assert stack.tree.kv.available_size() == kv_free  # no second T0: the room is SGLang's allocator's
+    assert stack.t1.device.type == kv_pool.k_buffer[0].device.type == device
     a = [100 + i for i in range(48)]
     b = [900 + i for i in range(64)]
     turns = [("a1", a), ("b1", b), ("a2", a + [200 + i for i in range(32)]),
@@ -75,11 +81,11 @@ def test_factory_builds_the_tree_over_sglangs_pools_and_serves_a_multi_turn_work
     backend.close()
 
 
-def test_a_cow_match_with_no_free_state_slot_is_a_miss_and_evicts_no_kv(monkeypatch):
+def test_a_cow_match_with_no_free_state_slot_is_a_miss_and_evicts_no_kv(monkeypatch, device):
     """SGLang's mamba slots all held by running requests: the match cannot copy the cached state out,
     so it reports no prefix and no host hit, and evicts no KV (evicting KV frees no slot of SGLang's
     separate mamba pool) and no T1 state; once a slot is free the same match is a hit again."""
-    rows, alloc, kv_pool = _pools()
+    rows, alloc, kv_pool = _pools(device=device)
     backend = _build(monkeypatch, rows, alloc, {"t1_states": 4, "codec": "lossless"})
     toks = list(range(10, 58))
     assert _serve(backend, rows, alloc, kv_pool, "first", toks) == 0

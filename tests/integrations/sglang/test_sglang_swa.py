@@ -1,5 +1,5 @@
 """The backend for an SWA hybrid (full-attention + sliding-window layers) over SGLang 0.5.23's real SWA
-pools on CPU (``SWATokenToKVPoolAllocator`` over an ``SWAKVPool``), built through SGLang's registry and
+pools on CPU and on CUDA (``SWATokenToKVPoolAllocator`` over an ``SWAKVPool``), built through SGLang's registry and
 driven in its scheduler's order, with SGLang's own sliding-window frees during decode: resumed prefixes
 hold the exact full KV and the exact SWA KV of their window, SGLang's full-to-SWA mapping stays the
 tree's, nothing leaks, and what is not built is a typed error."""
@@ -41,10 +41,10 @@ def _drain(backend, alloc):
 
 
 @pytest.mark.parametrize("shield", [False, True])
-def test_multi_turn_resumes_with_the_exact_swa_window(monkeypatch, shield):
+def test_multi_turn_resumes_with_the_exact_swa_window(monkeypatch, shield, device):
     """``shield``: SGLang's prefill-aware SWA keeps the page [32, 48) of turn 1's prompt live below pages
     it freed; the backend frees it when the tree caches the span as a tombstone (the same tree results)."""
-    rows, alloc, pool = _swa_pools()
+    rows, alloc, pool = _swa_pools(device=device)
     backend = _build_swa(monkeypatch, rows, alloc)
     assert backend.supports_swa() and not backend.supports_mamba() and backend.swa_retain_window == WINDOW
     # turn 1: a 40-token prompt (checkpoints at 32 and 40) and 60 decode steps, SGLang freeing the SWA KV
@@ -68,10 +68,10 @@ def test_multi_turn_resumes_with_the_exact_swa_window(monkeypatch, shield):
     backend.close()
 
 
-def test_without_the_remap_the_mapping_and_the_resumed_window_go_wrong(monkeypatch):
+def test_without_the_remap_the_mapping_and_the_resumed_window_go_wrong(monkeypatch, device):
     """Control: the same turns with the backend's remap after an insert left out: a tombstone that takes
     the request's SWA KV keeps its own full ids, which SGLang's mapping then does not pair with it."""
-    rows, alloc, pool = _swa_pools()
+    rows, alloc, pool = _swa_pools(device=device)
     backend = _build_swa(monkeypatch, rows, alloc)
     monkeypatch.setattr(TieredRadixCache, "_swa_remap", lambda self, node, old, new: None)
     _serve_swa(backend, rows, alloc, pool, "t1", A, 40)
@@ -84,7 +84,7 @@ def test_without_the_remap_the_mapping_and_the_resumed_window_go_wrong(monkeypat
 
 @pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, seed, host):
+def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, seed, host, device):
     """Conversations that go on, branch and start afresh (a request takes up to 9 pages; half of them
     with SGLang's prefill shield): SGLang's
     allocator evicts through the backend every few requests. Without ``host``, over an SWA pool of 10
@@ -93,7 +93,7 @@ def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, see
     page NaN (``_serve_swa``), the mapping the tree's, the tree's invariants; at the end both pools back
     to their free counts."""
     rng = random.Random(seed)
-    rows, alloc, pool = _swa_pools(24 * PAGE, 12 * PAGE) if host else _swa_pools(10 * PAGE, 14 * PAGE)
+    rows, alloc, pool = _swa_pools(24 * PAGE, 12 * PAGE, device) if host else _swa_pools(10 * PAGE, 14 * PAGE, device)
     backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": 64} if host else {})
     convs: list[list[int]] = []
     evictions = []
@@ -123,10 +123,10 @@ def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, see
     backend.close()
 
 
-def test_swa_eviction_tombstones_through_sglangs_allocator(monkeypatch):
+def test_swa_eviction_tombstones_through_sglangs_allocator(monkeypatch, device):
     """``evict(swa_num_tokens=)`` frees SWA pages through SGLang's SWA allocator and unmaps their full ids;
     the full KV stays cached (a longer match still uses it) and a leaf goes whole."""
-    rows, alloc, pool = _swa_pools()
+    rows, alloc, pool = _swa_pools(device=device)
     backend = _build_swa(monkeypatch, rows, alloc)
     _serve_swa(backend, rows, alloc, pool, "t1", A[:64], 64)  # two nodes: [0, 32) and [32, 64)
     full, swa = _check_swa_mapping(backend, alloc)
@@ -139,13 +139,13 @@ def test_swa_eviction_tombstones_through_sglangs_allocator(monkeypatch):
     _drain(backend, alloc)
 
 
-def test_t2_demotes_and_loads_back_the_swa_window(monkeypatch):
+def test_t2_demotes_and_loads_back_the_swa_window(monkeypatch, device):
     """T2 (``host_kv_pages``): a conversation written through to the host, evicted from the device
     (its full and SWA pages given back to SGLang, their mapping cleared), then resumed: the match is a
     host hit, ``init_load_back`` loads the full pages and the SWA pages of the nodes that had them
     (a tombstone comes back full KV only) into fresh pages of SGLang's pools, sets SGLang's mapping for
     them, and the resumed prefix and its window are exact with every free page NaN."""
-    rows, alloc, pool = _swa_pools()
+    rows, alloc, pool = _swa_pools(device=device)
     backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": 32})
     _serve_swa(backend, rows, alloc, pool, "t1", A, 40)  # [0, 32) SWA, [32, 64) tombstone, [64, 96) SWA
     assert backend.cache.stats["backups"] > 0
@@ -160,10 +160,10 @@ def test_t2_demotes_and_loads_back_the_swa_window(monkeypatch):
     backend.close()
 
 
-def test_without_the_remap_after_a_load_the_loaded_window_is_not_sglangs(monkeypatch):
+def test_without_the_remap_after_a_load_the_loaded_window_is_not_sglangs(monkeypatch, device):
     """Control: the T2 test with the backend's remap left out: the loaded full pages map to no SWA page,
     so the window SGLang would read is not the one loaded."""
-    rows, alloc, pool = _swa_pools()
+    rows, alloc, pool = _swa_pools(device=device)
     backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": 32})
     _serve_swa(backend, rows, alloc, pool, "t1", A, 40)
     backend.evict(B.EvictParams(num_tokens=TOKENS))

@@ -4,7 +4,9 @@ envelope and scatter a loaded one back. Tested on SGLang's real pools on CPU: th
 byte for byte (checksummed, busy marks released, a damaged host copy caught), and the factory with
 ``host_kv_pages`` driven in the scheduler's order, the KV demoted to T2 by eviction and loaded back
 into the ids SGLang gets, the state of the prefix restored, the pools back to their free counts; and T3
-below it: a restarted backend over fresh pools serves the prefix from a file store."""
+below it: a restarted backend over fresh pools serves the prefix from a file store. Each test also runs
+with the pools on CUDA (``device``): T1 on the GPU, T2 in pinned host memory, the moves on the transfer
+engine's streams."""
 
 from __future__ import annotations
 
@@ -38,31 +40,34 @@ from tiered_cache.transfer.engine import TransferEngine  # noqa: E402
 from tiered_cache.transfer.moves import demote_kv, load_kv  # noqa: E402
 
 
-def _moves():
-    rows, alloc, kv_pool = _pools()
+def _moves(device: str = "cpu"):
+    """SGLang's pools on ``device``, the side over them, a T2 region (pinned where CUDA is) and an engine
+    (on CUDA its default backend: the Triton gathers; on CPU plain torch, not the Triton interpreter)."""
+    rows, alloc, kv_pool = _pools(device=device)
     side = SGLangKVSide(alloc)
     host = HostMirror([RegionSpec("full", side.entry_bytes, 8)], check_memory=False)
-    return alloc, kv_pool, side, host.region("full"), TransferEngine("cpu", backend="torch")
+    engine = TransferEngine(device, backend="torch" if device == "cpu" else "auto")
+    return alloc, kv_pool, side, host.region("full"), engine
 
 
-def test_sglang_kv_side_is_a_layered_kv_side_with_views_of_sglangs_buffers():
-    _, kv_pool, side, _, _ = _moves()
+def test_sglang_kv_side_is_a_layered_kv_side_with_views_of_sglangs_buffers(device):
+    _, kv_pool, side, _, _ = _moves(device)
     assert isinstance(side, LayeredKVSide) and not isinstance(side, KVSide)
     fields = side.layer_rows()
     assert len(fields) == 2 * LAYERS
     assert [o for o, _ in fields] == [o for kv in side.spec.field_offsets(PAGE) for o in kv]
     off, k1 = fields[2]  # layer 1's K
-    k1[3, :4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # aliases SGLang's buffer
-    assert torch.equal(kv_pool.k_buffer[1][3 * PAGE].view(torch.uint8).reshape(-1)[:4],
+    k1[3, :4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8, device=device)  # aliases SGLang's buffer
+    assert torch.equal(kv_pool.k_buffer[1][3 * PAGE].view(torch.uint8).reshape(-1)[:4].cpu(),
                        torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
 
 
-def test_t2_round_trip_through_sglangs_per_layer_kv_pool(poison):
-    alloc, kv_pool, side, region, engine = _moves()
+def test_t2_round_trip_through_sglangs_per_layer_kv_pool(poison, device):
+    alloc, kv_pool, side, region, engine = _moves(device)
     src = alloc.alloc(3 * PAGE).to(torch.int64)
     for layer in range(LAYERS):  # every layer, K and V, a different pattern per page and token
-        kv_pool.k_buffer[layer][src] = torch.randn(len(src), *kv_pool.k_buffer[layer].shape[1:])
-        kv_pool.v_buffer[layer][src] = torch.randn(len(src), *kv_pool.v_buffer[layer].shape[1:])
+        kv_pool.k_buffer[layer][src] = torch.randn(len(src), *kv_pool.k_buffer[layer].shape[1:], device=device)
+        kv_pool.v_buffer[layer][src] = torch.randn(len(src), *kv_pool.v_buffer[layer].shape[1:], device=device)
     want = [(kv_pool.k_buffer[la][src].clone(), kv_pool.v_buffer[la][src].clone()) for la in range(LAYERS)]
     hs = region.alloc(3)
     t = demote_kv(engine, side, src, region, hs)
@@ -135,8 +140,8 @@ HOST = {"t1_states": 6, "codec": "lossless", "host_kv_pages": 32, "host_states":
 
 
 @pytest.mark.parametrize("family", STATE_FAMILIES)
-def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poison, family):
-    rows, alloc, kv_pool = _pools(family)
+def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poison, family, device):
+    rows, alloc, kv_pool = _pools(family, device=device)
     kv_free, slots_free = alloc.available_size(), rows.mamba_allocator.available_size()
     backend = _build(monkeypatch, rows, alloc, HOST)
     stack = backend.stack
@@ -160,13 +165,13 @@ def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poiso
     backend.close()
 
 
-def test_factory_with_t3_serves_a_restarted_server_from_storage(monkeypatch, poison, tmp_path):
+def test_factory_with_t3_serves_a_restarted_server_from_storage(monkeypatch, poison, tmp_path, device):
     """T3 through SGLang's pools: one backend writes its prefix through to a file store and closes (a
     server stopping: its writes in flight land); a fresh backend over fresh SGLang pools, the same store
     and model id (a restarted server) finds the prefix in T3 on the match, fetches it into T2 and loads
     it back into SGLang's pools. Another model id over the same store finds nothing."""
     conf = dict(HOST, storage_url=f"file://{tmp_path / 't3'}", prefetch_policy="wait_complete", model_id="m")
-    rows, alloc, kv_pool = _pools()
+    rows, alloc, kv_pool = _pools(device=device)
     first = _build(monkeypatch, rows, alloc, conf)
     a = [100 + i for i in range(48)]
     assert _serve(first, rows, alloc, kv_pool, "a1", a) == 0
@@ -175,7 +180,7 @@ def test_factory_with_t3_serves_a_restarted_server_from_storage(monkeypatch, poi
     written = first.stack.stats()["tree"]
     assert written["t3_kv_pages_written"] == 3 and written["t3_states_written"] >= 1, written
     first.close()
-    rows, alloc, kv_pool = _pools()
+    rows, alloc, kv_pool = _pools(device=device)
     kv_free, slots_free = alloc.available_size(), rows.mamba_allocator.available_size()
     other = _build(monkeypatch, rows, alloc, dict(conf, model_id="another model"))
     req = schedule_batch.Req("x", "", array("q", a + [7] * 16), sampling_params.SamplingParams(max_new_tokens=1))
@@ -204,12 +209,12 @@ def _on_host(monkeypatch, rows, alloc, kv_pool, turns):
 
 
 @pytest.mark.parametrize("damaged", ["kv", "state"])
-def test_a_host_copy_that_fails_its_checksum_loads_nothing(monkeypatch, damaged):
+def test_a_host_copy_that_fails_its_checksum_loads_nothing(monkeypatch, damaged, device):
     """SGLang runs the forward over what ``init_load_back`` reports as soon as it returns, so a host copy
     that fails its checksum must be caught before: the load is reported as 0 tokens (SGLang's
     all-or-none rule), the damaged copy is dropped and the slot the load took goes back. What the host
     still holds intact (the prefix up to the chunk checkpoint at 32) is offered next and loads exactly."""
-    rows, alloc, kv_pool = _pools()
+    rows, alloc, kv_pool = _pools(device=device)
     kv_free, slots_free = alloc.available_size(), rows.mamba_allocator.available_size()
     a = [100 + i for i in range(48)]
     backend = _on_host(monkeypatch, rows, alloc, kv_pool, [a])
@@ -236,12 +241,12 @@ def test_a_host_copy_that_fails_its_checksum_loads_nothing(monkeypatch, damaged)
     backend.close()
 
 
-def test_a_failed_load_below_a_device_prefix_gives_the_slot_that_prefix_state_again(monkeypatch):
+def test_a_failed_load_below_a_device_prefix_gives_the_slot_that_prefix_state_again(monkeypatch, device):
     """The request resumes on the device at 48 (its slot holds the state at 48, copied by the match) and
     the next 64 tokens are on the host only; their copy fails its checksum after the load started writing
     the state at 112 into the slot. The load reports 0 tokens and the slot holds the state at 48 again,
     bit for bit: SGLang goes on from 48."""
-    rows, alloc, kv_pool = _pools()
+    rows, alloc, kv_pool = _pools(device=device)
     a, b = [100 + i for i in range(48)], [300 + i for i in range(64)]
     backend = _on_host(monkeypatch, rows, alloc, kv_pool, [a, a + b])
     tree = backend.stack.tree
