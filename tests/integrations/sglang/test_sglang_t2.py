@@ -146,6 +146,9 @@ def test_factory_with_t2_serves_a_host_hit_from_sglangs_pools(monkeypatch, poiso
     backend = _build(monkeypatch, rows, alloc, HOST)
     stack = backend.stack
     assert stack.host is not None and stack.host.region("full").slot_bytes == stack.kv.entry_bytes
+    assert stack.t1.device.type == device
+    if device == "cuda":  # T2 is pinned host memory (the copies are DMA on the engine's streams)
+        assert all(c.is_pinned() for r in ("full", "state") for c in stack.host.region(r).chunks)
     a = [100 + i for i in range(48)]
     assert _serve(backend, rows, alloc, kv_pool, "a1", a) == 0
     while stack.tree.host_tier.busy:  # write-through backups land
