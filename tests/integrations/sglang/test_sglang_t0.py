@@ -18,9 +18,6 @@ from tiered_cache.tiers.protocols import ActiveSide, KVSide  # noqa: E402
 PAGE, TOKENS, LAYERS, HEADS, DIM = 16, 128, 3, 2, 8
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
 def _sglang(device: str = "cpu"):
     pool = memory_pool.MHATokenToKVPool(size=TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS,
                                         head_dim=DIM, layer_num=LAYERS, device=device, enable_memory_saver=False)
@@ -28,7 +25,6 @@ def _sglang(device: str = "cpu"):
     return alloc, pool
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_the_side_is_sglangs_memory(device):
     alloc, pool = _sglang(device)
     side = SGLangKVSide(alloc)
@@ -167,7 +163,6 @@ def test_the_state_side_is_sglangs_mamba_pool(envelope):
     assert alloc.available_size() == SLOTS and side.live_virtual_ids() == []
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", ["lossless", "int8"])
 def test_a_state_in_sglangs_slot_goes_through_t1_and_comes_back(codec, device, poison):
     """T1 quantizes straight out of SGLang's slot and dequantizes straight into another: lossless is
