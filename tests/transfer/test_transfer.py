@@ -300,6 +300,30 @@ def test_host_mirror_budget_and_chunks():
     assert r.runs([1, 2, 3, 7, 6]) == [(0, 1, 1), (1, 2, 2), (3, 7, 1), (4, 6, 1)]
 
 
+@pytest.mark.gpu
+def test_a_region_held_past_its_mirror_stays_pinned():
+    """A region unpins its own memory when it is collected, not when its HostMirror is: a region held
+    alone stays mapped, so the mapped-memory kernel still reaches it (on the H200 the SGLang T2 test
+    held only ``mirror.region(...)``, and the kernel found the slots unmapped: "cannot be accessed from
+    Triton"). Closing unpins, and says so."""
+    import gc
+
+    from tiered_cache.kernels.hostcopy import copy_items
+
+    region = HostMirror([RegionSpec("x", 4096, 4)], pin="register").region("x")
+    gc.collect()
+    assert region.pinned
+    src = torch.randint(-2**31, 2**31 - 1, (1024,), dtype=torch.int32, device="cuda")
+    dst = region.chunks[0].view(torch.int32)
+    dst.fill_(7)
+    offs = torch.tensor([0], dtype=torch.int64, device="cuda")
+    copy_items(src, offs, dst, torch.tensor([1024], dtype=torch.int64, device="cuda"), 1024)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[1024:2048], src.cpu())
+    region.close()
+    assert not region.pinned
+
+
 @pytest.mark.parametrize("method, backend", [("kernel", "triton"), ("staging", "triton"), ("staging", "torch")])
 def test_kv_round_trip_through_other_methods(method, backend):
     """The mapped-memory kernel (interpreter on CPU) and the staging path (its gather by the same kernel,

@@ -129,9 +129,21 @@ class HostRegion:
         view[byte] = int(view[byte]) ^ (1 << bit)
 
     def close(self) -> None:
+        """Unpin registered memory (the slots stay readable, as ordinary memory; copies to them are no
+        longer DMA and no kernel may map them)."""
         for t in self._registered:
             dev.host_unregister(t)
+        if self._registered:
+            self.pinned = False
         self._registered.clear()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        # The region unpins its own memory when it goes, not its mirror: a region kept past its
+        # HostMirror (HostMirror.region's result held alone) stays pinned while it lives.
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def check_invariants(self) -> None:
         self.allocator.check_invariants()
@@ -211,15 +223,10 @@ class HostMirror:
             r.check_invariants()
 
     def close(self) -> None:
-        """Unpin registered memory (pinned-allocator memory is returned when the tensors go)."""
+        """Unpin registered memory (pinned-allocator memory is returned when the tensors go). Each region
+        also unpins its own when it is collected, so one still held outlives its mirror pinned."""
         for r in self.regions.values():
             r.close()
-
-    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _host_alloc(nbytes: int, pin: str, registered: list[torch.Tensor]) -> torch.Tensor:
