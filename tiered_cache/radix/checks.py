@@ -133,7 +133,7 @@ def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value") -> np.ndarr
     lst = pages.tolist()  # a few dozen pages: Python's min, max and set beat numpy's calls
     if lst and (min(lst) < 1 or max(lst) >= tree.kv.capacity):
         raise InvalidArgumentError(arg, f"KV ids of pages in [1, {tree.kv.capacity})", toks[:16].tolist())
-    if lst and ((tree.kv.translate_host(first) < 0).any() or tree.owned[pages].any() or len(set(lst)) != len(lst)):
+    if lst and (len(set(lst)) != len(lst) or tree.owned[pages].any() or tree.kv.translate_host(first).min() < 0):
         raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)", toks[:16].tolist())
     return pages
 

@@ -262,7 +262,7 @@ class MambaRule:
                 break  # dead: matches nothing
             m = common_len(child.akey, toks, i, end, ps)
             path.append(child)
-            if m < len(child.key):
+            if m < len(child.akey):
                 return path, values, i + m, dev, dev_len, dev_k, best, best_len
             i += m
             node = child

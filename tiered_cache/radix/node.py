@@ -4,8 +4,9 @@ A node says where its data lives; it decides nothing. Data of a span can be in s
 (a host copy stays when the device copy is loaded back), and data *in flight* is kept apart from data
 the node owns, because the tree changes where a node lives only when the ticket completes::
 
-    key            token ids of the span (``len`` a multiple of page_size, > 0 except the root);
-                   ``akey`` the same as an int64 ``array`` (walks compare a query's array slices in C)
+    akey           token ids of the span, an int64 ``array`` (``len`` a multiple of page_size, > 0 except
+                   the root; walks compare a query's array slices with it in C); ``key`` the same as a
+                   list, made on first read (an insert of an ``array`` key makes no Python int per token)
     value          T0 virtual KV ids of the span (LongTensor) or None: not on the device
     value_pending  T0 ids a load back is writing (owned by the load until its ticket completes)
     host_kv        T2 host pages of the span, one slot per page (a list: a split partitions it)
@@ -35,19 +36,20 @@ _ids = itertools.count()
 
 class TreeNode:
     __slots__ = (
-        "id", "parent", "children", "ck", "key", "akey", "value", "value_pending", "host_kv", "host_pending", "payload",
-        "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
+        "id", "parent", "children", "ck", "_key", "akey", "value", "value_pending", "host_kv", "host_pending",
+        "payload", "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
     )
 
-    def __init__(self, owner: Any, parent: Optional[TreeNode], key: list[int], value: Optional[torch.Tensor],
+    def __init__(self, owner: Any, parent: Optional[TreeNode], key: Optional[list[int]], value: Optional[torch.Tensor],
                  payload: Any, akey: Optional[array] = None) -> None:
+        """``key`` (a list) or ``akey`` (an int64 array) gives the span's tokens; both: the same tokens."""
         self.id = next(_ids)
         self.owner = owner  # the (tree, epoch) that made it: a node of another cache or of a reset tree is refused
         self.parent: TreeNode = parent  # type: ignore[assignment]  # None at the root only: walks stop there
         self.children: dict[Any, TreeNode] = {}
         self.ck: Any = None  # this node's key in parent.children (``RadixTree.child_key``)
-        self.key = key
-        self.akey = array("q", key) if akey is None else akey
+        self._key = key
+        self.akey: array = array("q", key) if akey is None else akey  # type: ignore[arg-type]  # one is given
         self.value = value
         self.value_pending: Optional[torch.Tensor] = None
         self.host_kv: Optional[list[int]] = None
@@ -58,6 +60,18 @@ class TreeNode:
         self.mamba_lock_ref = 0
         self.alive = True
         self.hit_count = 0
+
+    @property
+    def key(self) -> list[int]:
+        """The span's token ids as a list (made from ``akey`` once, on first read)."""
+        k = self._key
+        if k is None:
+            k = self._key = self.akey.tolist()
+        return k
+
+    def set_akey(self, akey: array) -> None:
+        """The span's tokens are now ``akey`` (a split keeps a part): the list is made again when read."""
+        self.akey, self._key = akey, None
 
     @property
     def is_root(self) -> bool:

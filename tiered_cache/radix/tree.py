@@ -113,9 +113,9 @@ class RadixTree:
         """-> (the token ids from the root to the end of ``x``, the request key of its path)."""
         parts, y = [], x
         while y.parent is not self.root:
-            parts.append(y.key)
+            parts.append(y.akey)
             y = y.parent
-        parts.append(y.key)
+        parts.append(y.akey)
         return [t for p in reversed(parts) for t in p], self.key_salt(y.ck)
 
     def path_values(self, node: TreeNode) -> torch.Tensor:
@@ -144,9 +144,9 @@ class RadixTree:
             pending = pending or child.value_pending is not None
             on_dev = on_dev and (child.value is not None or child.value_pending is not None)
             i += m
-            total += len(child.key)
+            total += len(child.akey)
             dev = i if on_dev else dev
-            if m < len(child.key):
+            if m < len(child.akey):
                 break
             node = child
         end = path[-1] if path and i == aligned == total else None
@@ -196,8 +196,8 @@ class RadixTree:
     # ----------------------------------------------------------------------------- structure
     def link(self, parent: TreeNode, key: Any, value: Optional[torch.Tensor], salt: Optional[str]) -> TreeNode:
         """A new node under ``parent`` (nothing counted, listed or touched yet); ``key`` a list or an array."""
-        akey = key if type(key) is array else None  # the list made once, here
-        x = TreeNode(self.token, parent, key if akey is None else key.tolist(), value, self.rule.payload(), akey)
+        akey = key if type(key) is array else None  # an array key: no list made (``TreeNode.key``)
+        x = TreeNode(self.token, parent, key if akey is None else None, value, self.rule.payload(), akey)
         x.ck = self.child_key(key, 0, parent is self.root, salt)
         parent.children[x.ck] = x
         return x
@@ -220,9 +220,9 @@ class RadixTree:
         """``x.value`` was just set (a reattach or a finished load): the tree owns and counts its pages."""
         self.owned[self.pages_of(x.value)] = True  # type: ignore[arg-type]  # just set: a tensor
         if x.full_lock_ref:
-            self.full_protected += len(x.key)
+            self.full_protected += len(x.akey)
         else:
-            self.full_evictable += len(x.key)
+            self.full_evictable += len(x.akey)
 
     def reattach(self, x: TreeNode, ids: torch.Tensor) -> None:
         """``x``'s KV was on the host only (or nowhere): it takes the caller's ids for its span."""
@@ -235,12 +235,12 @@ class RadixTree:
         """child -> new (key[:m]) -> child (key[m:]); returns new. Sizes do not change. Host pages (one
         per page), data in flight and the payload (``payload.split``) are partitioned at the same page."""
         parent, k = child.parent, m // self.page_size
-        new = TreeNode(self.token, parent, child.key[:m], None if child.value is None else child.value[:m].clone(),
+        new = TreeNode(self.token, parent, None, None if child.value is None else child.value[:m].clone(),
                        child.payload.split(m, k), child.akey[:m])
         new.ck = child.ck
         new.full_lock_ref = child.full_lock_ref  # every lock below child is below new too
         new.hit_count = child.hit_count
-        child.key, child.akey = child.key[m:], child.akey[m:]
+        child.set_akey(child.akey[m:])
         if child.value is not None:
             child.value = child.value[m:].clone()
         if child.value_pending is not None:
@@ -253,7 +253,7 @@ class RadixTree:
         new.tickets = list(child.tickets)
         for op in child.tickets:  # the op now finishes both halves
             op.nodes.insert(op.nodes.index(child), new)
-        child.ck = self.child_key(child.key, 0, False, None)
+        child.ck = self.child_key(child.akey, 0, False, None)
         child.parent = new
         new.children[child.ck] = child
         parent.children[new.ck] = new
@@ -274,7 +274,7 @@ class RadixTree:
         delta, x = 0, node
         while x is not self.root:
             if x.full_lock_ref == 0:
-                n = len(x.key) if x.value is not None else 0
+                n = len(x.akey) if x.value is not None else 0
                 self.full_evictable -= n
                 self.full_protected += n
                 delta -= n
@@ -297,7 +297,7 @@ class RadixTree:
             x.full_lock_ref -= 1
             parent = x.parent
             if x.full_lock_ref == 0:
-                n = len(x.key) if x.value is not None else 0
+                n = len(x.akey) if x.value is not None else 0
                 self.full_evictable += n
                 self.full_protected -= n
                 delta += n
@@ -344,8 +344,8 @@ class RadixTree:
         del x.parent.children[x.ck]
         self.policy.forget(x)
         if x.value is not None:
-            self.full_evictable -= len(x.key)
-            self.freed["kv"] += len(x.key)
+            self.full_evictable -= len(x.akey)
+            self.freed["kv"] += len(x.akey)
         self.rule.removed(x)
         f.take(x)
         x.alive = False
@@ -358,14 +358,14 @@ class RadixTree:
                 self.sync(p)
                 break
             q = p.parent
-            tok += len(p.key) if p.value is not None else 0
+            tok += len(p.akey) if p.value is not None else 0
             self.remove(p, f)
             p = q
         return tok
 
     def drop_leaf(self, x: TreeNode, f: Frees) -> int:
         """Remove the leaf ``x`` and the tombstones it leaves behind. -> device tokens freed."""
-        tok = len(x.key) if x.value is not None else 0
+        tok = len(x.akey) if x.value is not None else 0
         p = x.parent
         self.remove(x, f)
         return tok + self.after_child_removed(p, f)

@@ -10,6 +10,9 @@ blocking, behind an event::
           unless the caller waits for one of its slots (``wait_for``: a sync on that small copy)
 
 The owner must not serve a non-finite slot: one NaN spreads through its whole int8 scale group.
+On the CPU the work is synchronous: a store's flags are known when it is sent, so they are read then
+(numpy views, no copy, no event) into ``_landed``, slot -> flag in the order ``poll`` reports them; a
+free drops its slots from that dict instead of scanning every store not yet polled.
 """
 
 from __future__ import annotations
@@ -31,18 +34,28 @@ class FiniteFlags:
         self.flags = torch.ones(capacity, dtype=torch.uint8, device=device)
         self._host = dev.pinned_empty(capacity)
         self._host_np = self._host.numpy()
+        self._cpu = self.flags.numpy() if device.type == "cpu" else None
+        self._landed: dict[int, bool] = {}  # CPU: the flags of stores sent but not yet polled
         # Stores whose flags are on their way to the host: (event after the copy, their slots). A slot is
         # in one entry at most (a newer store of it supersedes), and leaves it when it is freed.
         self._pending: list[tuple[Any, set[int]]] = []
 
     def arm(self, slots: torch.Tensor) -> torch.Tensor:
         """Before a store into ``slots``: set their flags (the kernels only clear them); returns ``flags``."""
-        self.flags.index_fill_(0, slots, 1)
+        if self._cpu is not None:
+            self._cpu[slots.numpy()] = 1
+        else:
+            self.flags.index_fill_(0, slots, 1)
         return self.flags
 
     def sent(self, slots: list[int]) -> None:
         """After a store: copy the flags to the host without blocking; the event says when they landed."""
         self.forget(slots)
+        if self._cpu is not None:
+            landed, flags = self._landed, self._cpu
+            for s in sorted(set(slots)):
+                landed[s] = bool(flags[s])
+            return
         # The whole flag array (capacity bytes) in one copy: the slots of older pending stores get their
         # own values again, which no store changed since (a newer store of a slot supersedes its entry).
         self._host.copy_(self.flags, non_blocking=True)
@@ -54,6 +67,9 @@ class FiniteFlags:
         """Slot -> whether its last store was all finite, for the stores whose flags reached the host
         (and those of the slots in ``wait_for``, waited for now). Each slot is reported once."""
         want = set() if wait_for is None else set(int_list("wait_for", wait_for))
+        if self._cpu is not None:  # every store sent has landed
+            landed, self._landed = self._landed, {}
+            return landed
         if want and not any(want & slots for _, slots in self._pending):
             want = set()
         out: dict[int, bool] = {}
@@ -71,10 +87,16 @@ class FiniteFlags:
 
     def pending(self, slot: int) -> bool:
         """Whether the finiteness of ``slot``'s last store is not known on the host yet."""
-        return any(slot in slots for _, slots in self._pending)
+        return slot in self._landed or any(slot in slots for _, slots in self._pending)
 
     def forget(self, slots: Iterable[int]) -> None:
         """Freed slots: their pending results are dropped (a later store of them starts afresh)."""
+        if self._cpu is not None:
+            landed = self._landed
+            if landed:
+                for s in slots:
+                    landed.pop(s, None)
+            return
         drop = set(slots)
         if drop and self._pending:
             for _, pend in self._pending:
@@ -83,3 +105,4 @@ class FiniteFlags:
 
     def clear(self) -> None:
         self._pending.clear()
+        self._landed.clear()

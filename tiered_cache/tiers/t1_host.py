@@ -28,6 +28,10 @@ _NP: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float16: np.floa
        torch.int64: np.int64}
 
 
+_EPS, _QMAX = np.float32(_ref_quant.AMAX_EPS), np.float32(_ref_quant.QMAX)  # made once: a scalar costs a call
+_MAX = np.maximum.reduce  # ndarray.max without its Python wrapper
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()  # a view: CPU tensors share their memory (and strides) with the array
 
@@ -59,17 +63,24 @@ class HostMoves:
         rows, slots = _ix(rows), _ix(slots)
         x = self.state[:, rows]
         convs = [(src[:, rows], dst) for src, dst in self.convs]
-        if not np.isfinite(x).all() or not all(c.dtype.kind != "f" or np.isfinite(c).all() for c, _ in convs):
+        if self.int8:
+            xf = x.astype(np.float32, copy=False)
+            # the scale's amax is NaN or inf exactly when a value is (max propagates NaN): one pass, not two
+            amax = _MAX(np.abs(xf), axis=-2, keepdims=True)
+            if not np.isfinite(amax).all():
+                return False
+        elif not np.isfinite(x).all():
             return False
+        for c, _ in convs:
+            if c.dtype.kind == "f" and not np.isfinite(c).all():
+                return False
         if self.int8:
             qdata, scale = self.t1
-            xf = x.astype(np.float32, copy=False)
-            amax = np.maximum(np.abs(xf).max(axis=-2, keepdims=True), np.float32(_ref_quant.AMAX_EPS))
-            s = (amax / np.float32(_ref_quant.QMAX)).astype(self.dtype)
+            s = (np.maximum(amax, _EPS) / _QMAX).astype(self.dtype)
             if self.min_scale:
                 s = np.maximum(s, self.min_scale)
             q = np.rint(xf / s.astype(np.float32))
-            np.minimum(np.maximum(q, -_ref_quant.QMAX, out=q), _ref_quant.QMAX, out=q)
+            np.minimum(np.maximum(q, -_QMAX, out=q), _QMAX, out=q)
             qdata[:, slots] = q.astype(np.int8)
             scale[:, slots] = s
         else:
