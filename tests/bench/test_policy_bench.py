@@ -46,6 +46,23 @@ def test_worst_gpu_bound_points():
     assert bp.worst(rows, "ours_tiered", "marconi", "flops_saved", gpu_bound=True) is None
 
 
+def test_ceiling_over_marconi_and_goals():
+    """The unbounded row over Marconi's at each point, the least of them; the goals read off the values."""
+    rows = [{"scenario": "a", "trace": "t", "gpu_gib": g, "policy": p, "flops_saved": v}
+            for g, vals in ((8, {"marconi": 0.2}), (24, {"marconi": 0.8}), (None, {"marconi": 0.9}))
+            for p, v in vals.items()]
+    assert bp.ceiling_vs_marconi(rows) == pytest.approx(0.9 / 0.8)
+    rows[1]["flops_saved"] = 0.0
+    assert bp.ceiling_vs_marconi(rows) is None
+    m = dict.fromkeys(("flops_saved_ours_vs_marconi", "hit_rate_ours_vs_marconi",
+                       "flops_saved_tiered_vs_marconi_gpu_bound", "hit_rate_marconi_vs_sglang_style"), 1.0)
+    m["flops_saved_tiered_vs_marconi"] = 1.5
+    g = bp.goals(m)
+    assert g["goal_tiered"].endswith("NOT met (1.5)") and g["goal_ours"].endswith(": met (1)")
+    m["flops_saved_tiered_vs_marconi"] = None
+    assert bp.goals(m)["goal_tiered"].endswith("undefined")
+
+
 @pytest.mark.parametrize("policy,admission,cuts,config", [
     ("lru", "block", "every_block", "gpu_only"), ("lru", "chunk", None, "gpu_only"),
     ("marconi", "leaf_branch", None, "gpu_only"), ("tiered", "leaf_branch", None, "gpu_only"),
@@ -60,9 +77,9 @@ def test_a_short_run_of_each_configuration(policy, admission, cuts, config):
     pc = bp.PrefixCosts.of(costs.MARCONI_7B, tokens_per_key=64, t1_int8=config != "gpu_only")
     r = bp.run(reqs, 20, tiers, bp.cs.tiny_state(real), pc, policy, admission, cuts, 8, 128, 15)
     assert r["requests"] == 40 and 0.0 < r["hit_rate"] <= 1.0 and 0.0 < r["flops_saved"] <= 1.0
-    if policy in bp.GRIDS and config == "gpu_only":  # tuned from the first eviction (the host budget here
+    if policy == "marconi" and config == "gpu_only":  # tuned from the first eviction (the host budget here
         # holds this trace: no eviction, no tuning): at least one window of 15 after it
-        assert r["tunings"] and set(r["tunings"]) <= set(bp.GRIDS[policy]) and r["tuned"] == r["tunings"][-1]
+        assert r["tunings"] and set(r["tunings"]) <= set(bp.ALPHA_GRID) and r["tuned"] == r["tunings"][-1]
 
 
 def test_tiered_run_evicts_in_every_tier():

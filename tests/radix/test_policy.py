@@ -28,7 +28,6 @@ from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix import CacheReq, EvictParams
 from tiered_cache.radix.policies import (
     SCORED,
-    AlphaTuner,
     MarconiPolicy,
     PrefixCosts,
     SegLenPolicy,
@@ -214,50 +213,6 @@ def test_marconi_alpha_weights_flop_efficiency():
         cache.tree.policy.alpha = alpha
         assert _first_state_victim(cache) == [20]
         assert _first_state_victim(cache) == want
-
-
-def test_tuner_picks_the_best_alpha():
-    """Tuning starts at the first eviction: the requests before it warm the first window's replay, the
-    window before warms each later one; the best value of the grid is kept (ties: the smaller)."""
-    seen = []
-
-    def replay(warm, reqs, alpha):
-        seen.append((list(warm), list(reqs), alpha))
-        return -abs(alpha - 2.0)
-
-    tuner = AlphaTuner(replay, grid=(0.0, 1.0, 2.0, 4.0), window=3)
-    p = MarconiPolicy(_costs(), alpha=0.5, tuner=tuner)
-    for r in "ab":  # no eviction yet: the cache is filling
-        p.observe(r)
-    p.counts["state"] += 1  # what pop does: from here on the cache evicts
-    for r in "cd":
-        p.observe(r)
-    assert p.alpha == 0.5 and not seen
-    p.observe("e")
-    assert p.alpha == 2.0 and p.tunings == 1
-    assert seen == [(["a", "b"], ["c", "d", "e"], a) for a in (0.0, 1.0, 2.0, 4.0)]
-    for r in "fgh":
-        p.observe(r)
-    assert p.tunings == 2 and seen[4:] == [(["c", "d", "e"], ["f", "g", "h"], a) for a in (0.0, 1.0, 2.0, 4.0)]
-    tie = AlphaTuner(lambda warm, reqs, a: 1.0, grid=(4.0, 1.0), window=1)
-    assert tie.observe("x", evicting=True) == 1.0
-    with pytest.raises(InvalidTypeError, match="replay"):
-        AlphaTuner(None)
-    with pytest.raises(InvalidArgumentError, match="grid"):
-        AlphaTuner(replay, grid=(-1.0,))
-
-
-def test_only_marconi_takes_a_tuner():
-    """The tuner sets Marconi's alpha; SegLen and ours have no tuned weight and refuse one."""
-    m = MarconiPolicy(_costs(), alpha=1.0, tuner=AlphaTuner(lambda warm, reqs, v: v, grid=(0.0, 3.0), window=1))
-    m.counts["kv"] += 1
-    m.observe("a")
-    assert m.alpha == 3.0 and m.tunings == 1
-    for cls in (SegLenPolicy, TieredPolicy):
-        with pytest.raises(InvalidTypeError, match="tuner"):
-            cls(_costs(), tuner=AlphaTuner(lambda warm, reqs, v: v))
-    with pytest.raises(InvalidTypeError, match="tuner"):
-        MarconiPolicy(_costs(), tuner="grid")
 
 
 def test_recency_power_weighs_age_against_cost():

@@ -1,10 +1,11 @@
 """Eviction policies: which cached node gives up a resource next.
 
-The tree tells the policy three things and asks one: a node was *used* (``touch``), a node became or
+The tree tells the policy four things and asks one: a node was *used* (``touch``), a node became or
 stopped being a *candidate* for a resource (``add``/``discard``: the tree alone knows locks and
-leaves), a node left the tree (``forget``); and ``pop`` returns the best victim among the
-candidates. The policy never looks inside a node, and the tree never orders victims, so a
-cost-aware policy (bytes, recompute cost, hit counts) replaces ``LRUPolicy`` without touching the tree.
+leaves), a node left the tree (``forget``), a request finished with these tokens cached (``observe``:
+what a policy that tunes itself replays); and ``pop`` returns the best victim among the candidates.
+The policy never looks inside a node, and the tree never orders victims, so a cost-aware policy
+(bytes, recompute cost, hit counts) replaces ``LRUPolicy`` without touching the tree.
 
 Resources, one candidate set per (resource, tier): ``"kv"`` (device KV of unlocked nodes with no
 device child), ``"state"`` (unlocked T1 states), ``"kv_host"`` / ``"state_host"`` (their T2 copies),
@@ -53,6 +54,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def clear(self) -> None:
         """Forget every node."""
+
+    @abstractmethod
+    def observe(self, tokens: list[int], kv_held: int) -> None:
+        """A request finished and the tree cached ``tokens``; it now holds ``kv_held`` device KV tokens. A
+        policy that learns from the requests records them (``MarconiPolicy``'s alpha tuner)."""
 
     def size(self, resource: str) -> int:
         """How many candidates ``resource`` has (override when a cheaper count exists)."""
@@ -118,8 +124,25 @@ class LRUPolicy(EvictionPolicy):
     def candidates(self, resource: str) -> set[Any]:
         return set(self._cand[resource])
 
+    def observe(self, tokens: list[int], kv_held: int) -> None:
+        """Recency learns nothing from the requests themselves."""
+
     def size(self, resource: str) -> int:
         return len(self._cand[resource])
+
+    def adopt(self, other: LRUPolicy, twin: dict[Any, Any]) -> None:
+        """Forget every node, then take ``other``'s stamps and candidates, each node as ``twin`` maps it (a
+        copy of ``other``'s tree: ``radix.policies.ghost``); new stamps come after all of them."""
+        self.clear()
+        last = 0
+        for base, stamps in other._stamp.items():
+            self._stamp[base] = {twin[n]: t for n, t in stamps.items() if n in twin}
+            last = max(last, max(stamps.values(), default=0))
+        self._clock = itertools.count(last + 1)
+        for r, cand in other._cand.items():
+            for n in cand:
+                if n in twin:
+                    self.add(r, twin[n])
 
     def stamp(self, resource: str, node: Any) -> Optional[int]:
         """The node's last-use stamp (tests pin orders with it)."""

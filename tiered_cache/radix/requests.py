@@ -36,6 +36,8 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
         res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
                                        mamba_value=req.mamba_pool_idx, prev_prefix_len=prev))
         keep = max(res.cached_len, prev)
+        t = cache.tree  # a policy that learns from the requests (Marconi's alpha tuner):
+        t.policy.observe(toks, t.full_evictable + t.full_protected)
     if keep < kv.numel():
         cache.kv.free(kv[keep:])
     if req.mamba_pool_idx is not None:

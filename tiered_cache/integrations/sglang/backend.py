@@ -153,6 +153,9 @@ class TieredRadixCache(B.BasePrefixCache):
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         try:
             self._checkpoint(req, up_to)
+            if req.finished() and not self.disable:  # a policy that learns from the requests (Marconi's alpha)
+                t = self.cache.tree
+                t.policy.observe(req.full_untruncated_fill_ids[:up_to], t.full_evictable + t.full_protected)
         finally:
             if req.finished():  # the tree holds its own copy: the request's state slot goes back
                 self._free_state(req)

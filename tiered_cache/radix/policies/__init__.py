@@ -5,21 +5,24 @@
     scored.py     PrefixCosts (costs of a victim from the model geometry), MarconiPolicy, SegLenPolicy
     tiered.py     TieredPolicy: tier-aware expected saving per byte ("ours")
     tuning.py     AlphaTuner: Marconi's online alpha, by replaying the recent window over a grid
+    ghost.py      GhostCache: the token-and-count model of a cache the tuner replays on
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.radix.policies.admission import ADMISSIONS, StateAdmission, is_branch_point
 from tiered_cache.radix.policies.facts import NodeFacts
+from tiered_cache.radix.policies.ghost import GhostCache
 from tiered_cache.radix.policies.scored import MarconiPolicy, PrefixCosts, ScoredPolicy, SegLenPolicy
 from tiered_cache.radix.policies.tiered import TieredPolicy
 from tiered_cache.radix.policies.tuning import ALPHA_GRID, AlphaTuner
 
 # CacheConfig.eviction_policy -> the class, for every policy but "lru" (the stack's CountingLRUPolicy)
-SCORED = {"marconi": MarconiPolicy, "seglen": SegLenPolicy, "tiered": TieredPolicy}
+SCORED: dict[str, type[ScoredPolicy]] = {"marconi": MarconiPolicy, "seglen": SegLenPolicy, "tiered": TieredPolicy}
 
 
 def stack_costs(cost_model: str, kv_token_bytes: int, t1_slot_bytes: int) -> PrefixCosts:
@@ -30,13 +33,23 @@ def stack_costs(cost_model: str, kv_token_bytes: int, t1_slot_bytes: int) -> Pre
     return PrefixCosts(geometry(cost_model), kv_token_bytes, t1_slot_bytes, t1_slot_bytes)
 
 
-def make_policy(name: str, costs: PrefixCosts, *, tiered: bool, **kw: Any) -> ScoredPolicy:
-    """The scored policy ``name`` over ``costs``; ``tiered``: a T2 lies below T1; ``kw``: the class's own."""
+def make_policy(name: str, costs: PrefixCosts, *, tiered: bool, budget: Optional[tuple[int, int]] = None,
+                window: int = 500, grid: Sequence[float] = ALPHA_GRID, **kw: Any) -> ScoredPolicy:
+    """The scored policy ``name`` over ``costs``; ``tiered``: a T2 lies below T1; ``kw``: the class's own.
+    ``budget``: the tree's (device KV tokens, T1 states): a policy with a tuned weight (Marconi's alpha)
+    then tunes it online over ``grid`` every ``window`` finished requests (``tuning.AlphaTuner``)."""
     if name not in SCORED:
         raise InvalidArgumentError("eviction_policy", f"one of {', '.join(SCORED)}", name)
-    return SCORED[name](costs, tiered=tiered, **kw)
+    cls, tuned = SCORED[name], SCORED[name].TUNED
+    if budget is not None and tuned is not None and "tuner" not in kw:
+        def fresh(value: float) -> ScoredPolicy:  # a replay's policy: the live class at ``value``, no tuner
+            weight: dict[str, Any] = {tuned: value}
+            return cls(costs, **weight)
+
+        kw["tuner"] = AlphaTuner(fresh, *budget, grid=grid, window=window)
+    return cls(costs, tiered=tiered, **kw)
 
 
-__all__ = ["ADMISSIONS", "ALPHA_GRID", "SCORED", "AlphaTuner", "MarconiPolicy", "NodeFacts",
+__all__ = ["ADMISSIONS", "ALPHA_GRID", "SCORED", "AlphaTuner", "GhostCache", "MarconiPolicy", "NodeFacts",
            "PrefixCosts", "ScoredPolicy", "SegLenPolicy", "StateAdmission", "TieredPolicy", "is_branch_point",
            "make_policy", "stack_costs"]

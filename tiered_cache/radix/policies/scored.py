@@ -9,7 +9,8 @@ oldest node, so a run is the same every time.
 
     marconi  (Marconi, arXiv 2411.19379) over nodes with at most one child: utility = normalised recency
              + alpha x normalised FLOP efficiency (FLOPs a hit saves / bytes the victim frees); alpha is
-             set by ``tuning.AlphaTuner`` when one is given. Host copies go least recently used.
+             tuned online by ``tuning.AlphaTuner`` when one is given (``make_policy`` gives one when
+             it knows the tree's budget). Host copies go least recently used.
     seglen   replay length to the nearest resumable ancestor x normalised recency (host copies: LRU).
 """
 
@@ -74,7 +75,8 @@ class ScoredPolicy(LRUPolicy):
     """Candidates and stamps as ``LRUPolicy``; ``pop`` takes the candidate ``choose`` picks. ``counts``:
     victims per resource (as the stack's ``CountingLRUPolicy``). ``tiered``: a T2 lies below T1 (a T1
     state and backed-up KV are demoted, not dropped). ``tuner``: a ``tuning.AlphaTuner`` fed by ``observe``
-    that sets the attribute ``TUNED`` names (a policy without one takes no tuner)."""
+    that sets the attribute ``TUNED`` names (a policy without one takes no tuner); ``tunings`` counts its
+    settings."""
 
     TUNED: Optional[str] = None
 
@@ -114,10 +116,12 @@ class ScoredPolicy(LRUPolicy):
         """The victim among ``cands`` (in no order: ties go by recency, then node id); least recently used here."""
         return self.least_recent(resource, cands)
 
-    def observe(self, request: Any) -> None:
-        """A request arrived: the tuner records it and may set the tuned weight."""
+    def observe(self, tokens: list[int], kv_held: int) -> None:
+        """A request finished with ``tokens`` cached (the tree holds ``kv_held`` device KV tokens): the tuner
+        records them and may set the tuned weight."""
         if self.tuner is not None:
-            v = self.tuner.observe(request, evicting=bool(self.counts))
+            v = self.tuner.observe(tokens, kv_held, evicting=bool(self.counts),
+                                   live=getattr(self, self.TUNED))  # type: ignore[arg-type]
             if v is not None:
                 setattr(self, self.TUNED, v)  # type: ignore[arg-type]
                 self.tunings += 1
