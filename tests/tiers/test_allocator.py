@@ -5,7 +5,6 @@ ids with typed errors and changes nothing."""
 
 from __future__ import annotations
 
-import heapq
 import random
 
 import numpy as np
@@ -102,39 +101,3 @@ def test_both_paths_refuse_busy_pages():
     kv.free_pages([2, 1])
     assert kv.num_live == 0 and np.all(kv._v2p[1:] < 0)
     kv.check_invariants()
-
-
-class OnePushEach(MultiEndedAllocator):
-    """The reference for ``_push_holes``: every freed rank pushed on its own."""
-
-    def _push_holes(self, ranks: list[int]) -> None:
-        for r in ranks:
-            heapq.heappush(self._holes, r)
-
-
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), ps=st.sampled_from([1, 4]))
-def test_batched_hole_pushes_allocate_as_one_push_each(seed, ps):
-    """Frees of many pages (heapified at once) and of few (pushed) leave the holes the one-push-each
-    reference leaves: every later ``alloc`` returns the same ids, every state is the same."""
-    rng = random.Random(seed)
-    fast = MultiEndedAllocator(name="kv", entry_bytes=64, total_bytes=64 * 200, grows="up", page_size=ps, lazy=True)
-    ref = OnePushEach(name="kv", entry_bytes=64, total_bytes=64 * 200, grows="up", page_size=ps, lazy=True)
-    held: list[int] = []
-    for _ in range(80):
-        if rng.random() < 0.5 or not held:
-            n = rng.randrange(0, 30) * ps
-            got_a, got_b = fast.alloc(n), ref.alloc(n)
-            assert (got_a is None) == (got_b is None)
-            if got_a is not None:
-                assert torch.equal(got_a, got_b)
-                held += got_a[::ps].div(ps, rounding_mode="floor").tolist()
-        else:
-            pages = rng.sample(held, rng.randrange(1, len(held) + 1))
-            for p in pages:
-                held.remove(p)
-            fast.free_pages(pages)
-            ref.free_pages(pages)
-        assert state(fast) == state(ref)
-        assert sorted(fast._holes) == sorted(ref._holes)
-        fast.check_invariants()

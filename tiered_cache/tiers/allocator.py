@@ -261,7 +261,8 @@ class MultiEndedAllocator(BusyMarks):
         self.pages.mark_dirty(vids)
         ranks = (rows if self.grows == "up" else self.capacity - 1 - rows).tolist()
         self._hole_set.update(ranks)
-        self._push_holes(ranks)
+        for r in ranks:
+            heapq.heappush(self._holes, r)
         if self.lazy:
             self._trim()
         else:
@@ -387,18 +388,6 @@ class MultiEndedAllocator(BusyMarks):
         if unallocated.size:
             raise SlotStateError("ids", f"allocated ids of side {self.name!r}", unallocated[:16].tolist())
         return out
-
-    def _push_holes(self, ranks: list[int]) -> None:
-        """Ranks freed at once onto the holes' heap: many (an eviction's pages) in one O(n) ``heapify``,
-        a few by a push (O(log n)) each. Either way the heap holds the same ranks, and pops the same."""
-        holes = self._holes
-        if len(ranks) * 8 > len(holes):
-            holes.extend(ranks)
-            heapq.heapify(holes)
-        else:
-            push = heapq.heappush
-            for r in ranks:
-                push(holes, r)
 
     def _trim(self) -> None:
         while self._n > 1 and (self._n - 1) in self._hole_set:
