@@ -118,13 +118,14 @@ def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mam
     return ids
 
 
-def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value") -> np.ndarray:
-    """``v`` (whole pages) must be allocated in T0, distinct, and not already the ``RadixTree``'s. One host
-    copy of ``v`` (a device sync on a GPU; a view on the CPU), then vectorised numpy over its pages.
-    ``arg``: the caller's name for ``v`` in errors. -> its page ids (checked: the tree may free them
-    through the trusted ``free_pages``)."""
+def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0,
+                     hi: Optional[int] = None) -> np.ndarray:
+    """``v[lo:hi]`` (whole pages) must be allocated in T0, distinct, and not already the ``RadixTree``'s. One
+    host copy of it (a device sync on a GPU; a numpy view on the CPU, sliced there: a torch slice costs
+    more), then vectorised numpy over its pages. ``arg``: the caller's name for ``v`` in errors. -> its
+    page ids (checked: the tree may free them through the trusted ``free_pages``)."""
     ps = tree.page_size
-    toks = v.numpy() if v.device.type == "cpu" else v.cpu().numpy()
+    toks = v.numpy()[lo:hi] if v.device.type == "cpu" else v[lo:hi].cpu().numpy()
     first = toks[::ps]
     pages = first // ps
     # whole pages: the ids equal page*ps + 0..ps-1, compared as bytes (one memcmp, no bool array)

@@ -296,7 +296,7 @@ class MambaRule:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
         path, end_node, _, pending = tree.probe(toks, salt, aligned, prev)
         # the caller's pages, checked once: duplicates and new leaves use them without another check
-        pages = check_callers_kv(tree, value[prev:aligned]) if tree.validate and prev < aligned else None
+        pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
         sid = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
         if pending:  # the caller computed on KV a load is writing: its ticket is done, or nearly
             self.host.settle("load")

@@ -29,7 +29,7 @@ _NP: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float16: np.floa
 
 
 _EPS, _QMAX = np.float32(_ref_quant.AMAX_EPS), np.float32(_ref_quant.QMAX)  # made once: a scalar costs a call
-_MAX = np.maximum.reduce  # ndarray.max without its Python wrapper
+_MAX, _ALL = np.maximum.reduce, np.logical_and.reduce  # ndarray.max / .all without their Python wrappers
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -64,22 +64,26 @@ class HostMoves:
         x = self.state[:, rows]
         convs = [(src[:, rows], dst) for src, dst in self.convs]
         if self.int8:
-            xf = x.astype(np.float32, copy=False)
+            xf = x if x.dtype == np.float32 else x.astype(np.float32)
             # the scale's amax is NaN or inf exactly when a value is (max propagates NaN): one pass, not two
             amax = _MAX(np.abs(xf), axis=-2, keepdims=True)
-            if not np.isfinite(amax).all():
+            if not _ALL(np.isfinite(amax), axis=None):
                 return False
-        elif not np.isfinite(x).all():
+        elif not _ALL(np.isfinite(x), axis=None):
             return False
         for c, _ in convs:
-            if c.dtype.kind == "f" and not np.isfinite(c).all():
+            if c.dtype.kind == "f" and not _ALL(np.isfinite(c), axis=None):
                 return False
         if self.int8:
             qdata, scale = self.t1
-            s = (np.maximum(amax, _EPS) / _QMAX).astype(self.dtype)
+            s = np.maximum(amax, _EPS)
+            s /= _QMAX
+            if self.dtype is not np.float32:  # the scale is rounded to the state's dtype, as the twin does
+                s = s.astype(self.dtype)
             if self.min_scale:
                 s = np.maximum(s, self.min_scale)
-            q = np.rint(xf / s.astype(np.float32))
+            q = xf / (s if s.dtype == np.float32 else s.astype(np.float32))
+            np.rint(q, out=q)
             np.minimum(np.maximum(q, -_QMAX, out=q), _QMAX, out=q)
             qdata[:, slots] = q.astype(np.int8)
             scale[:, slots] = s
@@ -94,8 +98,10 @@ class HostMoves:
         slots, rows = _ix(slots), _ix(rows)
         if self.int8:
             qdata, scale = self.t1
-            q, s = qdata[:, slots], scale[:, slots]
-            self.state[:, rows] = (q.astype(np.float32) * s.astype(np.float32)).astype(self.dtype)
+            x = qdata[:, slots].astype(np.float32)
+            s = scale[:, slots]
+            x *= s if s.dtype == np.float32 else s.astype(np.float32)
+            self.state[:, rows] = x if self.dtype is np.float32 else x.astype(self.dtype)
         else:
             self.temporal[:, rows] = self.t1[0][:, slots]
         for t0, t1 in self.convs:
