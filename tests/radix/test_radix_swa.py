@@ -107,6 +107,69 @@ def test_an_offloaded_window_loads_back_byte_equal(policy):
     cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
 
 
+def _saved(cache, nodes):
+    """The full and SWA page bytes of ``nodes`` (on the device), in path order."""
+    ps = 2
+    full = cache.kv.rows_bytes()[cache.kv.translate(torch.cat([x.value for x in nodes])[::ps]) // ps].clone()
+    swa_ids = torch.cat([x.payload.swa_value for x in nodes])
+    return full, cache.swa.rows_bytes()[cache.swa.translate(swa_ids[::ps]) // ps].clone()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_swa_pressure_demotes_what_the_host_holds_and_it_loads_back_exact(policy):
+    """SWA eviction of a node with no child on the device whose full and SWA KV are on the host
+    (write-through: copied at insert; write-back: copied first) frees both device pages and keeps the
+    node, as KV eviction demotes: C, then B (C gone from the device) become host hits, and load back
+    brings their full KV and their window's SWA KV back byte-equal."""
+    cache = three(write_policy=policy)
+    cache.check_hicache_events()
+    b, c = node_at(cache, range(1, 9)), node_at(cache, range(1, 11))
+    saved_full, saved_swa = _saved(cache, [b, c])
+    match(cache, range(1, 9))  # C is the LRU SWA candidate
+    r = cache.evict(EvictParams(swa_num_tokens=1))
+    assert (r.swa_num_tokens_evicted, r.num_tokens_evicted, cache.stats["swa_demotes"]) == (2, 2, 1)
+    assert c.alive and c.value is None and c.payload.swa_value is None and c.payload.swa_host is not None
+    assert not c.payload.swa_tomb and b.payload.swa_value is not None
+    match(cache, [1, 2, 3, 4])  # B is the LRU one now, its only child on the host
+    r = cache.evict(EvictParams(swa_num_tokens=1))
+    assert (r.swa_num_tokens_evicted, r.num_tokens_evicted, cache.stats["swa_demotes"]) == (4, 4, 2)
+    assert b.alive and b.value is None and b.payload.swa_host is not None
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+    m = match(cache, range(1, 11))
+    assert (len(m.device_indices), m.host_hit_length, m.swa_host_hit_length) == (4, 6, 6)
+    assert m.best_match_node is c
+    req = CacheReq(token_ids=list(range(1, 11)), kv_indices=torch.empty(0, dtype=torch.int64))
+    ids, node = cache.init_load_back(InitLoadBackParams(c, 6, req=req))
+    cache.check_hicache_events()
+    assert node is c and req.load_back.ok and len(req.load_back.swa_indices) == 6
+    ps = 2
+    assert torch.equal(cache.kv.rows_bytes()[cache.kv.translate(ids[::ps]) // ps], saved_full)
+    assert torch.equal(cache.swa.rows_bytes()[cache.swa.translate(req.load_back.swa_indices[::ps]) // ps], saved_swa)
+    m = match(cache, range(1, 11))
+    assert len(m.device_indices) == 10 and m.host_hit_length == 0
+    check_kv(cache, m.device_indices, list(range(1, 11)))
+    check_swa(cache, m.swa_device_indices, list(range(1, 11)))
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+
+
+def test_without_the_swa_demotion_swa_pressure_drops_the_host_copy(monkeypatch):
+    """Control: the same eviction with every node taken as not backed up (the old rule): C goes whole,
+    its host copy with it, and the match that was a host hit of 2 finds nothing on the host."""
+    from tiered_cache.radix.swa_rule import SWARule
+
+    monkeypatch.setattr(SWARule, "_backed", staticmethod(lambda x: False))
+    cache = three()
+    cache.check_hicache_events()
+    c = node_at(cache, range(1, 11))
+    match(cache, range(1, 9))
+    r = cache.evict(EvictParams(swa_num_tokens=1))
+    assert (r.swa_num_tokens_evicted, r.num_tokens_evicted, cache.stats["swa_demotes"]) == (2, 2, 0)
+    assert not c.alive
+    m = match(cache, range(1, 11))
+    assert (len(m.device_indices), m.host_hit_length, m.swa_host_hit_length) == (8, 0, 0)
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+
+
 def test_corrupt_swa_host_page_is_a_miss():
     cache = three()
     cache.check_hicache_events()

@@ -65,13 +65,14 @@ class Eviction:
             host.backup_sync(x)  # write-back: written first, then demoted
             self.tree.policy.discard("kv", x)
         if self.rule.can_demote(x):
-            self._demote(x, f)
+            self.demote(x, f)
             return len(x.key)
         assert not x.children, f"{x} has children on the host but no host copy itself"
         return self.tree.drop_leaf(x, f)
 
-    def _demote(self, x: TreeNode, f: Frees) -> None:
-        """Free ``x``'s device KV; its complete host copy stays (the tree keeps the node)."""
+    def demote(self, x: TreeNode, f: Frees) -> None:
+        """Free ``x``'s device KV; its complete host copy stays (the tree keeps the node). Also the SWA
+        rule's, for an SWA victim backed up whole."""
         tree = self.tree
         f.kv.append(x.value)  # type: ignore[arg-type]  # a "kv" candidate is on the device
         x.value = None

@@ -12,8 +12,10 @@ hybrid needs to resume at a position is the SWA KV of the ``W`` tokens before it
 
 - A node's SWA KV lives where its full KV lives: on the device with it (``payload.swa_value``), on
   the host with it (``payload.swa_host``), or nowhere (tombstone). Backups, demotion and load back move both.
-- ``evict(swa_num_tokens=n)`` frees SWA KV, LRU first: an internal node becomes an SWA tombstone
-  (its full KV stays, usable by longer matches), a leaf goes whole (a leaf is never a tombstone).
+- ``evict(swa_num_tokens=n)`` frees SWA KV, LRU first: a node with no child on the device whose full
+  and SWA KV are on the host is demoted (device pages freed, host copies kept: a later match is a host
+  hit); otherwise an internal node becomes an SWA tombstone (its full KV stays, usable by longer
+  matches) and a leaf goes whole (a leaf is never a tombstone).
 - ``insert`` takes the caller's SWA ids (``InsertParams.swa_value``) as it takes full ids; SWA KV
   before ``swa_evicted_seqlen`` was freed by the caller as it slid out of the window: the span it
   covers is cached as tombstones.
@@ -67,7 +69,7 @@ class HiSWARadixCache(RadixCacheFacade):
             self.host_tier.add_stream(Stream("swa", _payload, "swa_value", "swa_pending", "swa_host",
                                              "swa_host_pending", self.swa, self.swa_region, "swa", "swa_host"))
         self._wire(rule, rule)
-        rule.bind(self.host_tier)
+        rule.bind(self.host_tier, self.eviction)
         self.reset()
 
     def supports_mamba(self) -> bool:

@@ -79,9 +79,10 @@ class SWARule:
         self.tree, self.swa, self.window = tree, swa, window
         tree.sinks["swa"] = swa
         self.host: Any = None  # HostTier
+        self.eviction: Any = None  # Eviction: demotes an SWA victim backed up whole
 
-    def bind(self, host: Any) -> None:
-        self.host = host
+    def bind(self, host: Any, eviction: Any) -> None:
+        self.host, self.eviction = host, eviction
 
     def clear(self) -> None:
         """Nothing of the kind outlives the tree."""
@@ -284,6 +285,11 @@ class SWARule:
     def evict_host(self, params: EvictParams) -> int:
         return 0  # T2 SWA KV goes with the T2 KV of its node
 
+    @staticmethod
+    def _backed(x: TreeNode) -> bool:
+        """``x``'s full KV and its SWA KV both have a complete host copy."""
+        return x.host_kv is not None and x.payload.swa_host is not None
+
     def can_demote(self, x: TreeNode) -> bool:
         # an SWA copy missing on the host would be lost: fine for an internal node (it becomes a
         # tombstone), not for a leaf (a leaf is never a tombstone)
@@ -296,13 +302,25 @@ class SWARule:
             f.put("swa", p.swa_value)
             p.swa_value = None
             p.swa_tomb = p.swa_host is None
+            self.tree.freed["swa"] += len(x.key)
 
     def evict_swa(self, num: int) -> int:
-        """Free ``num`` SWA KV tokens, LRU first: an internal node becomes an SWA tombstone (its full
-        KV stays), a leaf goes whole. -> tokens."""
+        """Free ``num`` SWA KV tokens, LRU first. A node with no child on the device whose full and SWA
+        KV are both on the host (write-back: backed up first) is demoted, as device KV eviction demotes:
+        its device pages go, the node stays a host hit that load back brings back with its window's SWA
+        KV. Otherwise an internal node becomes an SWA tombstone (its full KV stays) and a leaf goes
+        whole. -> tokens."""
         return self.tree.evict_each("swa", num, self._evict_one)
 
     def _evict_one(self, x: TreeNode, f: Frees) -> int:
+        host = self.host
+        if host.enabled and not any(c.value is not None or c.value_pending is not None for c in x.children.values()):
+            if not self._backed(x) and host.conf.write_policy == "write_back":
+                host.backup_sync(x)  # write-back: written first, then demoted
+            if self._backed(x):
+                self.eviction.demote(x, f)
+                self.tree.stats["swa_demotes"] += 1
+                return len(x.key)
         if not x.children:
             self.tree.drop_leaf(x, f)
             return len(x.key)

@@ -160,6 +160,37 @@ def test_t2_demotes_and_loads_back_the_swa_window(monkeypatch, device):
     backend.close()
 
 
+@pytest.mark.parametrize("demote", [True, False])
+def test_swa_pressure_keeps_a_written_through_conversation_as_a_host_hit(monkeypatch, demote, device):
+    """SGLang's allocator short of SWA pages (``reclaim_for_prealloc`` asking for the whole SWA pool): the
+    tree's SWA eviction demotes the leaf [64, 96), whose full and SWA KV were written through to T2 (its
+    device pages back to SGLang, its mapping cleared, the node kept on the host), and tombstones [0, 32)
+    (its child still on the device). The next turn is a 96-token host hit: ``init_load_back`` brings the
+    leaf's full KV and the SWA KV of its window back into fresh pages of SGLang's pools, exact with every
+    free page NaN. Control (``demote`` False: every node taken as not backed up, the old rule): the leaf
+    goes whole with its T2 copy, the tombstones above it with it, and the next turn finds nothing."""
+    from tiered_cache.radix.swa_rule import SWARule
+
+    if not demote:
+        monkeypatch.setattr(SWARule, "_backed", staticmethod(lambda x: False))
+    rows, alloc, pool = _swa_pools(device=device)
+    backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": 32})
+    _serve_swa(backend, rows, alloc, pool, "t1", A, 40)  # [0, 32) SWA, [32, 64) tombstone, [64, 96) SWA
+    assert backend.cache.stats["backups"] > 0
+    assert alloc.reclaim_for_prealloc(backend, 0, SWA_TOKENS) is None  # SGLang's SWA shortfall, evicted
+    assert alloc.swa_available_size() == SWA_TOKENS
+    assert backend.cache.stats["swa_demotes"] == int(demote)
+    assert alloc.full_available_size() == (TOKENS - 64 if demote else TOKENS)  # [0, 64) stays as tombstones
+    assert _check_swa_mapping(backend, alloc) == ((64, 0) if demote else (0, 0))
+    backend.check_invariants()
+    assert _serve_swa(backend, rows, alloc, pool, "t2", A + [7] * 30, 130) == (96 if demote else 0)
+    assert backend.cache.stats["load_backs"] == int(demote)
+    _check_swa_mapping(backend, alloc)
+    backend.check_invariants()
+    _drain(backend, alloc)
+    backend.close()
+
+
 def test_without_the_remap_after_a_load_the_loaded_window_is_not_sglangs(monkeypatch, device):
     """Control: the T2 test with the backend's remap left out: the loaded full pages map to no SWA page,
     so the window SGLang would read is not the one loaded."""
