@@ -97,3 +97,22 @@ def test_tiered_run_evicts_in_every_tier():
     assert {"kv", "state", "kv_host", "state_host"} <= {r for r, n in sim.policy.counts.items() if n}
     assert sim.c["host"] > 0
     sim.cache.check_invariants(request_kv=bp.torch.empty(0, dtype=bp.torch.int64), request_states=bp.torch.empty(0))
+
+
+def test_main_repeats_the_sessions_over_seeds(tmp_path):
+    """Each seed draws (a)'s sessions again: rows per seed, the headline from the first seed, and the same
+    worst-point ratios' min <= median <= max over the seeds; the goals stated in the JSON's info."""
+    import json
+
+    path = bp.main(["--scenarios", "a", "--rates", "2", "--gpu-gib-a", "6", "--host-gib-a", "8", "--requests", "30",
+                    "--warm", "20", "--window", "15", "--seeds", "3", "4", "--out", str(tmp_path)])
+    d = json.load(open(path))
+    m, rows = d["metrics"], d["rows"]
+    assert {r["seed"] for r in rows} == {3, 4} and all(r["scenario"] == "a" for r in rows)
+    first = bp.headlines([r for r in rows if r["seed"] == 3])
+    assert {k: m[k] for k in first} == pytest.approx(first)
+    for k in first:
+        lo, mid, hi = (m[f"{k}_{s}_over_seeds"] for s in ("min", "median", "max"))
+        if lo is not None:
+            assert lo <= mid <= hi and lo <= m[k] <= hi
+    assert d["info"]["goal_tiered"].startswith("flops_saved_tiered_vs_marconi >= 2 at the worst grid point: ")
