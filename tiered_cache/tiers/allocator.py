@@ -261,8 +261,7 @@ class MultiEndedAllocator(BusyMarks):
         self.pages.mark_dirty(vids)
         ranks = (rows if self.grows == "up" else self.capacity - 1 - rows).tolist()
         self._hole_set.update(ranks)
-        for r in ranks:
-            heapq.heappush(self._holes, r)
+        list(map(heapq.heappush, [self._holes] * len(ranks), ranks))  # one push each, the loop in C
         if self.lazy:
             self._trim()
         else:
