@@ -10,6 +10,7 @@ import random
 import types
 
 import pytest
+import torch
 
 from tests.support.sglang_util import (
     PAGE,
@@ -82,19 +83,22 @@ def test_without_the_remap_the_mapping_and_the_resumed_window_go_wrong(monkeypat
         _serve_swa(backend, rows, alloc, pool, "t4", A[:64] + [5] * 20, 84)
 
 
-@pytest.mark.parametrize("host", [False, True])
-@pytest.mark.parametrize("seed", range(4))
-def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, seed, host, device):
+# (SWA pages, full pages, T2 KV pages) of the random turns: the SWA pool short (tombstones, leaves
+# dropped), the full pool short with T2 (full KV demoted with its SWA KV), the SWA pool short with T2
+# (SWA eviction demotes what T2 holds)
+POOLS = {"swa": (10, 14, 0), "full+host": (24, 12, 64), "swa+host": (10, 24, 64)}
+
+
+def _random_turns(monkeypatch, seed: int, mode: str, device: str):
     """Conversations that go on, branch and start afresh (a request takes up to 9 pages; half of them
-    with SGLang's prefill shield): SGLang's
-    allocator evicts through the backend every few requests. Without ``host``, over an SWA pool of 10
-    pages (SWA tombstones, leaves dropped); with it, a full pool of 12 and T2 (full KV demoted with its
-    SWA KV, loaded back on a host hit). After each request: the resumed prefix exact with every free
-    page NaN (``_serve_swa``), the mapping the tree's, the tree's invariants; at the end both pools back
-    to their free counts."""
+    with SGLang's prefill shield) over the pools of ``POOLS[mode]``: SGLang's allocator evicts through
+    the backend every few requests. After each request: the resumed prefix exact with every free page
+    NaN (``_serve_swa``), the mapping the tree's, the tree's invariants; at the end both pools back to
+    their free counts. -> (SGLang's eviction results, the tree's stats)."""
     rng = random.Random(seed)
-    rows, alloc, pool = _swa_pools(24 * PAGE, 12 * PAGE, device) if host else _swa_pools(10 * PAGE, 14 * PAGE, device)
-    backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": 64} if host else {})
+    swa_pages, full_pages, host_pages = POOLS[mode]
+    rows, alloc, pool = _swa_pools(swa_pages * PAGE, full_pages * PAGE, device)
+    backend = _build_swa(monkeypatch, rows, alloc, {"host_kv_pages": host_pages} if host_pages else {})
     convs: list[list[int]] = []
     evictions = []
     evict = backend.evict
@@ -115,12 +119,72 @@ def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, see
         convs.append(toks)
         _check_swa_mapping(backend, alloc)
         backend.check_invariants()
-    if host:  # T2 in use (host hits themselves: seeds 1-3 here, and the T2 test below)
-        assert backend.cache.stats["backups"] > 0 and sum(r.num_tokens_evicted for r in evictions) > 0
-    else:  # the SWA pool was short
-        assert sum(r.swa_num_tokens_evicted for r in evictions) > 0
+    stats = dict(backend.cache.stats)
     _drain(backend, alloc)
     backend.close()
+    return evictions, stats
+
+
+@pytest.mark.parametrize("mode", list(POOLS))
+@pytest.mark.parametrize("seed", range(4))
+def test_random_turns_under_swa_pressure_evict_and_leak_nothing(monkeypatch, seed, mode, device):
+    """``_random_turns``; the pool ``mode`` names was short, and with T2 it was used (host hits
+    themselves: most seeds here, and the T2 tests below)."""
+    evictions, stats = _random_turns(monkeypatch, seed, mode, device)
+    if mode == "full+host":
+        assert stats["backups"] > 0 and sum(r.num_tokens_evicted for r in evictions) > 0
+    else:
+        assert sum(r.swa_num_tokens_evicted for r in evictions) > 0
+    if mode == "swa+host":
+        assert stats["swa_demotes"] > 0
+
+
+def _old_free_pages_oracle(monkeypatch) -> list[int]:
+    """Every SWA free through ``SGLangSWASide.free_pages`` is also done the old way, on a copy of the
+    mapping before it (every entry of the whole mapping pointing into a freed page cleared), and the two
+    mappings must be equal. -> pages checked, per free."""
+    from tiered_cache.integrations.sglang.t0_swa import SGLangSWASide
+
+    checked: list[int] = []
+    reverse_index = SGLangSWASide.free_pages
+
+    def free_pages(self, pages):
+        m = self._mapping[:-1]
+        want = m.clone()
+        if pages:
+            want[torch.isin(want // self.page_size, torch.tensor(pages, device=m.device)) & (want > 0)] = 0
+        reverse_index(self, pages)
+        assert torch.equal(m, want), "the reverse index unmapped other full ids than the whole-mapping scan"
+        checked.append(len(pages))
+
+    monkeypatch.setattr(SGLangSWASide, "free_pages", free_pages)
+    return checked
+
+
+@pytest.mark.parametrize("mode", list(POOLS))
+@pytest.mark.parametrize("seed", range(3))
+def test_swa_frees_through_the_reverse_index_equal_the_whole_mapping_scan(monkeypatch, seed, mode, device):
+    """Property: over random turns in every pool ``mode`` (SWA tombstones, leaves dropped, duplicates
+    freed at insert, demotions, loads back), each SWA free's mapping equals the old method's (a scan of
+    SGLang's whole mapping, O(pool) on the GPU per free), though the side reads only the freed pages'
+    noted full pages."""
+    checked = _old_free_pages_oracle(monkeypatch)
+    _random_turns(monkeypatch, seed, mode, device)
+    assert sum(checked) > 0
+
+
+def test_without_the_pairs_the_reverse_index_misses_mapped_full_ids(monkeypatch):
+    """Control: with ``pair`` a no-op (nothing noted), the first SWA eviction leaves the evicted pages'
+    full ids mapped, which the whole-mapping scan unmaps."""
+    from tiered_cache.integrations.sglang.t0_swa import SGLangSWASide
+
+    _old_free_pages_oracle(monkeypatch)
+    monkeypatch.setattr(SGLangSWASide, "pair", lambda self, full, swa: None)
+    rows, alloc, pool = _swa_pools()
+    backend = _build_swa(monkeypatch, rows, alloc)
+    _serve_swa(backend, rows, alloc, pool, "t1", A[:64], 64)
+    with pytest.raises(AssertionError, match="reverse index"):
+        backend.evict(B.EvictParams(num_tokens=0, swa_num_tokens=PAGE))
 
 
 def test_swa_eviction_tombstones_through_sglangs_allocator(monkeypatch, device):

@@ -217,6 +217,7 @@ class TieredRadixCache(B.BasePrefixCache):
         assert m is not None
         swa = m[row]
         n = row.numel() // ps * ps
+        self.cache.swa.pair(row[prev:n], swa[prev:n])  # the pages the insert may take or free as duplicates
         live = swa[prev:n:ps] > 0
         dead = torch.nonzero(~live).reshape(-1)
         cut = prev if dead.numel() == 0 else prev + (int(dead[-1]) + 1) * ps
@@ -238,7 +239,9 @@ class TieredRadixCache(B.BasePrefixCache):
             swa.append(torch.zeros_like(x.value) if s is None else s)
             x = x.parent
         if full:
-            m[torch.cat(full)] = torch.cat(swa).to(m.dtype)
+            f, s = torch.cat(full), torch.cat(swa).to(m.dtype)
+            m[f] = s
+            self.cache.swa.pair(f, s)
 
     def evict(self, params: B.EvictParams) -> B.EvictResult:
         # SGLang's mamba_num asks for free slots of its mamba pool; the tree holds none there (its states

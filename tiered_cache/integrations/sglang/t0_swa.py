@@ -10,7 +10,14 @@ backend keeps is that they agree with SGLang: for every cached full id, the node
 mapping says, and an SWA tombstone's full ids map to 0. So:
 
 - ``SGLangSWASide.free_pages`` (the tree evicting, tombstoning or dropping duplicate SWA KV) clears the
-  mapping entries that point into the freed pages, then frees the pages through SGLang's SWA allocator;
+  mapping entries that point into the freed pages, then frees the pages through SGLang's SWA allocator.
+  It finds them in O(pages freed), not by scanning the mapping: the side keeps a reverse index (SWA page
+  -> the full page paired with it), which the backend feeds (``pair``) wherever SGLang's mapping pairs
+  pages the tree may free: the request's pages an insert offers (read off the mapping) and the path it
+  writes after an insert or a load. Every SWA page the tree frees came to it through one of those, and
+  a full page is paired with one SWA page at a time, so the entries of the indexed full page that still
+  point into a freed page are all the entries that do (an entry gone stale, its full page since freed
+  or paired elsewhere, points elsewhere and is left alone);
   the full side frees full pages through SGLang's full allocator (their mapping entries already 0, as
   SGLang's own ``free_full`` expects);
 - what a running request frees itself (SGLang's ``free_swa_out_of_window_slots``: ids above its
@@ -47,17 +54,34 @@ class SGLangSWASide(SGLangKVSide):
         self._spec = KVSpec(num_layers=self._spec.num_layers, kv_heads=self._spec.kv_heads,
                             head_dim=self._spec.head_dim, dtype=self._spec.dtype, v_head_dim=self._spec.v_head_dim,
                             window=int_arg("window", window, lo=1))
-        self._mapping = allocator.full_to_swa_index_mapping
+        self._mapping = m = allocator.full_to_swa_index_mapping
+        # SWA page -> the full page last paired with it (-1: none); row 0, SGLang's padding page, takes
+        # the writes of unmapped (0) SWA ids and is never freed
+        self._rev = torch.full((self._capacity,), -1, dtype=torch.int64, device=m.device)
+        self._offsets = torch.arange(self._page, dtype=torch.int64, device=m.device)
+
+    def pair(self, full: torch.Tensor, swa: torch.Tensor) -> None:
+        """SGLang's mapping pairs the full ids ``full`` with the SWA ids ``swa`` (whole pages, in step, on
+        the mapping's device; an SWA id 0: none): noted for ``free_pages``. No host sync."""
+        ps = self._page
+        if full.numel():
+            self._rev[swa[::ps] // ps] = full[::ps].to(torch.int64) // ps
 
     def free_pages(self, pages: list[int]) -> None:
         """Give SWA pages back: the full ids mapped into them are unmapped first (SGLang reads a freed
-        token's SWA through the mapping), then SGLang's SWA allocator frees the pages."""
+        token's SWA through the mapping), then SGLang's SWA allocator frees the pages. O(pages): the
+        full page ``pair`` noted for each is the one whose entries can point into it."""
         if not pages:
             return
-        m = self._mapping[:-1]  # the trailing -1 is SGLang's no-prefix marker, never a token's
-        hit = torch.isin(m // self._page, torch.tensor(pages, dtype=m.dtype, device=m.device)) & (m > 0)
+        ps, m = self._page, self._mapping
+        p = torch.tensor(pages, dtype=torch.int64, device=m.device)
+        f = self._rev[p]
+        ids = (f.clamp(min=0)[:, None] * ps + self._offsets[None, :]).reshape(-1)  # each noted full page
+        mapped = m[ids]
+        hit = (mapped > 0) & (mapped // ps == p.repeat_interleave(ps)) & (f >= 0).repeat_interleave(ps)
         super().free_pages(pages)  # busy pages raise here, before the mapping changes
-        m[hit] = 0
+        m[torch.where(hit, ids, 0)] = 0  # misses write 0 to the padding page's entry, which is 0: order-free
+        self._rev[p] = -1
 
 
 class SGLangSWAT0(NamedSides):
