@@ -76,9 +76,9 @@ class SGLangSWASide(SGLangKVSide):
         ps, m = self._page, self._mapping
         p = torch.tensor(pages, dtype=torch.int64, device=m.device)
         f = self._rev[p]
-        ids = (f.clamp(min=0)[:, None] * ps + self._offsets[None, :]).reshape(-1)  # each noted full page
+        ids = f.clamp(min=0)[:, None] * ps + self._offsets[None, :]  # [pages, ps]: each noted full page's ids
         mapped = m[ids]
-        hit = (mapped > 0) & (mapped // ps == p.repeat_interleave(ps)) & (f >= 0).repeat_interleave(ps)
+        hit = (mapped > 0) & (mapped // ps == p[:, None]) & (f[:, None] >= 0)
         super().free_pages(pages)  # busy pages raise here, before the mapping changes
         m[torch.where(hit, ids, 0)] = 0  # misses write 0 to the padding page's entry, which is 0: order-free
         self._rev[p] = -1
