@@ -190,6 +190,7 @@ def run_config(model, ecfg, drive, total: int, label: str, progress: bool, timel
     # forwards by kind: prefill chunks run as one forward with a state taken inside (split_forwards)
     st["engine_counts"] = {k: int(engine.stats.c[k]) for k in ("split_forwards", "mid_checkpoints",
                                                                "branch_checkpoints", "end_checkpoints",
+                                                               "block_checkpoints",
                                                                "decode_forwards", "decode_checkpoints")}
     gd = engine.runner.graph_decoder
     if gd is not None:  # CUDA graphs: how many captured and replayed, and why they stopped if they did
@@ -201,7 +202,9 @@ def run_config(model, ecfg, drive, total: int, label: str, progress: bool, timel
         print(f"   warning: {label}: chunk-rule graph capture failed, ran it eagerly: {gp['capture_error']}")
     if engine.cache is not None:
         engine.check_invariants()
-        st["tree"] = dict(engine.cache.stats)
+        # what the tree kept of the states offered, and how T1 turned over
+        st["tree"] = {**engine.cache.stats, "checkpoints": st["checkpoints"],
+                      **{f"t1_{k}": v for k, v in engine.tiers.t1.stats.items()}}
         after = engine.reset_cache()
         if after != engine.initial_free:
             raise AssertionError(f"{label}: pools not back to their initial free sets: {after} != "
@@ -439,10 +442,20 @@ def _load(name: str, args: argparse.Namespace, answer: Optional[int]) -> dict:
 
 
 def trace_plan(args: argparse.Namespace, vocab: int, rate: float) -> list:
-    """``--trace``'s requests as the engine replays them (``wc.trace_items``) at ``rate`` requests/s."""
+    """``--trace``'s requests as the engine replays them (``wc.trace_items``) at ``rate`` requests/s: a
+    ``--trace-sample`` of its conversations (``wc.sample_conversations``; 1: all), from the
+    ``--trace-start``-th request of that on, ``--trace-limit`` of them.
+
+    A window (``--trace-start`` > 0) starts with an empty cache: a prefix first sent before it is a miss
+    at its first use inside it (in every configuration alike), and the reuse bound
+    (``wc.shared_prefix_bound``, reported beside the hit rates) counts only what the window shares."""
     from benchmarks import traces
 
-    trace = traces.load_trace(args.trace, limit=args.trace_limit)
+    whole = args.trace_sample >= 1.0
+    trace = traces.load_trace(args.trace, limit=args.trace_start + args.trace_limit if whole else None)
+    trace = wc.sample_conversations(trace, args.trace_sample)[args.trace_start:args.trace_start + args.trace_limit]
+    if not trace:
+        raise ValueError(f"--trace-start {args.trace_start}: past the end of the (sampled) trace")
     return wc.trace_items(trace, vocab=vocab, block=args.trace_block, max_blocks=args.trace_max_blocks,
                           max_answer=args.trace_max_answer, rate=rate)
 
@@ -479,8 +492,16 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                  decode_batch=bool(args.decode_batch or e.get("decode_batch", False)),
                  decode_graphs=bool(args.decode_graphs), prefill_graphs=bool(args.prefill_graphs),
                  phase_timing=args.phase_timing)
-    cache = dict(page_size=e["page_size"], write_policy=e["write_policy"])
+    # every cached configuration keeps the same offered states (``--admission``; recorded in the JSON)
+    block = args.admission_block or (args.trace_block if args.trace else None)
+    if args.admission == "block" and block is None:
+        raise ValueError("--admission block: give --admission-block (tokens; with --trace: the trace's block)")
+    cache = dict(page_size=e["page_size"], write_policy=e["write_policy"], state_admission=args.admission,
+                 **({"admission_block": block} if args.admission == "block" else {}))
     trace_info: Optional[dict] = None
+    if args.trace and args.trace_block % e["page_size"]:
+        raise ValueError(f"--trace-block {args.trace_block}: expected a multiple of the engine's page size "
+                         f"{e['page_size']} (a shared block would end inside a page, where nothing is cached)")
     if args.trace:
         items = trace_plan(args, vocab, 1.0)  # lengths only: the rate is set below
         label = args.tag or "trace"
@@ -533,22 +554,33 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
         minfo["warm"] = True
     if args.trace:
         rate = args.trace_rate
-        if rate <= 0:  # the engine's capacity: (1) on the first requests, all at once
+        calibration = None
+        if rate <= 0:  # the engine's capacity: (1) on the first requests, all at once, timed on a second pass
             k = min(len(items), max(2 * e["max_running"], 8))
             burst = [wc.TraceItem(0.0, it.prompt, it.answer) for it in items[:k]]
-            cal = run_config(model, engine_config(serve, cache, tiers["no_cache"]),
-                             lambda eng, done: wc.drive_trace(eng, burst, done), k, "capacity (1)", False)
-            rate = args.trace_load * k / cal["wall_s"]
-            print(f"   (1) served {k} requests sent at once in {cal['wall_s']:.2f} s: arrivals scaled to "
-                  f"{args.trace_load:g} x {k / cal['wall_s']:.2f} = {rate:.2f} requests/s")
+            # the first pass compiles and autotunes (1)'s own shapes (whole prompts, decode batches of up to
+            # max_running), which the warm-up through (4) did not: 18.8 s of a one-pass calibration on the H200
+            cal = [run_config(model, engine_config(serve, cache, tiers["no_cache"]),
+                              lambda eng, done: wc.drive_trace(eng, burst, done), k, "capacity (1)", False)["wall_s"]
+                   for _ in range(2)]
+            rate = args.trace_load * k / cal[1]
+            calibration = {"requests": k, "first_pass_s": cal[0], "timed_pass_s": cal[1]}
+            print(f"   (1) served {k} requests sent at once in {cal[1]:.2f} s (first pass, compiling: {cal[0]:.2f} s): "
+                  f"arrivals scaled to {args.trace_load:g} x {k / cal[1]:.2f} = {rate:.2f} requests/s")
         items = trace_plan(args, vocab, rate)
+        bound = wc.shared_prefix_bound(items, e["page_size"])
+        print(f"   the window shares {bound} of its {sum(len(it.prompt) for it in items)} prompt tokens (page-aligned "
+              "prefixes an earlier request of it began with: the ceiling of every hit rate below)")
         # an open loop: each configuration takes at least the arrivals' span, whatever its speed
         print(f"   arrivals span {items[-1].at_s:.1f} s per configuration (--trace-limit / rate)")
         trace_info = {"file": os.path.basename(args.trace), "requests": n_req, "rate_per_s": rate,
                       "load": args.trace_load if args.trace_rate <= 0 else None, "block_tokens": args.trace_block,
                       "max_blocks": args.trace_max_blocks, "max_answer": args.trace_max_answer,
+                      "start": args.trace_start, "sample": args.trace_sample, "calibration": calibration,
                       "prompt_tokens_mean": statistics.mean(len(it.prompt) for it in items),
-                      "answer_tokens_mean": statistics.mean(len(it.answer) for it in items)}
+                      "answer_tokens_mean": statistics.mean(len(it.answer) for it in items),
+                      "prompt_tokens": sum(len(it.prompt) for it in items),
+                      "reuse_bound_tokens": bound, "reuse_bound": bound / sum(len(it.prompt) for it in items)}
 
         def drive_for(wd: dict):
             return lambda eng, done: wc.drive_trace(eng, items, done)
@@ -835,6 +867,9 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
                       "scale": args.scale, "environment": env, "repeats": repeats,
                       "gated_delta": gd, "models": model_info,
                       "decode_batch_flag": bool(args.decode_batch),
+                      "state_admission": args.admission,
+                      "admission_block": args.admission_block or (args.trace_block if args.trace else None)
+                      if args.admission == "block" else None,
                       "decode_graphs_flag": bool(args.decode_graphs),
                       "prefill_graphs_flag": bool(args.prefill_graphs),
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
@@ -896,7 +931,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="replay a Mooncake-format trace (benchmarks/traces.py) instead of the workloads' clients, "
                         "with the first --workloads entry's model, engine and budgets")
-    p.add_argument("--trace-limit", type=int, default=64, help="the trace's first N requests")
+    p.add_argument("--trace-limit", type=int, default=64, help="replay N requests (from --trace-start on)")
+    p.add_argument("--trace-start", type=int, default=0,
+                   help="skip the (sampled) trace's first S requests: a window, its cache empty at its start "
+                        "(prefixes first seen before it are misses)")
+    p.add_argument("--trace-sample", type=float, default=1.0,
+                   help="replay this share of the trace's conversations, each whole (seeded; 1: all): their turns "
+                        "come closer, the other conversations' traffic between them is gone")
     p.add_argument("--trace-block", type=int, default=32,
                    help="tokens per 512-token block of the trace (its prefix sharing kept, lengths scaled)")
     p.add_argument("--trace-max-blocks", type=int, default=16, help="most blocks of one prompt (the rest cut)")
@@ -906,6 +947,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--trace-load", type=float, default=1.0,
                    help="with --trace-rate 0: the arrival rate as a multiple of (1)'s capacity (its throughput "
                         "on the trace's first requests sent at once)")
+    p.add_argument("--admission", default="chunk", choices=["chunk", "leaf_branch", "block"],
+                   help="the tree's state admission in every cached configuration (CacheConfig.state_admission): "
+                        "every offered state, the leaf and branch points, or those and every --admission-block "
+                        "tokens (the engine then offers a state at each block boundary)")
+    p.add_argument("--admission-block", type=int, default=None,
+                   help="tokens between kept states for --admission block (default with --trace: --trace-block)")
     p.add_argument("--tag", default=None,
                    help="results named workload-<tag>-<device> (default: workload-<device>; 'mooncake' with --trace)")
     p.add_argument("--phase-timing", action="store_true",
@@ -929,6 +976,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--gpu-budgets: MiB > 0, got {args.gpu_budgets}")
     if any(v is not None and not v > 0 for v in (args.gpu_mib, args.host_mib)):
         p.error(f"--gpu-mib / --host-mib: MiB > 0, got {args.gpu_mib} / {args.host_mib}")
+    if args.trace_start < 0 or args.trace_limit < 1 or not 0.0 < args.trace_sample <= 1.0:
+        p.error(f"--trace-start >= 0, --trace-limit >= 1, --trace-sample in (0, 1] expected, got {args.trace_start}, "
+                f"{args.trace_limit}, {args.trace_sample}")
     if args.trace and args.answers:
         p.error("--answers: the trace gives the answer lengths (capped by --trace-max-answer)")
     if args.trace and args.tag is None:

@@ -322,6 +322,48 @@ def trace_items(trace, *, vocab: int, block: int, max_blocks: int, max_answer: i
     return out
 
 
+def sample_conversations(trace, fraction: float, seed: int = 0) -> list:
+    """The requests of a seeded ``fraction`` of the trace's conversations, each kept whole, in order.
+
+    A conversation is the requests whose first two blocks agree (``hash_ids[:2]``: the Mooncake trace's
+    first block is one system prompt every request shares; a later turn that reuses an earlier one shares
+    its first blocks and more); a one-block request is its own. The trace's multi-turn reuse is far apart
+    (the 10th percentile of the distance between a request and the earlier one it extends by >= 2 blocks
+    is 141 requests in the conversation trace), so a short window of the whole trace holds next to none of
+    it; a sample brings a conversation's turns closer. What it loses: the other conversations' traffic
+    between those turns (cache pressure: the same budget holds more of the sample than of the trace)."""
+    import hashlib
+
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction: expected a share in (0, 1], got {fraction}")
+    if fraction == 1.0:
+        return list(trace)
+    out = []
+    for i, r in enumerate(trace):
+        key = (seed, *r.hash_ids[:2]) if len(r.hash_ids) > 1 else (seed, -1, i)
+        h = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") / 2.0 ** 64
+        if h < fraction:
+            out.append(r)
+    return out
+
+
+def shared_prefix_bound(items: list[TraceItem], page: int) -> int:
+    """Prompt tokens an unbounded cache could reuse in a replay of ``items`` (in their order, the cache
+    empty at the first): each request's longest prefix that an earlier one's prompt also begins with,
+    rounded down to whole pages of ``page`` tokens, less its last token (the first output needs its
+    logits). The ceiling of the replay's hit rate, counted from its own tokens."""
+    seen: set = set()
+    total = 0
+    for it in items:
+        p = it.prompt
+        k = 0
+        while k < len(p) - 1 and tuple(p[:k + 1]) in seen:
+            k += 1
+        total += k // page * page
+        seen.update(tuple(p[:j]) for j in range(1, len(p) + 1))
+    return total
+
+
 async def _drive_trace(engine, items: list[TraceItem], on_done: Callable[[Finished], None]) -> None:
     """Open loop: each item is handed over at its due time (stamped with it, as ``_drive`` does), whatever
     is in flight; the engine steps in the same loop. ``Finished.client`` is the item's index, round 0."""

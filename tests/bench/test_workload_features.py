@@ -142,3 +142,50 @@ def test_trace_through_the_engine(tmp_path, keep_threads):
     assert m["mooncake_int8_t1_t2_prefill_tokens_saved"] > 0 and m["mooncake_no_cache_prefill_tokens_saved"] == 0
     tr = rec["info"]["workloads"]["mooncake"]["trace"]
     assert tr["requests"] == 4 and tr["rate_per_s"] > 0 and tr["load"] == 1.0 and tr["answer_tokens_mean"] == 2.75
+
+
+def test_sample_conversations_keeps_each_whole_and_the_bound_counts_shared_pages():
+    from benchmarks import traces
+    from benchmarks.workload_common import TraceItem, sample_conversations, shared_prefix_bound
+
+    rng = random.Random(0)
+    trace = [traces.TraceRequest(i, 1024, 5, (0, rng.randrange(40), 100 + i)) for i in range(400)]
+    for f in (0.1, 0.5):
+        got = sample_conversations(trace, f, seed=3)
+        kept = {r.hash_ids[:2] for r in got}
+        assert got == [r for r in trace if r.hash_ids[:2] in kept]  # whole conversations, in order
+        assert 0 < len(kept) < 40 and got == sample_conversations(trace, f, seed=3)
+    assert sample_conversations(trace, 1.0) == trace
+    with pytest.raises(ValueError, match="fraction"):
+        sample_conversations(trace, 0.0)
+    a, b = list(range(10, 30)), list(range(10, 22)) + [7, 8, 9]  # b shares a's first 12 tokens
+    items = [TraceItem(0.0, p, [1]) for p in (a, b, a, [5] * 6)]
+    # b: 12 shared (3 pages of 4); a again: 19 (all but its last token) -> 16; the last shares nothing
+    assert shared_prefix_bound(items, 4) == 12 + 16 and shared_prefix_bound(items, 8) == 8 + 16
+
+
+def test_trace_window_with_block_admission_and_a_second_pass_calibration(tmp_path, keep_threads):
+    """``--admission block``: every cached configuration keeps states at the trace's block boundaries,
+    which the engine offers; the JSON records the admission, the window and both calibration passes."""
+    from benchmarks.bench_workload import main
+
+    skipped = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [0, 9]}
+    write_trace(tmp_path / "t.jsonl", [skipped] + TRACE)  # the window skips it: its block 0 is not counted
+    rec = main(["--scale", "small", "--trace", str(tmp_path / "t.jsonl"), "--trace-start", "1", "--trace-block", "32",
+                "--trace-max-blocks", "3", "--trace-max-answer", "3", "--repeats", "1", "--admission", "block",
+                "--configs", "no_cache", "gpu_only", "--out", str(tmp_path), "--no-progress"])
+    info = rec["info"]
+    assert info["state_admission"] == "block" and info["admission_block"] == 32
+    wl = info["workloads"]["mooncake"]
+    tr = wl["trace"]
+    assert tr["requests"] == 4 and tr["start"] == 1 and tr["sample"] == 1.0
+    assert tr["calibration"]["requests"] == 4 and tr["calibration"]["timed_pass_s"] > 0
+    # in pages of 16: the 2nd request shares the 1st's two blocks (64 tokens), the 3rd block 0 (32), the 4th
+    # all of the 2nd's 96 tokens but its last (95 -> 80)
+    assert tr["reuse_bound_tokens"] == 64 + 32 + 80 and tr["prompt_tokens"] == 69 + 96 + 38 + 96
+    cp = wl["tree_stats"]["gpu_only"]["checkpoints"]
+    assert cp["block_boundaries"] > 0 and cp["offered"] >= cp["inserted"] > 0
+    assert rec["metrics"]["mooncake_gpu_only_prefill_tokens_saved"] > 0
+    with pytest.raises(ValueError, match="page size"):
+        main(["--scale", "small", "--trace", str(tmp_path / "t.jsonl"), "--trace-block", "24", "--repeats", "1",
+              "--out", str(tmp_path), "--no-progress"])

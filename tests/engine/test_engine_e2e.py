@@ -152,6 +152,28 @@ def test_two_forwards_per_split_chunk_equals_no_cache(qwen_long, baseline):
     assert n >= 200 and top1 == 1.0 and drift < LOGIT_ATOL, drift
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["T0-T1", "T0-T1-T2"])
+def test_block_admission_offers_block_boundaries_and_equals_no_cache(qwen_long, baseline, host):
+    """``state_admission="block"``: the engine offers a state at every block boundary inside a prefill
+    chunk (the chunk runs as forwards split there), the tree keeps those, and the run still equals no
+    cache. Blocks of 8 tokens, chunks of 16: a chunk [16, 32) is cut at 24, the shared system prompt's end."""
+    cache = CacheConfig(codec="lossless", state_admission="block", admission_block=8, **SMALL,
+                        **(HOST if host else {}))
+    e = Engine(qwen_long, EngineConfig(cache=cache, **SERVE))
+    req = Request(rid="r", prompt=list(range(3, 40)), max_new_tokens=1)
+    assert e.kind.cuts(req, 0, 16) == {8: "block", 16: "end"} and e.kind.cuts(req, 16, 36) == {
+        24: "block", 32: "block", 36: "end"}
+    chunk = Engine(qwen_long, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL), **SERVE))
+    assert chunk.kind.cuts(req, 16, 32) == {32: "end"}  # the default admission: no block cuts
+    e, got = run_checked(qwen_long, EngineConfig(cache=cache, **SERVE))
+    for a, b in zip(baseline, got, strict=True):
+        assert b.output == a.output, f"client {a.client} round {a.round}"
+    n, top1, drift, _ = compare(baseline, got)
+    assert n >= 200 and top1 == 1.0 and drift < LOGIT_ATOL, drift
+    st = e.final_stats
+    assert st["checkpoints"]["block_boundaries"] > 0 and st["tokens"]["reused"] > 0 and st["hits"]["T1_states"] > 0
+
+
 def test_a_split_forward_that_takes_no_state_caches_none_and_runs_two_forwards_after(qwen_long, baseline,
                                                                                    monkeypatch):
     """When a split forward cannot take the state (``forward_chunk_split`` returns None), the engine

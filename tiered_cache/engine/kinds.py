@@ -14,7 +14,8 @@ layer is the full side: ``ModelSpecs.full_window``.)::
     a forward runs        the whole chunk                          pieces of at most ``window`` tokens, each
                                                                    one's SWA KV exported before it slides out
     cached during prefill the branch point, aligned chunk ends,    every chunk end
-                          the tree's mid-chunk positions
+                          the tree's mid-chunk positions, block
+                          boundaries (``block`` admission)
     decode keeps          the state at every checkpoint unit       nothing more (its KV is in T0)
     a finished turn       up to the last state (``slot_pos``)      up to the last token written
 
@@ -226,16 +227,23 @@ class StateKind(Kind):
             raise InvalidArgumentError("tiers", "the TieredCache of a model with recurrent states", type(tree).__name__)
         self.states, self.tree = states, tree
         self.unit = tiers.checkpoint_unit  # tokens between cached states
+        cfg = tiers.config  # the tree's admission was built from it: block boundaries are offered for ``block``
+        self.block: Optional[int] = cfg.admission_block if cfg.state_admission == "block" else None
 
     def cuts(self, req: Request, start: int, end: int) -> dict[int, str]:
         """Where a state is exported and cached during the chunk ``[start, end)``: position -> why. The
         tree's rule says where a chunk may export one mid-way; an aligned chunk end is itself cacheable,
         so the mid-chunk positions are used only for the unaligned last chunk (where it matters: the next
-        turn of a conversation resumes there)."""
+        turn of a conversation resumes there). With the tree's ``block`` admission every block boundary
+        inside the chunk is offered too (the chunk runs as forwards split there): the admission keeps
+        those states, and a chunk end alone would offer them only where a chunk happens to end."""
         cuts: dict[int, str] = {}
         b = req.branching
         if b is not None and start < b <= end:
             cuts[b] = "branch"
+        if self.block is not None:
+            for p in range(start // self.block * self.block + self.block, end, self.block):
+                cuts.setdefault(p, "block")
         if end % self.page_size:
             for p in self.tree.checkpoint_positions(start, end):
                 cuts.setdefault(p, "mid")

@@ -301,6 +301,7 @@ class Engine:
         with self._phase("checkpoint"):
             self.stats.add("t0_state_write_bytes", self.kind.save_state(req, states))
             grew = self.kind.cache_prefix(req, pos)
+        self.stats.add("offered_checkpoints")  # the tree's admission may keep it or not
         if grew:
             self.stats.add("checkpoints")
             self.stats.add(f"{what}_checkpoints")

@@ -113,8 +113,10 @@ class EngineStats:
                      # an SWA model's hits: the window's SWA KV from T0, or loaded back from T2
                      "T0_swa_windows": c["hit_t0_swa_windows"], "T2_swa_windows": c["hit_t2_swa_windows"],
                      "misses": c["misses"], "state_hit_rate": self._rate()},
-            "checkpoints": {"inserted": c["checkpoints"], "chunk_ends": c["end_checkpoints"],
+            "checkpoints": {"offered": c["offered_checkpoints"], "inserted": c["checkpoints"],
+                            "chunk_ends": c["end_checkpoints"],
                             "mid_chunk": c["mid_checkpoints"], "branch_points": c["branch_checkpoints"],
+                            "block_boundaries": c["block_checkpoints"],
                             "decode_tracked": c["decode_checkpoints"]},
             "bytes": {"T0_kv_written": c["t0_kv_write_bytes"], "T0_kv_read": c["t0_kv_read_bytes"],
                       "T0_state_written": c["t0_state_write_bytes"], "T0_state_read": c["t0_state_read_bytes"]},
