@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from tiered_cache import device as dev
@@ -40,10 +41,11 @@ class FiniteFlags:
         # in one entry at most (a newer store of it supersedes), and leaves it when it is freed.
         self._pending: list[tuple[Any, set[int]]] = []
 
-    def arm(self, slots: torch.Tensor) -> torch.Tensor:
-        """Before a store into ``slots``: set their flags (the kernels only clear them); returns ``flags``."""
+    def arm(self, slots: Any) -> torch.Tensor:
+        """Before a store into ``slots`` (a tensor on the device; on the CPU, a host array too): set their
+        flags (the kernels only clear them); returns ``flags``."""
         if self._cpu is not None:
-            self._cpu[slots.numpy()] = 1
+            self._cpu[slots if isinstance(slots, np.ndarray) else slots.numpy()] = 1
         else:
             self.flags.index_fill_(0, slots, 1)
         return self.flags

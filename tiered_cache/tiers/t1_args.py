@@ -195,11 +195,13 @@ class CallArgs:
             raise InvalidArgumentError("active_ids", "distinct destination states", host.tolist())
         return host
 
-    def to_device(self, rows: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows and slots on the pool's device in one non-blocking copy from page-locked memory."""
+    def to_device(self, rows: np.ndarray, slots: np.ndarray) -> tuple[Any, Any]:
+        """Rows and slots on the pool's device in one non-blocking copy from page-locked memory. On the CPU
+        nothing is sent: the checked arrays themselves (the numpy moves take them; ``ids_tensor`` wraps
+        them for a torch launch without a copy)."""
         n = rows.size
-        if self.pool.device.type == "cpu":  # nothing to send: views of the checked arrays
-            return torch.from_numpy(rows), torch.from_numpy(slots)
+        if self.pool.device.type == "cpu":
+            return rows, slots
         both = dev.host_to_device(torch.from_numpy(np.concatenate([rows, slots])), self.pool.device)
         return both[:n], both[n:]
 
@@ -213,11 +215,18 @@ def _repeats(a: np.ndarray) -> bool:
     return bool(np.unique(a).size != a.size)
 
 
-def kernels_store(pool, lay: Layout, rows: torch.Tensor, slots: torch.Tensor, fin: torch.Tensor) -> None:
+def ids_tensor(ids: Any) -> torch.Tensor:
+    """Ids from ``CallArgs.to_device`` as a tensor (a CPU array is wrapped, not copied)."""
+    return torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
+
+
+def kernels_store(pool, lay: Layout, rows: Any, slots: Any, fin: torch.Tensor) -> None:
     """The launches of a store (all checked before): int8, the temporal state and the first conv window
-    in one launch; lossless, one copy per field; any further conv window, one copy each."""
-    if lay.host is not None and lay.host.store(rows.numpy(), slots.numpy()):
+    in one launch; lossless, one copy per field; any further conv window, one copy each. ``rows`` and
+    ``slots`` as ``CallArgs.to_device`` gives them."""
+    if lay.host is not None and lay.host.store(rows, slots):
         return  # on the CPU, all finite: numpy did it (a NaN or an inf: the twins below, which flag it)
+    rows, slots = ids_tensor(rows), ids_tensor(slots)
     va, b = pool.spec.value_axis, pool.backend
     convs = list(zip(lay.convs, pool.conv))
     if lay.temporal is None:
@@ -233,11 +242,12 @@ def kernels_store(pool, lay: Layout, rows: torch.Tensor, slots: torch.Tensor, fi
         quant.copy_rows_checked(c_src, rows, c_dst, slots, b, fin)
 
 
-def kernels_load(pool, lay: Layout, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def kernels_load(pool, lay: Layout, slots: Any, rows: Any) -> None:
     """The launches of a load, as ``kernels_store``'s."""
     if lay.host is not None:
-        lay.host.load(slots.numpy(), rows.numpy())
+        lay.host.load(slots, rows)
         return
+    slots, rows = ids_tensor(slots), ids_tensor(rows)
     va, b = pool.spec.value_axis, pool.backend
     convs = list(zip(pool.conv, lay.convs))
     if lay.temporal is None:
