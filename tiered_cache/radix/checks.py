@@ -102,7 +102,7 @@ def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:
         return torch.tensor([v], dtype=torch.int64, device=states.device)
     if not isinstance(slot, torch.Tensor) or slot.dtype not in _INT_TORCH:
         raise InvalidTypeError(arg, what, desc(slot))
-    if slot.numel() != 1 or slot.device != states.device:
+    if slot.numel() != 1 or not same_device(slot, states.device):
         raise InvalidArgumentError(arg, what, desc(slot))
     if slot.dtype is torch.int64 and slot.dim() == 1:
         return slot  # already the shape asked for: no view made (a torch call per match and insert)
@@ -125,7 +125,7 @@ def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0
     more), then vectorised numpy over its pages. ``arg``: the caller's name for ``v`` in errors. -> its
     page ids (checked: the tree may free them through the trusted ``free_pages``)."""
     ps = tree.page_size
-    toks = v.numpy()[lo:hi] if v.device.type == "cpu" else v[lo:hi].cpu().numpy()
+    toks = v.numpy()[lo:hi] if v.is_cpu else v[lo:hi].cpu().numpy()
     first = toks[::ps]
     pages = first // ps
     # whole pages: the ids equal page*ps + 0..ps-1, compared as bytes (one memcmp, no bool array)
@@ -147,11 +147,19 @@ def check_value(arg: str, value: Any, n: int, device: Any) -> None:
         raise InvalidTypeError(arg, "a 1-D int64 tensor of KV ids", desc(value))
     if value.dim() != 1:
         raise InvalidArgumentError(arg, "a 1-D int64 tensor of KV ids", desc(value))
-    if value.device != device:
+    if not same_device(value, device):
         raise InvalidArgumentError(arg, f"a tensor on {device}", value.device)
     if value.numel() != n:
         # The two disagree: either may be the wrong one, so the error names both.
         raise InvalidArgumentError(f"key, {arg}", f"one KV id per token ({n} tokens)", f"{value.numel()} ids")
+
+
+_CPU = torch.device("cpu")
+
+
+def same_device(t: torch.Tensor, device: torch.device) -> bool:
+    """``t.device == device``; for the CPU by ``is_cpu`` (``t.device`` makes a device object: ~1 us a call)."""
+    return t.is_cpu if device == _CPU else t.device == device
 
 
 def desc(x: Any) -> Any:

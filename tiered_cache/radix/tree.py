@@ -91,7 +91,7 @@ class RadixTree:
         self.freed = {"kv": 0, "state": 0, "swa": 0}
 
     def pages_of(self, ids: torch.Tensor) -> np.ndarray:  # whole-page token ids (any device) -> host page ids
-        first = ids.numpy()[::self.page_size] if ids.device.type == "cpu" else ids[::self.page_size].cpu().numpy()
+        first = ids.numpy()[::self.page_size] if ids.is_cpu else ids[::self.page_size].cpu().numpy()
         return first // self.page_size  # on the CPU through a numpy view: a torch slice costs ~5 us
 
     # ----------------------------------------------------------------------------- keys
