@@ -39,7 +39,7 @@ def _paths(g: GhostCache) -> dict:
     out, stack = {}, [(c, []) for c in g.root.children.values()]
     while stack:
         x, pre = stack.pop()
-        out[x] = pre + x.key
+        out[x] = pre + list(x.key)
         stack.extend((c, out[x]) for c in x.children.values())
     return out
 

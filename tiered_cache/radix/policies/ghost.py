@@ -18,12 +18,14 @@ What it leaves out, on purpose: the running requests' KV (outside the tree: the 
 what the live tree held, ``tuning``), locks, pages, the host tiers and the prompt / answer split (a
 finished sequence is matched whole, so an identical repeat counts its answer too). It ranks weights of
 one policy against each other on the same requests, which these leave alike; it predicts no hit rate.
-Nodes offer what ``facts.NodeFacts`` reads of a ``TreeNode``.
+Nodes offer what ``facts.NodeFacts`` reads of a ``TreeNode``; keys are int64 arrays, shared by copies
+(a split makes new ones).
 """
 
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -41,7 +43,7 @@ class GhostNode:
     full_lock_ref = 0
     tickets = ()
 
-    def __init__(self, parent: Optional[GhostNode], key: list[int], state: bool) -> None:
+    def __init__(self, parent: Optional[GhostNode], key: array, state: bool) -> None:
         self.id = next(_ids)
         self.parent = parent
         self.key = key
@@ -66,13 +68,13 @@ class GhostCache:
         self.policy = policy
         self.kv_cap = int_arg("kv_tokens", kv_tokens, lo=1)
         self.st_cap = int_arg("states", states, lo=1)
-        self.root = GhostNode(None, [], False)
+        self.root = GhostNode(None, array("q"), False)
         self.kv = self.st = 0
 
     # ----------------------------------------------------------------------------- requests
     def request(self, seq: Sequence[int]) -> int:
         """Serve the finished sequence ``seq``: returns the tokens of its hit, then caches it (module docstring)."""
-        seq = list(seq)
+        seq = seq if isinstance(seq, array) else array("q", seq)
         pol, node, pos, hit, hit_node = self.policy, self.root, 0, 0, None
         split: Optional[tuple[GhostNode, int]] = None
         while pos < len(seq):
@@ -182,7 +184,7 @@ class GhostCache:
         stack = list(self.root.children.values())
         while stack:
             x = stack.pop()
-            y = GhostNode(twin[x.parent], list(x.key), x.mamba_value is not None)
+            y = GhostNode(twin[x.parent], x.key, x.mamba_value is not None)  # keys are never changed in place
             y.hit_count = x.hit_count
             twin[x] = y
             y.parent.children[y.key[0]] = y  # type: ignore[union-attr]
@@ -191,8 +193,10 @@ class GhostCache:
         return g
 
 
-def _common(key: list[int], seq: list[int], pos: int) -> int:
+def _common(key: array, seq: array, pos: int) -> int:
     n = min(len(key), len(seq) - pos)
+    if key[:n] == seq[pos:pos + n]:  # the whole span (or the rest of the sequence): one compare in C
+        return n
     i = 0
     while i < n and key[i] == seq[pos + i]:
         i += 1

@@ -29,6 +29,7 @@ whose evictions scan the ghost's candidates as the live policy scans the tree's.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -53,7 +54,7 @@ class AlphaTuner:
         self.kv_tokens = int_arg("kv_tokens", kv_tokens, lo=1)
         self.states = int_arg("states", states, lo=1)
         self.base: Optional[GhostCache] = None  # made at the first request, under the live value
-        self.recent: list[list[int]] = []
+        self.recent: list[array] = []
         self.history: list[dict[float, float]] = []  # each tuning's score per value
         self.seconds = 0.0  # spent replaying
         self.held = 0  # the most device KV tokens the live tree held in this window
@@ -67,7 +68,7 @@ class AlphaTuner:
         if not evicting and not self.history and not self.recent:
             self.base.request(tokens)  # the cache is still filling: the first window's warm-up
             return None
-        self.recent.append(list(tokens))
+        self.recent.append(array("q", tokens))
         self.held = max(self.held, int(kv_held))
         if len(self.recent) < self.window:
             return None
