@@ -173,7 +173,7 @@ class TieredCache:
             transfer = TransferEngine(device, backend=backend)
         policy: Any = _POLICIES[cfg.eviction_policy]() if cfg.eviction_policy in _POLICIES else make_policy(
             cfg.eviction_policy, stack_costs(cfg.cost_model, kv.bytes_per_slot(1), t1.slot_bytes if t1 else 1),
-            tiered=cfg.host_tier, budget=(cfg.kv_pages * cfg.page_size, max(1, cfg.t1_states)))
+            tiered=cfg.host_tier, budget=(cfg.kv_pages * cfg.page_size, max(1, cfg.t1_states)), background=True)
         owns_storage = False
         if storage is None and cfg.storage_url is not None and model_id is not None:  # (a URL comes with an id)
             fp = StorageFingerprint.from_specs(model_id, kv_spec=kv, state_spec=state, codec=cfg.codec,

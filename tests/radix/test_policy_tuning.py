@@ -11,6 +11,7 @@ and learns from ``cache_finished_req``.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -226,6 +227,58 @@ def test_tuner_replays_once_per_window(monkeypatch):
     for seq in trace[8:13]:
         p.observe(seq, 33)  # a T0 shared with the states can hold more than the KV budget
     assert {g.kv_cap for g in calls[18:]} == {33}
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_background_tuning_takes_each_window_one_window_late_whatever_the_timing(monkeypatch, delay):
+    """``background=True`` (the stack's): the replays run beside the requests, so the request that fills
+    a window does not wait for them, and each result is taken when the next window fills (waiting only
+    if the replay still runs). The scores and values are the inline tuner's, one window late, however
+    slow the replay (``delay`` per ghost request): what keeps TP ranks' trees identical."""
+    real = ghost_mod.GhostCache.request
+
+    def slow(self, seq):
+        if delay:
+            time.sleep(delay / 20)
+        return real(self, seq)
+
+    monkeypatch.setattr(tuning_mod.GhostCache, "request", slow)
+    window, trace = 5, _reused_short_vs_one_shot_long(random.Random(3), 33)
+    alphas = {}
+    for bg in (False, True):
+        p = MarconiPolicy(_costs(), alpha=1.0,
+                          tuner=AlphaTuner(_marconi, 30, 4, grid=(0.0, 1.0, 4.0), window=window, background=bg))
+        p.observe(trace[0], 0)  # warm-up, then the live tree evicts
+        p.counts["kv"] += 1
+        seen = []
+        for i, seq in enumerate(trace[1:]):
+            p.observe(seq, 20)
+            seen.append(p.alpha)
+            if bg and i == window - 1:  # the first window filled: its replay runs, nothing is taken yet
+                assert p.tuner._pending is not None and not p.tuner.history and p.alpha == 1.0
+        alphas[bg] = seen
+        p.tuner._pending and p.tuner._pending[0].join()
+    inline, late = alphas[False], alphas[True]
+    assert late[:2 * window - 1] == [1.0] * (2 * window - 1)
+    assert late[2 * window - 1:] == inline[window - 1:len(late) - window]  # each value one window late
+    assert len(set(inline)) > 1  # the weight did move: the comparison is not between constants
+
+
+def test_a_background_replay_that_fails_raises_at_the_next_window(monkeypatch):
+    p = MarconiPolicy(_costs(), tuner=AlphaTuner(_marconi, 30, 4, window=2, background=True))
+    trace = _reused_short_vs_one_shot_long(random.Random(4), 8)
+    p.observe(trace[0], 0)
+    p.counts["kv"] += 1
+
+    def broken(self, seq):
+        raise RuntimeError("ghost broke")
+
+    monkeypatch.setattr(tuning_mod.GhostCache, "request", broken)
+    p.observe(trace[1], 9)
+    p.observe(trace[2], 9)  # the window fills: the replay starts (and fails) beside the requests
+    p.observe(trace[3], 9)
+    with pytest.raises(RuntimeError, match="ghost broke"):
+        p.observe(trace[4], 9)
 
 
 def test_tuner_bad_arguments():

@@ -34,10 +34,12 @@ def stack_costs(cost_model: str, kv_token_bytes: int, t1_slot_bytes: int) -> Pre
 
 
 def make_policy(name: str, costs: PrefixCosts, *, tiered: bool, budget: Optional[tuple[int, int]] = None,
-                window: int = 500, grid: Sequence[float] = ALPHA_GRID, **kw: Any) -> ScoredPolicy:
+                window: int = 500, grid: Sequence[float] = ALPHA_GRID, background: bool = False,
+                **kw: Any) -> ScoredPolicy:
     """The scored policy ``name`` over ``costs``; ``tiered``: a T2 lies below T1; ``kw``: the class's own.
     ``budget``: the tree's (device KV tokens, T1 states): a policy with a tuned weight (Marconi's alpha)
-    then tunes it online over ``grid`` every ``window`` finished requests (``tuning.AlphaTuner``)."""
+    then tunes it online over ``grid`` every ``window`` finished requests (``tuning.AlphaTuner``; with
+    ``background`` its replays run beside the requests, the stack's choice)."""
     if name not in SCORED:
         raise InvalidArgumentError("eviction_policy", f"one of {', '.join(SCORED)}", name)
     cls, tuned = SCORED[name], SCORED[name].TUNED
@@ -46,7 +48,7 @@ def make_policy(name: str, costs: PrefixCosts, *, tiered: bool, budget: Optional
             weight: dict[str, Any] = {tuned: value}
             return cls(costs, **weight)
 
-        kw["tuner"] = AlphaTuner(fresh, *budget, grid=grid, window=window)
+        kw["tuner"] = AlphaTuner(fresh, *budget, grid=grid, window=window, background=background)
     return cls(costs, tiered=tiered, **kw)
 
 

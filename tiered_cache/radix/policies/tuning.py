@@ -23,11 +23,18 @@ most device KV the live tree held after a request of the window (the budget unti
 
 Cost: nothing per eviction; per finished request, one ghost request until the first eviction, then the
 tokens kept; per window, ``len(grid)`` copies of the ghost and ``len(grid) x window`` ghost requests,
-whose evictions scan the ghost's candidates as the live policy scans the tree's.
+whose evictions scan the ghost's candidates as the live policy scans the tree's: seconds of Python for a
+window of 500 (3-25 s on a loaded CPU core in bench_policy). Inline (``background=False``, the
+simulation's choice) that time falls on the request that fills the window. ``background=True`` (the
+stack's: an engine's or SGLang's serving thread must not stall) replays on a daemon thread beside the
+requests and takes the result at a fixed point, when the next window has filled, waiting there only if
+the replay is still running: the weight then changes one window late, but at the same request whatever
+the timing, so tensor-parallel ranks (each tunes its own tree from the same requests) stay identical.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -46,40 +53,76 @@ class AlphaTuner:
     (the live tree's budget), over ``grid``, every ``window`` finished requests from the first eviction."""
 
     def __init__(self, make: Callable[[float], Any], kv_tokens: int, states: int, grid: Sequence[float] = ALPHA_GRID,
-                 window: int = 500) -> None:
+                 window: int = 500, background: bool = False) -> None:
         if not grid or any(not isinstance(a, (int, float)) or isinstance(a, bool) or a < 0 for a in grid):
             raise InvalidArgumentError("grid", "a non-empty sequence of values >= 0", grid)
+        if not isinstance(background, bool):
+            raise InvalidArgumentError("background", "a bool", background)
         self.make, self.grid = make, sorted({float(a) for a in grid})
         self.window = int_arg("window", window, lo=1)
         self.kv_tokens = int_arg("kv_tokens", kv_tokens, lo=1)
         self.states = int_arg("states", states, lo=1)
+        self.background = background
         self.base: Optional[GhostCache] = None  # made at the first request, under the live value
         self.recent: list[array] = []
         self.history: list[dict[float, float]] = []  # each tuning's score per value
         self.seconds = 0.0  # spent replaying
         self.held = 0  # the most device KV tokens the live tree held in this window
+        self._pending: Optional[tuple[threading.Thread, dict]] = None  # a background replay and its result
 
     def observe(self, tokens: Sequence[int], kv_held: int, evicting: bool, live: float) -> Optional[float]:
         """Record the finished sequence ``tokens`` (``kv_held``: the device KV tokens the live tree holds
         after it; ``evicting``: the live tree has evicted; ``live``: the weight it runs under) -> the best
-        value when this one filled the window, else None."""
+        value when a tuning ends with this one (inline: it filled the window; background: it filled the
+        window after the one being replayed), else None."""
         if self.base is None:
             self.base = GhostCache(self.make(float(live)), self.kv_tokens, self.states)
-        if not evicting and not self.history and not self.recent:
+        if not evicting and not self.history and not self.recent and self._pending is None:
             self.base.request(tokens)  # the cache is still filling: the first window's warm-up
             return None
         self.recent.append(array("q", tokens))
         self.held = max(self.held, int(kv_held))
         if len(self.recent) < self.window:
             return None
-        t, costs = time.perf_counter(), self.base.policy.costs
+        best = None
+        if self._pending is not None:  # the fixed point: the replay of the window before is taken now
+            thread, done = self._pending
+            thread.join()
+            self._pending = None
+            if "error" in done:
+                raise done["error"]
+            best = self._take(*done["result"])
+        recent, held, self.recent, self.held = self.recent, self.held or self.kv_tokens, [], 0
+        base, live = self.base, float(live)
+        if not self.background:
+            return self._take(*self._replay(base, recent, held, live))
+
+        def run(out: dict) -> None:
+            try:
+                out["result"] = self._replay(base, recent, held, live)
+            except BaseException as e:  # handed to the serving thread at the next fixed point
+                out["error"] = e
+
+        out: dict = {}
+        thread = threading.Thread(target=run, args=(out,), name="alpha-tuner", daemon=True)
+        self._pending = (thread, out)
+        thread.start()
+        return best
+
+    def _replay(self, base: GhostCache, recent: list[array], cap: int,
+                live: float) -> tuple[dict[float, float], GhostCache, float]:
+        """Each value of the grid (and ``live``) replays ``recent`` on a copy of ``base`` of ``cap`` KV
+        tokens -> (scores, the copy that ran under ``live``, seconds). Reads nothing the requests change."""
+        t, costs = time.perf_counter(), base.policy.costs
         scores, ends = {}, {}
-        cap = self.held or self.kv_tokens
-        for a in sorted({*self.grid, float(live)}):
-            g = self.base.copy(self.make(a), kv_tokens=cap)
-            scores[a] = float(sum(costs.saved(0, g.request(t)) for t in self.recent))
+        for a in sorted({*self.grid, live}):
+            g = base.copy(self.make(a), kv_tokens=cap)
+            scores[a] = float(sum(costs.saved(0, g.request(x)) for x in recent))
             ends[a] = g
+        return scores, ends[live], time.perf_counter() - t
+
+    def _take(self, scores: dict[float, float], end: GhostCache, seconds: float) -> float:
         self.history.append({a: scores[a] for a in self.grid})
-        self.base, self.recent, self.held = ends[float(live)], [], 0
-        self.seconds += time.perf_counter() - t
+        self.base = end
+        self.seconds += seconds
         return max(self.grid, key=lambda a: (scores[a], -a))
