@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.radix.policies.ghost import descendants
 from tiered_cache.specs import KVSpec, StateSpec
 from tiered_cache.stack import CountingLRUPolicy
 from tiered_cache.tiers.unified_pool import UnifiedPool
@@ -122,12 +123,7 @@ class TreeModel:
             assert {x for x in self._nodes() if x.cand & _BITS[r]} == got, f"Node.cand disagrees with {r!r}"
 
     def _nodes(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            x = stack.pop()
-            out.append(x)
-            stack.extend(x.children.values())
-        return out
+        return descendants(self.root)
 
     # ------------------------------------------------------------------------------------------ T0 room
     def kv_avail(self) -> int:

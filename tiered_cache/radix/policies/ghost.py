@@ -34,6 +34,16 @@ from tiered_cache.validate import int_arg
 _ids = itertools.count()
 
 
+
+def descendants(root: Any) -> list:
+    """Every node below ``root`` (anything whose ``children`` is a dict of nodes), depth first."""
+    out, stack = [], list(root.children.values())
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        stack.extend(x.children.values())
+    return out
+
 class GhostNode:
     """A span of the ghost tree; ``payload`` is the node itself (``resumable``, ``mamba_value``)."""
 
@@ -168,12 +178,7 @@ class GhostCache:
             x = parent
 
     def nodes(self) -> list[GhostNode]:
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            x = stack.pop()
-            out.append(x)
-            stack.extend(x.children.values())
-        return out
+        return descendants(self.root)
 
     def copy(self, policy: Any, kv_tokens: Optional[int] = None) -> GhostCache:
         """This ghost with its nodes, stamps and candidates copied under ``policy`` (a fresh one); ``kv_tokens``:
