@@ -114,7 +114,8 @@ class TieredCache:
         high_slots = cfg.t0_states if state is not None else swa_pages
         pool = UnifiedPool(kv, high, low_slots=cfg.kv_pages, high_slots=high_slots, page_size=cfg.page_size,
                            device=device, lazy_compaction=cfg.lazy_compaction, backend=backend, check_memory=mem)
-        return cls._assemble(cfg, pool, kv, state, device, model_id, storage, placement, "full", "mamba", tp)
+        return cls._assemble(cfg, pool, kv, state, device, model_id, storage, placement, "full", "mamba", tp,
+                             cfg.kv_pages)
 
     @classmethod
     def build_on(cls, cfg: CacheConfig, t0: Any, *, kv_side: str = "full", state_side: str = "mamba",
@@ -147,13 +148,14 @@ class TieredCache:
         _check_build(cfg, kv.spec, state, st.spec if swa else None, model_id, storage, placement)
         instance_arg("tp", tp, TPGroup, "a parallel.TPGroup", none_ok=True)
         return cls._assemble(cfg, t0, kv.spec, state, kv.device, model_id, storage, placement, kv_side, state_side,
-                             tp)
+                             tp, kv.capacity - 1)  # the caller's KV pages, not cfg.kv_pages (not read here)
 
     @classmethod
     def _assemble(cls, cfg: CacheConfig, pool: Any, kv: KVSpec, state: Optional[StateSpec], device: torch.device,
                   model_id: Optional[str], storage: Optional[StorageTier], placement: Optional[CheckpointPlacement],
-                  kv_side: str, state_side: str, tp: Optional[TPGroup]) -> TieredCache:
-        """T1, T2, T3 and the tree over ``pool`` (T0, built or given); under ``tp`` the tree agrees."""
+                  kv_side: str, state_side: str, tp: Optional[TPGroup], kv_pages: int) -> TieredCache:
+        """T1, T2, T3 and the tree over ``pool`` (T0, built or given; ``kv_pages``: its KV budget in pages, what
+        a tuned policy models); under ``tp`` the tree agrees."""
         mem, backend = cfg.check_memory, cfg.backend
         t1 = None if state is None else Int8CheckpointPool(state, cfg.t1_states, device=device, codec=cfg.codec,
                                                            check_memory=mem, backend=backend)
@@ -173,7 +175,7 @@ class TieredCache:
             transfer = TransferEngine(device, backend=backend)
         policy: Any = _POLICIES[cfg.eviction_policy]() if cfg.eviction_policy in _POLICIES else make_policy(
             cfg.eviction_policy, stack_costs(cfg.cost_model, kv.bytes_per_slot(1), t1.slot_bytes if t1 else 1),
-            tiered=cfg.host_tier, budget=(cfg.kv_pages * cfg.page_size, max(1, cfg.t1_states)), background=True)
+            tiered=cfg.host_tier, budget=(max(1, kv_pages) * cfg.page_size, max(1, cfg.t1_states)), background=True)
         owns_storage = False
         if storage is None and cfg.storage_url is not None and model_id is not None:  # (a URL comes with an id)
             fp = StorageFingerprint.from_specs(model_id, kv_spec=kv, state_spec=state, codec=cfg.codec,

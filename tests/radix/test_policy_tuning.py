@@ -264,21 +264,40 @@ def test_background_tuning_takes_each_window_one_window_late_whatever_the_timing
     assert len(set(inline)) > 1  # the weight did move: the comparison is not between constants
 
 
-def test_a_background_replay_that_fails_raises_at_the_next_window(monkeypatch):
-    p = MarconiPolicy(_costs(), tuner=AlphaTuner(_marconi, 30, 4, window=2, background=True))
-    trace = _reused_short_vs_one_shot_long(random.Random(4), 8)
+def test_a_background_replay_that_fails_stops_tuning_and_raises_nothing(monkeypatch):
+    """A serving thread never sees a replay's failure: the tuner records it, keeps the weight and replays
+    no more."""
+    p = MarconiPolicy(_costs(), alpha=0.5, tuner=AlphaTuner(_marconi, 30, 4, window=2, background=True))
+    trace = _reused_short_vs_one_shot_long(random.Random(4), 12)
     p.observe(trace[0], 0)
     p.counts["kv"] += 1
+    calls = []
 
     def broken(self, seq):
+        calls.append(seq)
         raise RuntimeError("ghost broke")
 
     monkeypatch.setattr(tuning_mod.GhostCache, "request", broken)
-    p.observe(trace[1], 9)
-    p.observe(trace[2], 9)  # the window fills: the replay starts (and fails) beside the requests
-    p.observe(trace[3], 9)
-    with pytest.raises(RuntimeError, match="ghost broke"):
-        p.observe(trace[4], 9)
+    for seq in trace[1:5]:  # the window fills at trace[2] (the replay fails beside the requests), then trace[4]
+        p.observe(seq, 9)
+    assert isinstance(p.tuner.error, RuntimeError) and p.alpha == 0.5 and p.tunings == 0
+    n = len(calls)
+    assert n > 0  # the replay did run (and fail)
+    for seq in trace[5:]:
+        p.observe(seq, 9)
+    assert len(calls) == n and p.tuner._pending is None and p.alpha == 0.5
+
+
+def test_clearing_the_policy_resets_its_tuner():
+    p = MarconiPolicy(_costs(), tuner=AlphaTuner(_marconi, 30, 4, window=3, background=True))
+    trace = _reused_short_vs_one_shot_long(random.Random(5), 6)
+    p.observe(trace[0], 0)
+    p.counts["kv"] += 1
+    for seq in trace[1:4]:
+        p.observe(seq, 9)
+    assert p.tuner._pending is not None
+    p.clear()
+    assert p.tuner._pending is None and p.tuner.base is None and not p.tuner.recent
 
 
 def test_tuner_bad_arguments():

@@ -36,8 +36,6 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
         res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
                                        mamba_value=req.mamba_pool_idx, prev_prefix_len=prev))
         keep = max(res.cached_len, prev)
-        t = cache.tree  # a policy that learns from the requests (Marconi's alpha tuner):
-        t.policy.observe(toks, t.full_evictable + t.full_protected)
     if keep < kv.numel():
         cache.kv.free(kv[keep:])
     if req.mamba_pool_idx is not None:
@@ -47,6 +45,9 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
         cache.dec_lock_ref(req.last_node)
         req.last_node = None
     req.cache_protected_len = 0
+    if is_insert:  # last, once the request is settled: a policy that learns from the requests (Marconi's alpha)
+        t = cache.tree
+        t.policy.observe(toks, t.full_evictable + t.full_protected)
 
 
 def cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:

@@ -95,6 +95,8 @@ class ScoredPolicy(LRUPolicy):
     def clear(self) -> None:
         super().clear()
         self.facts.clear()
+        if self.tuner is not None:
+            self.tuner.reset()
 
     def forget(self, node: Any) -> None:
         super().forget(node)

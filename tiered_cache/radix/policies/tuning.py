@@ -30,10 +30,14 @@ stack's: an engine's or SGLang's serving thread must not stall) replays on a dae
 requests and takes the result at a fixed point, when the next window has filled, waiting there only if
 the replay is still running: the weight then changes one window late, but at the same request whatever
 the timing, so tensor-parallel ranks (each tunes its own tree from the same requests) stay identical.
+A background replay that fails stops the tuning (``error`` holds why, logged; the weight stays), rather
+than raise into a serving thread. Replays are Python and share the GIL with the serving thread: they
+slow its host work while they run, in small slices, where inline they would stop it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from array import array
@@ -45,6 +49,7 @@ from tiered_cache.radix.policies.ghost import GhostCache
 from tiered_cache.validate import int_arg
 
 ALPHA_GRID = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
+_log = logging.getLogger(__name__)
 
 
 class AlphaTuner:
@@ -69,12 +74,21 @@ class AlphaTuner:
         self.seconds = 0.0  # spent replaying
         self.held = 0  # the most device KV tokens the live tree held in this window
         self._pending: Optional[tuple[threading.Thread, dict]] = None  # a background replay and its result
+        self.error: Optional[Exception] = None  # why a background replay failed (tuning stopped)
+
+    def reset(self) -> None:
+        """The live cache was cleared: forget its model (a replay still running is waited for, dropped)."""
+        if self._pending is not None:
+            self._pending[0].join()
+        self._pending, self.base, self.recent, self.held = None, None, [], 0
 
     def observe(self, tokens: Sequence[int], kv_held: int, evicting: bool, live: float) -> Optional[float]:
         """Record the finished sequence ``tokens`` (``kv_held``: the device KV tokens the live tree holds
         after it; ``evicting``: the live tree has evicted; ``live``: the weight it runs under) -> the best
         value when a tuning ends with this one (inline: it filled the window; background: it filled the
         window after the one being replayed), else None."""
+        if self.error is not None:
+            return None
         if self.base is None:
             self.base = GhostCache(self.make(float(live)), self.kv_tokens, self.states)
         if not evicting and not self.history and not self.recent and self._pending is None:
@@ -90,7 +104,10 @@ class AlphaTuner:
             thread.join()
             self._pending = None
             if "error" in done:
-                raise done["error"]
+                self.error = done["error"]
+                _log.warning("Marconi alpha tuning stopped (the weight stays %s): %r", live, self.error)
+                self.recent = []
+                return None
             best = self._take(*done["result"])
         recent, held, self.recent, self.held = self.recent, self.held or self.kv_tokens, [], 0
         base, live = self.base, float(live)
@@ -100,7 +117,7 @@ class AlphaTuner:
         def run(out: dict) -> None:
             try:
                 out["result"] = self._replay(base, recent, held, live)
-            except BaseException as e:  # handed to the serving thread at the next fixed point
+            except Exception as e:  # seen by the serving thread at the next fixed point
                 out["error"] = e
 
         out: dict = {}
