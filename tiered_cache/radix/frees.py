@@ -1,7 +1,8 @@
 """``Frees``: ids a change of the tree gives back, batched per pool so a long eviction frees each once.
 
 T0 KV ids are the tree's own (``kv``: its ownership map is cleared with them, and they go back through
-the side's trusted ``free_pages``: they were validated when the tree took them); everything else goes
+the side's trusted ``free_pages``: they were validated when the tree took them; so do the SWA pages of
+the "swa" sink, whole pages the tree checked at insert or allocated itself); everything else goes
 to a named *sink*, a pool or host region that the component owning it registered in ``tree.sinks``:
 "kv_host" (``HostTier``), "t1" and "state_host" (``MambaStates``), "swa" and "swa_host" (the SWA cache).
 T1 slots the tree owns go back by host id through the pool's trusted ``free_owned`` (``put_t1``).
@@ -61,7 +62,11 @@ class Frees:
                 tree.kv.free_pages(pages.tolist())  # the tree's own pages, checked when it took them
         for sink, ts in self.ids.items():
             ids = ts[0] if len(ts) == 1 else torch.cat(ts)
-            if ids.numel():
+            if not ids.numel():
+                continue
+            if sink == "swa":  # the tree's own SWA pages (whole pages, checked at insert or allocated by it)
+                tree.sinks[sink].free_pages(tree.pages_of(ids).tolist())
+            else:
                 tree.sinks[sink].free(ids)
         for sink, lst in self.pages.items():
             if lst:

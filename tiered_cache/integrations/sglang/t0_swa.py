@@ -11,8 +11,7 @@ mapping says, and an SWA tombstone's full ids map to 0. So:
 
 - ``SGLangSWASide.free_pages`` (the tree evicting, tombstoning or dropping duplicate SWA KV) clears the
   mapping entries that point into the freed pages, then frees the pages through SGLang's SWA allocator.
-  It finds them in O(pages freed), not by scanning the mapping (the tree's frees still come through the
-  checked ``free``, whose id check reads SGLang's free list: docs/sglang.md): a reverse index (SWA page
+  It finds them in O(pages freed), not by scanning the mapping: the side keeps a reverse index (SWA page
   -> the full page paired with it), which the backend feeds (``pair``) wherever SGLang's mapping pairs
   pages the tree may free: the request's pages an insert offers (read off the mapping) and the path it
   writes after an insert or a load. Every SWA page the tree frees came to it through one of those, and
