@@ -493,9 +493,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                  decode_graphs=bool(args.decode_graphs), prefill_graphs=bool(args.prefill_graphs),
                  phase_timing=args.phase_timing)
     # every cached configuration keeps the same offered states (``--admission``; recorded in the JSON)
-    block = args.admission_block or (args.trace_block if args.trace else None)
-    if args.admission == "block" and block is None:
-        raise ValueError("--admission block: give --admission-block (tokens; with --trace: the trace's block)")
+    block = admission_block(args)
     cache = dict(page_size=e["page_size"], write_policy=e["write_policy"], state_admission=args.admission,
                  **({"admission_block": block} if args.admission == "block" else {}))
     trace_info: Optional[dict] = None
@@ -868,8 +866,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
                       "gated_delta": gd, "models": model_info,
                       "decode_batch_flag": bool(args.decode_batch),
                       "state_admission": args.admission,
-                      "admission_block": args.admission_block or (args.trace_block if args.trace else None)
-                      if args.admission == "block" else None,
+                      "admission_block": admission_block(args),
                       "decode_graphs_flag": bool(args.decode_graphs),
                       "prefill_graphs_flag": bool(args.prefill_graphs),
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
@@ -981,10 +978,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                 f"{args.trace_limit}, {args.trace_sample}")
     if args.trace and args.answers:
         p.error("--answers: the trace gives the answer lengths (capped by --trace-max-answer)")
+    if args.admission_block is not None and args.admission_block < 1:
+        p.error(f"--admission-block: tokens >= 1, got {args.admission_block}")
+    if args.admission_block is not None and args.admission != "block":
+        p.error(f"--admission-block: only with --admission block, got --admission {args.admission}")
+    if args.admission == "block" and admission_block(args) is None:
+        p.error("--admission block: give --admission-block (tokens; with --trace: the trace's block by default)")
     if args.trace and args.tag is None:
         args.tag = "mooncake"
     args.set = dict(kv.split("=", 1) for kv in args.set)
     return args
+
+
+def admission_block(args: argparse.Namespace) -> Optional[int]:
+    """Tokens between kept states under ``--admission block`` (``--admission-block``, or the trace's block)."""
+    if args.admission != "block":
+        return None
+    return args.admission_block if args.admission_block is not None else (args.trace_block if args.trace else None)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
