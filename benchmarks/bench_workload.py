@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import workload_common as wc  # noqa: E402
 from benchmarks.common import RESULTS, device_tag, write_results  # noqa: E402
 from tiered_cache import device as dev  # noqa: E402
+from tiered_cache.config import EVICTION_POLICIES  # noqa: E402
 from tiered_cache.engine.stats import percentile  # noqa: E402
 
 METRICS = ("hit_rate", "hit_rate_t0", "hit_rate_t2", "state_hit_rate", "prefill_tokens_saved", "computed_tokens",
@@ -202,6 +203,13 @@ def run_config(model, ecfg, drive, total: int, label: str, progress: bool, timel
         print(f"   warning: {label}: chunk-rule graph capture failed, ran it eagerly: {gp['capture_error']}")
     if engine.cache is not None:
         engine.check_invariants()
+        # the eviction policy and admission the engine's tree ran (a policy run's proof that it differed)
+        pol, rule = engine.cache.tree.policy, getattr(engine.cache, "rule", None)
+        tuned = getattr(pol, "TUNED", None)
+        st["cache_policy"] = {"eviction_policy": ecfg.cache.eviction_policy, "policy_class": type(pol).__name__,
+                              "state_admission": getattr(getattr(rule, "admission", None), "name", None),
+                              "tuned_value": getattr(pol, tuned) if tuned else None,
+                              "tunings": getattr(pol, "tunings", None)}
         # what the tree kept of the states offered, and how T1 turned over
         st["tree"] = {**engine.cache.stats, "checkpoints": st["checkpoints"],
                       **{f"t1_{k}": v for k, v in engine.tiers.t1.stats.items()}}
@@ -282,6 +290,59 @@ RATIOS = {
 RAW = ("ttft_p50_s", "ttft_p50_round3plus_s", "requests_per_s", "requests_per_s_round3plus", "hit_rate")
 
 
+# --eviction-policies: each policy against LRU in the same configuration (same budgets): name -> (metric,
+# "speedup" (LRU / policy: TTFT) or "gain" (policy / LRU)); keys ``<name>_<policy>_vs_lru``
+POLICY_RATIOS = {"throughput": ("requests_per_s", "gain"),
+                 "throughput_round3plus": ("requests_per_s_round3plus", "gain"),
+                 "ttft_p50_speedup": ("ttft_p50_s", "speedup"),
+                 "ttft_p50_round3plus_speedup": ("ttft_p50_round3plus_s", "speedup"),
+                 "hit_rate": ("hit_rate", "gain")}
+
+
+def policy_cache(cache: dict, policy: str) -> dict:
+    """The tiers' shared settings ``cache`` (the run's ``--admission`` in them) under eviction policy
+    ``policy`` with its admission, as bench_policy pairs them: Marconi keeps the leaf and branch points (its
+    own admission); ours (``tiered``) too, or the run's block admission under ``--admission block`` (block
+    reuse: bench_policy's Mooncake scenario); LRU and SegLen keep the run's ``--admission``."""
+    adm = cache["state_admission"]
+    if policy == "marconi" or (policy == "tiered" and adm != "block"):
+        adm = "leaf_branch"
+    out = dict(cache, eviction_policy=policy, state_admission=adm)
+    if adm != "block":
+        out.pop("admission_block", None)
+    return out
+
+
+def policy_ratios(s: dict[str, dict[str, float]], configs: list[str], policies: list[str],
+                  fell_back: Collection[str] = ()) -> dict[str, Any]:
+    """Each policy of ``policies`` against LRU in each configuration of ``configs`` (``s``: summaries by
+    ``<config>_<policy>``): ``<config>_<ratio>_<policy>_vs_lru`` (``POLICY_RATIOS``), the first
+    configuration's also as ``<ratio>_<policy>_vs_lru``, with the raw values behind them
+    (``<metric>_<config>_<policy>``). None where a side did not run (no lru among ``policies``), the
+    denominator is zero, or a side fell back to eager calls (that one named in ``invalid``)."""
+    out: dict[str, Any] = {}
+    invalid = []
+    for i, c in enumerate(configs):
+        for p in policies:
+            if p == "lru":
+                continue
+            top, base = s.get(f"{c}_{p}"), s.get(f"{c}_lru")
+            for name, (metric, kind) in POLICY_RATIOS.items():
+                k, v = f"{name}_{p}_vs_lru", None
+                if {f"{c}_{p}", f"{c}_lru"} & set(fell_back):
+                    invalid += [f"{c}_{k}"] + ([k] if i == 0 else [])
+                elif top is not None and base is not None and top[metric] is not None and base[metric] is not None:
+                    num, den = (base[metric], top[metric]) if kind == "speedup" else (top[metric], base[metric])
+                    v = num / den if den else None  # undefined: JSON has no inf
+                out[f"{c}_{k}"] = v
+                if i == 0:
+                    out[k] = v
+    for key in s:
+        out.update({f"{m}_{key}": s[key][m] for m in RAW})
+    out["invalid"] = invalid
+    return out
+
+
 def undefined_ratios(results: list[dict]) -> dict[str, dict]:
     """The ratios that have no value because their denominator is zero (left out of the metrics), by
     ``<workload>_<ratio>``, with the raw values behind them. A ratio refused because a side fell back
@@ -294,6 +355,14 @@ def undefined_ratios(results: list[dict]) -> dict[str, dict]:
                 num, den = (f"{metric}_{base}", f"{metric}_{top}") if kind == "speedup" else \
                     (f"{metric}_{top}", f"{metric}_{base}")
                 out[f"{r['name']}_{k}"] = {"numerator": rt.get(num), "denominator": rt.get(den)}
+        for c in r.get("policies", {}).get("configs", []):  # --eviction-policies: each policy against LRU
+            for p in r["policies"]["policies"]:
+                for name, (metric, kind) in POLICY_RATIOS.items():
+                    k = f"{c}_{name}_{p}_vs_lru"
+                    if p != "lru" and rt.get(k, 0) is None and k not in rt.get("invalid", []):
+                        num, den = (f"{metric}_{c}_lru", f"{metric}_{c}_{p}") if kind == "speedup" else \
+                            (f"{metric}_{c}_{p}", f"{metric}_{c}_lru")
+                        out[f"{r['name']}_{k}"] = {"numerator": rt.get(num), "denominator": rt.get(den)}
     return out
 
 
@@ -586,9 +655,16 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
         def drive_for(wd: dict):
             return lambda eng, done: wc.drive(eng, clients, wd, done)
 
-    def result(reps: list[dict], last: dict, sweep: list, budget_sweep: list, eff: Optional[dict]) -> dict:
+    def result(reps: list[dict], last: dict, last_p: dict, sweep: list, budget_sweep: list,
+               eff: Optional[dict]) -> dict:
         s = median_summary([r["summary"] for r in reps])
+        pol = {"configs": pol_configs, "policies": list(args.eviction_policies),
+               "summary": median_summary([r["policy_summary"] for r in reps]) if pol_runs else {},
+               "labels": {f"{c}_{p}": f"{wc.LABELS[c]} [{p}]" for c, p in pol_runs},
+               "cache_policy": {k: st.get("cache_policy") for k, st in last_p.items()},
+               "tree_stats": {k: st.get("tree", {}) for k, st in last_p.items()}} if pol_runs else {}
         return {"name": label, "workload": name, "answer": int(w["max_new_tokens"]) if not args.trace else None,
+                "policies": pol,
                 "summary": s, "ratios": aggregate([r["ratios"] for r in reps]), "repeats": len(reps),
                 "fell_back": {c: why for r in reps for c, why in r["fell_back"].items()}, "tiers": tiers,
                 "tier_bytes": dataclasses.asdict(tb), "longest_request": longest, "requests": n_req, "section": sec,
@@ -600,6 +676,9 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                 "budget_sweep": budget_sweep}
 
     configs = [c for c in wc.CONFIGS if c in args.configs]
+    # --eviction-policies: each of --policy-configs once per policy in every repeat, after the configurations
+    pol_configs = list(dict.fromkeys(args.policy_configs)) if args.eviction_policies else []
+    pol_runs = [(c, p) for c in pol_configs for p in args.eviction_policies]
     reps: list[dict] = []
     for rep in range(args.repeats):
         raw: dict[str, dict] = {}
@@ -620,24 +699,30 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                         pstats.Stats(prof, stream=f).sort_stats(k).print_stats(45)
             else:
                 raw[cname] = run_config(model, ecfg, drive_for(w), n_req, lab, args.progress, timeline=timeline)
-            st = raw[cname]
-            # one line as each run ends, so a run cut short by a time limit still shows what it measured
-            print(f"   {lab}: {len(st['turns'])} requests in {st['wall_s']:.1f} s "
-                  f"({len(st['turns']) / st['wall_s']:.2f} req/s), reused {st['tokens']['reused']} of "
-                  f"{st['tokens']['prompt']} prompt tokens"
-                  + (f"; FELL BACK: {fell_back(st)}" if fell_back(st) else ""))
+            ran(lab, raw[cname])
             if timeline:
                 os.makedirs(args.timeline, exist_ok=True)
                 with open(os.path.join(args.timeline, f"timeline-{label}-{cname}.json"), "w") as f:
                     json.dump(raw[cname]["timeline"], f)
+        raw_p: dict[str, dict] = {}
+        for c, pol in pol_runs:  # the same budgets and requests, eviction policy (and its admission) changed
+            raw_p[f"{c}_{pol}"] = st = run_config(model, engine_config(serve, policy_cache(cache, pol), tiers[c]),
+                                                  drive_for(w), n_req, f"{label} {wc.LABELS[c]} [{pol}]{tag}",
+                                                  args.progress)
+            ran(f"{label} {wc.LABELS[c]} [{pol}]{tag}", st)
         s_rep = {c: summarize(raw[c], raw.get("no_cache") if c != "no_cache" else None) for c in configs}
-        fb = {c: why for c in configs if (why := fell_back(raw[c]))}
+        s_pol = {k: summarize(st, raw.get("no_cache")) for k, st in raw_p.items()}
+        fb = {c: why for c, st in {**raw, **raw_p}.items() if (why := fell_back(st))}
         for c, why in fb.items():
-            print(f"   REFUSED: {wc.LABELS[c]}{tag} fell back to eager ({why}): every comparison it is in is "
+            print(f"   REFUSED: {wc.LABELS.get(c, c)}{tag} fell back to eager ({why}): every comparison it is in is "
                   "left out (null, info.invalid_comparisons)")
-        reps.append({"summary": s_rep, "ratios": ratios(s_rep, fb), "fell_back": fb})
+        rt = ratios(s_rep, fb)
+        if pol_runs:
+            pr = policy_ratios(s_pol, pol_configs, args.eviction_policies, fb)
+            rt = {**rt, **pr, "invalid": rt.get("invalid", []) + pr["invalid"]}
+        reps.append({"summary": s_rep, "policy_summary": s_pol, "ratios": rt, "fell_back": fb})
         if on_repeat is not None:  # what is measured so far, written: a run cut short keeps its repeats
-            on_repeat(result(reps, raw, [], [], None))
+            on_repeat(result(reps, raw, raw_p, [], [], None))
     s = median_summary([r["summary"] for r in reps])
     for c in configs:
         if c != "no_cache" and (s[c]["prefill_tokens_saved"] or 0) <= 0:
@@ -672,7 +757,14 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
               + (f" = {100 * eff['mfu']:.1f} % of {eff['peak_flops'] / 1e12:.0f} TFLOP/s" if eff["mfu"] else
                  " (no peak known for this device: MFU undefined)")
               + f"; whole run {eff['run_computed_tokens_per_s']:,.0f} computed tokens/s")
-    return result(reps, raw, sweep, budget_sweep, eff)
+    return result(reps, raw, raw_p, sweep, budget_sweep, eff)
+
+
+def ran(label: str, st: dict) -> None:
+    """One line as a run ends, so a run cut short by a time limit still shows what it measured."""
+    print(f"   {label}: {len(st['turns'])} requests in {st['wall_s']:.1f} s ({len(st['turns']) / st['wall_s']:.2f} "
+          f"req/s), reused {st['tokens']['reused']} of {st['tokens']['prompt']} prompt tokens"
+          + (f"; FELL BACK: {fell_back(st)}" if fell_back(st) else ""))
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -682,9 +774,11 @@ def chart(path: str, res: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = res["summary"]
+    pol = res.get("policies") or {}
+    s = {**res["summary"], **pol.get("summary", {})}  # --eviction-policies' runs beside the configurations
     configs = list(s)
-    names = [wc.LABELS[c].split(" ", 1)[0] for c in configs]
+    names = [pol["labels"][c].split(" ", 1)[0] + " " + c.rsplit("_", 1)[1] if c in pol.get("labels", {})
+             else wc.LABELS[c].split(" ", 1)[0] for c in configs]
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
     fig.suptitle(f"{res['name']}: {res['requests']} requests, same GPU budget "
                  f"({res['section']['gpu_budget_mib']} MiB; host {res['section']['host_budget_mib']} MiB)")
@@ -760,12 +854,14 @@ def chart_sweep(path: str, res: dict) -> None:
     plt.close(fig)
 
 
-def _row(workload: str, c: str, s: dict, fell: Optional[dict] = None, answer: Optional[int] = None) -> dict:
-    """One table row: configuration ``c``'s summary ``s`` (a main run's or a sweep point's); ``valid``
-    is "no" where it fell back to eager calls (``fell``: the fallbacks of its run)."""
+def _row(workload: str, c: str, s: dict, fell: Optional[dict] = None, answer: Optional[int] = None,
+         label: Optional[str] = None) -> dict:
+    """One table row: configuration ``c``'s summary ``s`` (a main run's or a sweep point's; ``label``: a
+    policy run's name, else the configuration's); ``valid`` is "no" where it fell back to eager calls
+    (``fell``: the fallbacks of its run)."""
     return {"workload": workload, "answer": "-" if answer is None else (f"{answer} (prefill-node)" if answer <= 8
                                                                         else answer),
-            "config": wc.LABELS[c], "valid": "no (fell back)" if fell and c in fell else "yes",
+            "config": label or wc.LABELS[c], "valid": "no (fell back)" if fell and c in fell else "yes",
             "hit_rate": s["hit_rate"], "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
             "states T1/T2/miss": f"{s['hits_t1_states']:g}/{s['hits_t2_states']:g}/{s['state_misses']:g}",
             "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
@@ -795,6 +891,11 @@ def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
                 if v is not None and (k in METRICS or k.startswith("phase_")):
                     metrics[f"{name}_{c}_{k}"] = v
             rows.append(_row(name, c, res["summary"][c], res["fell_back"], res.get("answer")))
+        pol = res.get("policies") or {}
+        for c, s in pol.get("summary", {}).items():  # --eviction-policies: <workload>_<config>_<policy>_*
+            metrics.update({f"{name}_{c}_{k}": v for k, v in s.items()
+                            if v is not None and (k in METRICS or k.startswith("phase_"))})
+            rows.append(_row(name, c, s, res["fell_back"], res.get("answer"), pol["labels"][c]))
         eff = res.get("efficiency")
         if eff:
             metrics.update({f"{name}_no_cache_{k}": eff[k] for k in ("prefill_tokens_per_s", "model_flops_per_s",
@@ -853,6 +954,12 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
              "`<workload>_no_cache_prefill_tokens_per_s` and `_mfu` (model FLOPs from the geometry, "
              "benchmarks/bench_workload.py prefill_flops; peak "
              + (f"{peak / 1e12:.0f} TFLOP/s dense bf16). " if peak else "unknown here, MFU undefined). ")
+             + (f"--eviction-policies {' '.join(args.eviction_policies)}: each of {', '.join(args.policy_configs)} "
+                "run once per policy in every repeat, same budgets (`<workload>_<config>_<policy>_*`; "
+                "`<ratio>_<policy>_vs_lru`: of the first configuration, `<config>_<ratio>_<policy>_vs_lru` each; "
+                "null where a side did not run); admission: marconi leaf + branch, tiered leaf + branch (block "
+                f"under --admission block), lru and seglen --admission ({args.admission}); info.workloads.<w>."
+                "policies.cache_policy: what each run's tree ran. " if args.eviction_policies else "")
              + (f"Refused (a side fell back to eager: null, info.invalid_comparisons): {invalid}." if invalid
                 else "No configuration fell back to eager calls: every comparison is valid."))
     bench = "workload" + (f"-{args.tag}" if args.tag else "")
@@ -867,6 +974,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
                       "decode_batch_flag": bool(args.decode_batch),
                       "state_admission": args.admission,
                       "admission_block": admission_block(args),
+                      "eviction_policies": list(args.eviction_policies), "policy_configs": list(args.policy_configs),
                       "decode_graphs_flag": bool(args.decode_graphs),
                       "prefill_graphs_flag": bool(args.prefill_graphs),
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
@@ -878,7 +986,9 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
                                                 "tree_stats": r["tree_stats"],
                                                 "graph_decoder": r["graph_decoder"],
                                                 "graph_prefill": r["graph_prefill"],
-                                                "engine_counts": r["engine_counts"]} for r in results}}
+                                                "engine_counts": r["engine_counts"],
+                                                "policies": {k: v for k, v in (r.get("policies") or {}).items()
+                                                             if k != "summary"}} for r in results}}
     with open(path, "w") as f:
         json.dump(record, f, indent=2, default=str)
         f.write("\n")
@@ -904,8 +1014,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefill-graphs", action="store_true",
                    help="every configuration runs the gated-delta chunk rule of its prefill forwards through CUDA "
                         "graphs (EngineConfig.prefill_graphs; checked against eager calls first)")
-    p.add_argument("--configs", nargs="+", default=list(wc.CONFIGS), choices=wc.CONFIGS,
-                   help="run only these configurations (the (4)-vs-(1) ratios need both; hit rate vs (2) needs it)")
+    p.add_argument("--configs", nargs="*", default=list(wc.CONFIGS), choices=wc.CONFIGS,
+                   help="run only these configurations (the (4)-vs-(1) ratios need both; hit rate vs (2) needs it; "
+                        "none: only the --eviction-policies runs)")
+    p.add_argument("--eviction-policies", nargs="+", default=[], choices=EVICTION_POLICIES, metavar="P",
+                   help="also run each of --policy-configs once per eviction policy (CacheConfig.eviction_policy, "
+                        "with its admission: policy_cache), same budgets, interleaved in every repeat: metrics "
+                        "<workload>_<config>_<policy>_* and throughput_<policy>_vs_lru, "
+                        "ttft_p50_speedup_<policy>_vs_lru (give lru among them)")
+    p.add_argument("--policy-configs", nargs="+", default=["int8_t1_t2"], choices=wc.CONFIGS[1:],
+                   help="the configurations of the --eviction-policies runs (the first is the headline)")
     p.add_argument("--rates", nargs="*", type=float, default=[], metavar="R",
                    help="also run each workload at these arrival rates (requests/s; 0: no gaps), with "
                         "--sweep-configs: TTFT and throughput against load (metrics <workload>_rate<R>_*)")
@@ -967,6 +1085,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--rates: arrival rates >= 0 (requests/s; 0: no gaps), got {args.rates}")
     if args.repeats < 1:
         p.error(f"--repeats: an int >= 1, got {args.repeats}")
+    if not args.configs and not args.eviction_policies:
+        p.error("--configs: at least one configuration (or --eviction-policies)")
     if args.answers and any(a < 1 for a in args.answers):
         p.error(f"--answers: lengths >= 1, got {args.answers}")
     if any(not b > 0 for b in args.gpu_budgets):
@@ -1061,6 +1181,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
                   f"{r['throughput_round3plus_vs_2b']}), "
                   f"TTFT p50 {r['ttft_p50_speedup_vs_2b']}, hit rate {r['hit_rate_vs_2b']} ((2b) reuses "
                   f"{rt['hit_rate_2b']:.3f}); (2b) vs (1) throughput {r.get('throughput_2b_vs_nocache', 'n/a')}")
+        for c in (res.get("policies") or {}).get("configs", []):
+            for pol in res["policies"]["policies"]:
+                if pol != "lru":
+                    got = {k: rt.get(f"{c}_{k}_{pol}_vs_lru") for k in ("throughput", "ttft_p50_speedup", "hit_rate")}
+                    print(f"   {wc.LABELS[c]} [{pol}] vs [lru]: " + ", ".join(
+                        f"{k} {'n/a' if v is None else f'{v:.2f}x'}" for k, v in got.items()))
         for p in res["budget_sweep"]:
             pr = p["ratios"]
             print(f"   @ GPU {p['gpu_mib']:g} MiB: " + ", ".join(
