@@ -339,6 +339,7 @@ def run_trace(args: argparse.Namespace) -> str:
     for r in millions:
         tag = f"{cs.TAGS[r['config']]}_{r['gpu_gib']:g}g_{r['host_gib']:g}g"
         metrics[f"wall_s_1e6_requests_{tag}"] = r["wall_s"]
+        metrics[f"cpu_s_1e6_requests_{tag}"] = r["cpu_s"]
         metrics[f"req_per_s_1e6_requests_{tag}"] = r["req_per_s"]
         metrics[f"hit_rate_1e6_requests_{tag}"] = r["hit_rate"]
     metrics["requests"] = len(trace)
@@ -365,7 +366,8 @@ def run_trace(args: argparse.Namespace) -> str:
             "10^6 requests": f"capacity_sim.replayed: the trace {-(-args.million // len(trace))} times over, copy k "
             "with every sim token (hash ids and answer pages) shifted by k x (the largest token + 1), so a copy "
             "is new sessions with the trace's statistics and shares nothing with the others; wall_s_1e6_requests "
-            "is that run's wall time, one point, from a cold cache",
+            "is that run's wall time, one point, from a cold cache (cpu_s_1e6_requests: the CPU seconds of its "
+            "worker process, the measure on a machine the run shares)",
             "hit_rate": "prompt tokens reused / prompt tokens; the whole trace from a cold cache, one request at "
             "a time"}
     notes = (f"{len(trace)} requests of {os.path.basename(args.trace)} in arrival order; Qwen3-Next-80B bytes; GPU "

@@ -21,10 +21,11 @@ Modes (``MODES``): ``full`` copies and checksums every transfer; ``fast`` keeps 
 transfer engine's tickets, busy marks and counts but copies no byte (``TransferEngine.checksums`` off,
 a copier that copies nothing); ``model`` (the default) runs ``capacity_model.TreeModel``, the tree's
 flows ported to flags and counts at block granularity (byte accounting, instant tickets), the same
-``CountingLRUPolicy`` fed the same touches. Every decision is the same in all three, so the hits are
-(tests/bench/test_capacity_sim.py checks it on traces that evict in every tier); the model serves
-10^6 Mooncake requests in ~7 minutes of one core where the real tree takes hours. The model knows what this
-simulation uses (LRU, chunk admission, write-through, no T3): other ``cache_overrides`` need ``fast``.
+``CountingLRUPolicy`` victims (``capacity_model.NodeLRU``) from the same touches. Every decision is the
+same in all three, so the hits are (tests/bench/test_capacity_sim.py checks it on traces that evict in
+every tier); the model serves 10^6 Mooncake requests in a few minutes of one core (the results page
+has the timing) where the real tree takes hours. The model knows what this simulation uses (LRU, chunk
+admission, write-through, no T3): other ``cache_overrides`` need ``fast``.
 
 A trace is any iterable of ``SimRequest`` (prompt and answer in sim tokens, and the prompt's real token
 count, which the hit rate is counted in). ``mooncake_requests`` turns a Mooncake trace into one: a sim
@@ -273,7 +274,7 @@ class ModelSim:
         self.model.check_idle()
 
     def evictions(self) -> dict:
-        return dict(self.model.pol.counts)
+        return dict(self.model.lru.counts)
 
 
 def simulate_tiers(trace: Iterable[SimRequest], tiers: Mapping[str, Any], *, cache_overrides: Optional[Mapping[
@@ -309,14 +310,15 @@ def simulate_tiers(trace: Iterable[SimRequest], tiers: Mapping[str, Any], *, cac
         gc.disable()
     try:
         t0 = t = time.perf_counter()
+        c0 = time.process_time()
         for i, r in enumerate(it):
             if i == warm:
                 sim.reset()  # measure after the cache has filled
-                t = time.perf_counter()
+                t, c0 = time.perf_counter(), time.process_time()
             p = sim.request(r, chunk)
             if keep_hits and i >= warm:
                 hits.append(p)
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - c0
     finally:
         if gc_on:
             gc.enable()
@@ -327,8 +329,8 @@ def simulate_tiers(trace: Iterable[SimRequest], tiers: Mapping[str, Any], *, cac
            "state_hits_t1": c["t1"], "state_hits_t2": c["t2"], "state_misses": c["miss"], "requests": c["requests"],
            "prompt_tokens": c["prompt"], "reused_tokens": c["reused"], "t2_kv_pages_loaded": c["kv_loaded"],
            "t2_states_loaded": c["states_loaded"], "load_failures": c["load_fail"], "wall_s": wall,
-           "total_s": time.perf_counter() - t0, "req_per_s": c["requests"] / wall if wall > 0 else float("nan"),
-           "evictions": sim.evictions()}
+           "cpu_s": cpu, "total_s": time.perf_counter() - t0,
+           "req_per_s": c["requests"] / wall if wall > 0 else float("nan"), "evictions": sim.evictions()}
     if keep_hits:
         out["hits"] = hits
     return out
@@ -349,7 +351,8 @@ def simulate(trace: Iterable[SimRequest], *, gpu_bytes: int, host_bytes: int, co
     tokens). Returns ``simulate_tiers``' dict plus the tier sizes used.
 
     hit_rate: prompt tokens reused / prompt tokens (real tokens); hit_rate_t2: of them, loaded from T2;
-    state_hit_rate: requests that resumed from a cached state; req_per_s: simulated requests a second.
+    state_hit_rate: requests that resumed from a cached state; req_per_s: simulated requests a second
+    (of wall time; cpu_s: the CPU seconds this process spent on them, the measure on a shared machine).
     """
     if request_pages is None:
         if not isinstance(trace, Sequence):

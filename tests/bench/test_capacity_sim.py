@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 
 import pytest
@@ -13,10 +14,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks import bench_capacity as bc  # noqa: E402
+from benchmarks import capacity_model as cm  # noqa: E402
 from benchmarks import capacity_sim as cs  # noqa: E402
 from benchmarks.traces import TraceRequest  # noqa: E402
 from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.errors import InvalidArgumentError  # noqa: E402
+from tiered_cache.stack import CountingLRUPolicy  # noqa: E402
 
 GiB = cs.GiB
 
@@ -122,7 +125,12 @@ def test_model_checks_its_own_books_and_refuses_what_it_does_not_know():
     with pytest.raises(AssertionError, match="T1"):
         sim.check()
     sim.model.t1_free -= 1
-    sim.model.pol.discard("kv", next(iter(sim.model.pol.candidates("kv"))))  # a candidate lost
+    lru = sim.model.lru
+    x = next(iter(lru.sets[cm._BITS["state"]]))
+    lru.heaps[cm._BITS["state"]] = [e for e in lru.heaps[cm._BITS["state"]] if e[1] is not x]  # off its heap
+    with pytest.raises(AssertionError, match="'state' candidate off its heap"):
+        sim.check()
+    lru.sets[cm._BITS["kv"]].discard(next(iter(lru.sets[cm._BITS["kv"]])))  # a candidate lost
     with pytest.raises(AssertionError, match="'kv' candidates"):
         sim.check()
     for over in ({"eviction_policy": "marconi"}, {"state_admission": "leaf_branch"}, {"write_policy": "write_back"}):
@@ -131,6 +139,43 @@ def test_model_checks_its_own_books_and_refuses_what_it_does_not_know():
                         cache_overrides=over)
     with pytest.raises(InvalidArgumentError, match="mode"):
         cs.simulate(trace, gpu_bytes=1 * GiB, host_bytes=0, config_name="gpu_only", max_running=1, mode="quick")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_node_lru_pops_what_the_counting_lru_policy_pops(seed):
+    """The model's NodeLRU against the tree's own CountingLRUPolicy, fed the same random touches, adds,
+    discards, forgets and pops over a few nodes (stale heap entries and rebuilds included): every pop
+    the same node (or none in both), the same candidate sets and victim counts after every step."""
+    rng = random.Random(seed)
+    nodes = [cm.Node(None, [i]) for i in range(24)]
+    lru, pol = cm.NodeLRU(), CountingLRUPolicy()
+    names = list(cm._BITS)
+    pops = 0
+    for _ in range(6000):
+        op, x, r = rng.random(), rng.choice(nodes), rng.choice(names)
+        b = cm._BITS[r]
+        if op < 0.35:
+            base = "kv" if b & cm._KV_BASE else "state"
+            pol.touch(base, x)
+            (lru.touch_kv if base == "kv" else lru.touch_state)(x)
+        elif op < 0.6:
+            pol.add(r, x)
+            lru.update(x, x.cand | b)
+        elif op < 0.75:
+            pol.discard(r, x)
+            lru.update(x, x.cand & ~b)
+        elif op < 0.78:
+            pol.forget(x)
+            lru.forget(x)
+        else:
+            got = lru.pop(b)
+            assert got is pol.pop(r)
+            pops += got is not None
+        for name in names:
+            assert lru.sets[cm._BITS[name]] == pol.candidates(name), name
+        assert lru.counts == dict(pol.counts)
+    lru.check()
+    assert pops > 500 and max(len(h) for h in lru.heaps.values()) <= 3 * 24 + 64  # stale entries were dropped
 
 
 def test_replayed_shifts_every_copy_apart():
@@ -223,14 +268,15 @@ def test_trace_grid_writes_every_metric(tmp_path):
               "ceiling_hybrid_hit_rate", "ceiling_attention_hit_rate", "bytes_to_90pct_2b", "bytes_to_90pct_4",
               "bytes_ratio_2b_vs_4_at_90pct", "bytes_ratio_2_vs_3_at_90pct", "hit_rate_4_vs_2b_1g_4g",
               "hit_rate_3_vs_2_1g", "model_mode_req_per_s_2b", "full_mode_req_per_s_4", "model_vs_fast_speed_3",
-              "wall_s_1e6_requests_4_1g_4g", "hit_rate_1e6_requests_4_1g_4g", "bytes_to_90pct_4_any_split",
-              "bytes_ratio_2b_vs_4_at_90pct_any_split", "host_kv_fraction_at_90pct_2b_any_split"):
+              "wall_s_1e6_requests_4_1g_4g", "cpu_s_1e6_requests_4_1g_4g", "hit_rate_1e6_requests_4_1g_4g",
+              "bytes_to_90pct_4_any_split", "bytes_ratio_2b_vs_4_at_90pct_any_split",
+              "host_kv_fraction_at_90pct_2b_any_split"):
         assert k in m, k
     for tag in ("2", "2b", "3", "4"):
         assert m[f"model_same_hits_as_full_{tag}"] == 1.0 and m[f"fast_same_hits_as_full_{tag}"] == 1.0
     b2b, b4 = m["bytes_to_90pct_2b"], m["bytes_to_90pct_4"]
     assert m["bytes_ratio_2b_vs_4_at_90pct"] == (b2b / b4 if b2b is not None and b4 is not None else None)
-    assert m["wall_s_1e6_requests_4_1g_4g"] > 0
+    assert m["wall_s_1e6_requests_4_1g_4g"] > 0 and m["cpu_s_1e6_requests_4_1g_4g"] > 0
     assert "ceiling" in rec["info"] and "10^6 requests" in rec["info"] and os.path.exists(path[:-5] + ".md")
     assert not any(r.get("million") for r in rec["rows"])  # the timed run is in the metrics, not a grid row
     shares = {r["host_kv_fraction"] for r in rec["rows"] if r["config"] == "int8_t1_t2"}
