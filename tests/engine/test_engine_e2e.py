@@ -155,8 +155,9 @@ def test_two_forwards_per_split_chunk_equals_no_cache(qwen_long, baseline):
 @pytest.mark.parametrize("host", [False, True], ids=["T0-T1", "T0-T1-T2"])
 def test_block_admission_offers_block_boundaries_and_equals_no_cache(qwen_long, baseline, host):
     """``state_admission="block"``: the engine offers a state at every block boundary inside a prefill
-    chunk (the chunk runs as forwards split there), the tree keeps those, and the run still equals no
-    cache. Blocks of 8 tokens, chunks of 16: a chunk [16, 32) is cut at 24, the shared system prompt's end."""
+    chunk (one forward that takes the state at each), the tree keeps those, and the run still equals no
+    cache. Blocks of 8 tokens: a chunk [16, 32) is cut at 24, the shared system prompt's end; the run's
+    chunks of 32 tokens are cut at three boundaries each, all taken by one split forward."""
     cache = CacheConfig(codec="lossless", state_admission="block", admission_block=8, **SMALL,
                         **(HOST if host else {}))
     e = Engine(qwen_long, EngineConfig(cache=cache, **SERVE))
@@ -165,11 +166,13 @@ def test_block_admission_offers_block_boundaries_and_equals_no_cache(qwen_long, 
         24: "block", 32: "block", 36: "end"}
     chunk = Engine(qwen_long, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL), **SERVE))
     assert chunk.kind.cuts(req, 16, 32) == {32: "end"}  # the default admission: no block cuts
-    e, got = run_checked(qwen_long, EngineConfig(cache=cache, **SERVE))
+    e, got = run_checked(qwen_long, EngineConfig(cache=cache, **dict(SERVE, chunk_size=32)))
     for a, b in zip(baseline, got, strict=True):
         assert b.output == a.output, f"client {a.client} round {a.round}"
     n, top1, drift, _ = compare(baseline, got)
     assert n >= 200 and top1 == 1.0 and drift < LOGIT_ATOL, drift
+    # a chunk cut at several block boundaries ran as one forward that took every state
+    assert e.stats.c["split_states"] > e.stats.c["split_forwards"] > 0 and not e.stats.c["split_failures"]
     st = e.final_stats
     assert st["checkpoints"]["block_boundaries"] > 0 and st["tokens"]["reused"] > 0 and st["hits"]["T1_states"] > 0
 

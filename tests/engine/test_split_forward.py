@@ -53,7 +53,7 @@ def test_split_forward_equals_two_forwards(model, start, split, end):
     la, _ = forward_chunk(model, two, ids[start:split], start)
     at_split = [(lay.conv_states[0][..., -k:].clone(), lay.recurrent_states[0].clone()) for lay in _linear(two)]
     lb, _ = forward_chunk(model, two, ids[split:end], split)
-    logits, _, st = forward_chunk_split(model, one, ids[start:end], start, split)
+    logits, _, (st,) = forward_chunk_split(model, one, ids[start:end], start, (split,))
     assert len(st.conv) == len(st.recurrent) == len(at_split) > 0
     for (conv, rec), c, r in zip(at_split, st.conv, st.recurrent):
         _close(c, conv)
@@ -73,6 +73,21 @@ def test_split_forward_equals_two_forwards(model, start, split, end):
     assert torch.equal(plain, forward_chunk(model, _fresh(model, ids, start), ids[start:end], start)[0])
 
 
+def _a_forward_per_part(model, ids, start, splits, end):
+    """What a split forward must equal: one forward per part from ``start`` (after a forward of
+    ``[0, start)``). Returns the (conv window, recurrent state) of every linear layer at each split, the
+    logits of every position and the cache at the end."""
+    k = model.config.linear_conv_kernel_dim
+    cache, at, logits, a = _fresh(model, ids, start), [], [], start
+    for b in (*splits, end):
+        logits.append(forward_chunk(model, cache, ids[a:b], a)[0])
+        if b != end:
+            at.append([(lay.conv_states[0][..., -k:].clone(), lay.recurrent_states[0].clone())
+                       for lay in _linear(cache)])
+        a = b
+    return at, torch.cat(logits), cache
+
+
 def _fresh(model, ids, start):
     c = new_cache(model)
     if start:
@@ -80,36 +95,55 @@ def _fresh(model, ids, start):
     return c
 
 
+@pytest.mark.parametrize("start, splits, end", [(0, (16, 32, 48), 61), (24, (25, 40, 41), 57), (0, (8, 12), 13)],
+                         ids=["fresh-blocks", "resumed-uneven", "fresh-last-token"])
+def test_a_forward_split_at_several_positions_equals_a_forward_per_part(model, start, splits, end):
+    """The tree's ``block`` admission takes a state at every block boundary of a chunk: each state, the
+    logits and the cache at the end equal those of one forward per part."""
+    ids = _ids(end, seed=start + len(splits))
+    k = model.config.linear_conv_kernel_dim
+    one = _fresh(model, ids, start)
+    want, ref, parts = _a_forward_per_part(model, ids, start, splits, end)
+    logits, _, states = forward_chunk_split(model, one, ids[start:end], start, splits)
+    assert len(states) == len(splits)
+    for st, at, p in zip(states, want, splits, strict=True):
+        assert st.offset == p - start and len(st.conv) == len(st.recurrent) == len(at) > 0
+        for (conv, rec), c, r in zip(at, st.conv, st.recurrent, strict=True):
+            _close(c, conv)
+            _close(r, rec)
+    _close(logits, ref)
+    for x, y in zip(_linear(one), _linear(parts)):
+        _close(x.conv_states[0][..., -k:], y.conv_states[0][..., -k:])
+        _close(x.recurrent_states[0], y.recurrent_states[0])
+
+
 def test_bad_split_is_refused(model):
     ids = _ids(20)
-    for bad in (0, 20, 25, 3.0, None):
+    for bad in ((0,), (20,), (25,), (3.0,), (True,), (5, 5), (9, 4), (), 5, None):
         with pytest.raises(InvalidArgumentError, match="split_pos"):
             forward_chunk_split(model, new_cache(model), ids, 0, bad)
     with pytest.raises(InvalidArgumentError, match="model"):
-        forward_chunk_split(tiny_swa_model(seed=0, device="cpu"), None, ids, 0, 5)
+        forward_chunk_split(tiny_swa_model(seed=0, device="cpu"), None, ids, 0, (5,))
 
 
 @pytest.mark.gpu
-def test_split_forward_equals_two_forwards_on_cuda():
-    """On the GPU, with whichever gated-delta implementation is installed (flash-linear-attention's
-    Triton kernels compute in TF32: a looser bound there; a wrong state is off by far more)."""
+def test_split_forward_equals_a_forward_per_part_on_cuda():
+    """On the GPU, split at one position and at several, with whichever gated-delta implementation is
+    installed (flash-linear-attention's Triton kernels compute in TF32: a looser bound there; a wrong state
+    is off by far more)."""
     from benchmarks.bench_workload import gated_delta_impl
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny_qwen3_next(seed=3, long_memory=True, device="cuda")
     tol = 2e-5 if not gated_delta_impl(model).startswith("fla") else 5e-3
     ids = _ids(200).cuda()
-    k = model.config.linear_conv_kernel_dim
-    for start, split, end in ((0, 64, 150), (64, 192, 200)):
-        two, one = _fresh(model, ids, start), _fresh(model, ids, start)
-        la, _ = forward_chunk(model, two, ids[start:split], start)
-        at = [(lay.conv_states[0][..., -k:].clone(), lay.recurrent_states[0].clone()) for lay in _linear(two)]
-        lb, _ = forward_chunk(model, two, ids[split:end], split)
-        logits, _, st = forward_chunk_split(model, one, ids[start:end], start, split)
-        for (conv, rec), c, r in zip(at, st.conv, st.recurrent):
-            assert (c - conv).abs().max().item() <= tol * max(1.0, conv.abs().max().item())
-            assert (r - rec).abs().max().item() <= tol * max(1.0, rec.abs().max().item())
-        ref = torch.cat([la, lb])
+    for start, splits, end in ((0, (64,), 150), (64, (192,), 200), (0, (64, 100, 128), 150), (64, (128, 192), 200)):
+        at, ref, _ = _a_forward_per_part(model, ids, start, splits, end)
+        logits, _, states = forward_chunk_split(model, _fresh(model, ids, start), ids[start:end], start, splits)
+        for st, want in zip(states, at, strict=True):
+            for (conv, rec), c, r in zip(want, st.conv, st.recurrent, strict=True):
+                assert (c - conv).abs().max().item() <= tol * max(1.0, conv.abs().max().item())
+                assert (r - rec).abs().max().item() <= tol * max(1.0, rec.abs().max().item())
         assert (logits - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
 
 
@@ -122,7 +156,7 @@ def test_a_forward_that_does_not_call_the_wrapped_functions_as_expected_takes_no
     ids = _ids(40)
     monkeypatch.setattr(sf, "layer_kinds", lambda cfg: ["linear_attention"] * 99)  # more than it has
     with pytest.warns(UserWarning, match="no state is taken"):
-        logits, cache, st = forward_chunk_split(model, new_cache(model), ids, 0, 17)
+        logits, cache, st = forward_chunk_split(model, new_cache(model), ids, 0, (17,))
     assert st is None
     want, ref = forward_chunk(model, new_cache(model), ids, 0)
     _close(logits, want)

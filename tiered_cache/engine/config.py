@@ -38,9 +38,10 @@ class EngineConfig:
     ``decode_batch``; models without sliding layers, SDPA). Its buffers (keys and values of
     ``max_running`` requests at the longest context, in buckets of 4,096 tokens) are outside the tier
     budgets.
-    split_checkpoints: a prefill chunk that must cache the state at a position inside it (the last
-    aligned position of a prompt that ends off a page boundary) runs as one forward that also takes
-    the state there (``runner.split_forward.forward_chunk_split``) instead of two forwards. None
+    split_checkpoints: a prefill chunk that must cache states at positions inside it (the last aligned
+    position of a prompt that ends off a page boundary; with ``block`` admission every block boundary)
+    runs as one forward that also takes the states there (``runner.split_forward.forward_chunk_split``)
+    instead of one forward per part. None
     (default): where the model supports it (``split_supported``); True: required (raises otherwise);
     False: never.
     prefill_graphs: run the gated-delta chunk rule of prefill forwards through

@@ -235,7 +235,7 @@ class StateKind(Kind):
         tree's rule says where a chunk may export one mid-way; an aligned chunk end is itself cacheable,
         so the mid-chunk positions are used only for the unaligned last chunk (where it matters: the next
         turn of a conversation resumes there). With the tree's ``block`` admission every block boundary
-        inside the chunk is offered too (the chunk runs as forwards split there): the admission keeps
+        inside the chunk is offered too (one split forward takes them all): the admission keeps
         those states, and a chunk end alone would offer them only where a chunk happens to end."""
         cuts: dict[int, str] = {}
         b = req.branching

@@ -247,17 +247,16 @@ class Engine:
         start = req.filled
         end = min(n_prompt, start + min(self.cfg.chunk_size, budget // ps * ps))
         cuts = {} if self.kind is None else self.kind.cuts(req, start, end)  # position -> what it is
-        pos = start
-        inside = [c for c in cuts if start < c < end]
-        if self.runner.split and len(inside) == 1:
-            # one forward; the state at the cut is taken inside it
-            c = inside[0]
-            logits, states = self._forward(req, start, end, split_at=c)
+        pos, inside = start, sorted(c for c in cuts if start < c < end)
+        if self.runner.split and inside:  # one forward; the state at each cut is taken inside it
+            logits, states = self._forward(req, start, end, split_at=tuple(inside))
             if states is not None:
                 self.stats.add("split_forwards")
-                self._checkpoint(req, c, cuts[c], states)
-            else:  # the model did not let the state be taken (a warning said why): no entry at c, and
-                self.stats.add("split_failures")  # the runner's next chunks run two forwards
+                self.stats.add("split_states", len(inside))
+                for c, st in zip(inside, states, strict=True):
+                    self._checkpoint(req, c, cuts[c], st)
+            else:  # the model did not let the states be taken (a warning said why): no entry at the cuts,
+                self.stats.add("split_failures")  # and the runner's next chunks run a forward per part
             if end in cuts:
                 self._checkpoint(req, end, cuts[end])
             pos = end
@@ -276,9 +275,9 @@ class Engine:
         return end - start
 
     def _forward(self, req: Request, start: int, end: int, phase: str = "prefill_forward",
-                 split_at: Optional[int] = None):
+                 split_at: Optional[tuple[int, ...]] = None):
         """Run positions ``[start, end)`` on the request's model cache (in its kind's pieces) and write
-        their KV to T0. Returns ``(logits, states)``: the state after ``split_at`` tokens, if asked for."""
+        their KV to T0. Returns ``(logits, states)``: the states at the ``split_at`` positions, if asked for."""
         states = None
         for s, e in ((start, end),) if self.kind is None else self.kind.pieces(start, end):
             with self._phase(phase):

@@ -82,12 +82,13 @@ class ModelRunner:
         """A fresh model cache for one request."""
         return new_cache(self.model)
 
-    def prefill(self, cache, tokens: Sequence[int], start: int, split_at: Optional[int] = None):
+    def prefill(self, cache, tokens: Sequence[int], start: int, split_at: Optional[Sequence[int]] = None):
         """Run ``tokens`` at positions ``[start, start + len(tokens))`` on ``cache`` (updated in place).
 
-        Returns ``(logits [T, vocab], states)``: with ``split_at``, ``states`` is the state after that
-        many tokens (a ``split_forward.SplitStates``), or None where the model did not let it be taken
-        (a warning said why; ``split`` is then off); without it, None."""
+        Returns ``(logits [T, vocab], states)``: with ``split_at`` (increasing positions inside the
+        forward), ``states`` holds the state after each (a ``split_forward.SplitStates`` per position),
+        or is None where the model did not let them be taken (a warning said why; ``split`` is then
+        off); without it, None."""
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         rule = self.prefill_rule if len(tokens) > 1 else None
         with rule.active() if rule is not None else contextlib.nullcontext():

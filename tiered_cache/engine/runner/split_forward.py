@@ -1,14 +1,16 @@
-"""One forward that also yields the recurrent state at a position inside it.
+"""One forward that also yields the recurrent states at positions inside it.
 
 The engine caches a request's prefix at page-aligned positions only, and a recurrent state is valid at
 one position only. So when a prompt ends off a page boundary, the state at its last aligned position
 is the one the next turn resumes from, and the plain way to get it runs the prompt's tail as a second
 forward: on a GPU every forward of this model costs about the same time to launch, however few tokens
 it runs. ``forward_chunk_split`` runs the whole chunk as one forward and splits only the gated-delta
-recurrence at the position, taking the state there, with the conv window (the last ``K`` inputs of the
-short convolution) before it. The recurrence runs exactly as two forwards would run it: the first part
-from the chunk's initial state to the split, the second from there; attention and the MLPs see the
-same tokens at once.
+recurrence at the positions, taking the state at each, with the conv window (the last ``K`` inputs of
+the short convolution) before it. The recurrence runs exactly as one forward per part would run it:
+the first part from the chunk's initial state to the first split, each next one from there; attention
+and the MLPs see the same tokens at once. Several positions matter for the tree's ``block`` admission,
+which keeps a state at every block boundary: before, a chunk ran as one forward per block, and on a GPU
+a forward of this model costs about its launch time however few tokens it runs.
 
 It works by wrapping two functions of the model's modeling module, which its gated-delta layers call
 by their module-level names (transformers 5.17 and 5.24 both do): ``torch_chunk_gated_delta_rule``
@@ -25,6 +27,7 @@ import functools
 import inspect
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,7 +40,6 @@ from tiered_cache.engine.runner.graph_prefill import routed
 from tiered_cache.errors import InvalidArgumentError
 
 _NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
-_ACTIVE: contextvars.ContextVar[Optional[SplitStates]] = contextvars.ContextVar("tiered_cache_split", default=None)
 
 
 @dataclass
@@ -45,10 +47,15 @@ class SplitStates:
     """What one split forward captured, per linear layer in layer order."""
 
     tokens: int  # tokens in the forward
-    offset: int  # the split, counted from the forward's first token
+    offset: int  # this split, counted from the forward's first token
     kernel: int  # conv kernel width: columns of a conv window
     conv: list = field(default_factory=list)  # [1, conv_dim, kernel] each: the window before the split
     recurrent: list = field(default_factory=list)  # [1, H, dk, dv] each: the state after the split
+
+
+# the splits of the forward running now, by offset (one SplitStates each); None outside a split forward
+_ACTIVE: contextvars.ContextVar[Optional[tuple[SplitStates, ...]]] = contextvars.ContextVar("tiered_cache_split",
+                                                                                           default=None)
 
 
 def _linear_layer(model):
@@ -84,16 +91,21 @@ def _calls_by_name(forward) -> bool:
 
 def _wrap_chunk_rule(orig):
     def chunk_rule(query, key, value, *args, **kw):
-        sp = _ACTIVE.get()
-        if sp is None or args or kw.get("cu_seqlens") is not None or query.shape[1] != sp.tokens:
+        sps = _ACTIVE.get()
+        if sps is None or args or kw.get("cu_seqlens") is not None or query.shape[1] != sps[0].tokens:
             return routed(orig, query, key, value, *args, **kw)
-        r, g, beta = sp.offset, kw["g"], kw["beta"]
-        out1, state = routed(orig, query[:, :r], key[:, :r], value[:, :r],
-                             **dict(kw, g=g[:, :r], beta=beta[:, :r], output_final_state=True))
-        sp.recurrent.append(state)
-        out2, last = routed(orig, query[:, r:], key[:, r:], value[:, r:],
-                            **dict(kw, g=g[:, r:], beta=beta[:, r:], initial_state=state))
-        return torch.cat([out1, out2], dim=1), last
+        g, beta = kw["g"], kw["beta"]
+        outs, state, a = [], None, 0
+        for sp in sps:  # each part from the last one's state (the first from the chunk's own)
+            r, at = sp.offset, {} if a == 0 else {"initial_state": state}
+            out, state = routed(orig, query[:, a:r], key[:, a:r], value[:, a:r],
+                                **dict(kw, g=g[:, a:r], beta=beta[:, a:r], output_final_state=True, **at))
+            sp.recurrent.append(state)
+            outs.append(out)
+            a = r
+        out, last = routed(orig, query[:, a:], key[:, a:], value[:, a:],
+                           **dict(kw, g=g[:, a:], beta=beta[:, a:], initial_state=state))
+        return torch.cat([*outs, out], dim=1), last
 
     chunk_rule.__tiered_cache_split__ = orig
     return chunk_rule
@@ -101,14 +113,15 @@ def _wrap_chunk_rule(orig):
 
 def _wrap_conv(orig):
     def conv_fn(hidden_states, *args, **kw):
-        sp = _ACTIVE.get()
-        if sp is not None and hidden_states.dim() == 3 and hidden_states.shape[-1] >= sp.tokens:
-            # the inputs end with the forward's tokens (the layer prepends its cached window, if any)
-            end = hidden_states.shape[-1] - sp.tokens + sp.offset
-            win = hidden_states[..., max(0, end - sp.kernel):end]
-            if win.shape[-1] < sp.kernel:  # a fresh sequence: zeros before its first token
-                win = F.pad(win, (sp.kernel - win.shape[-1], 0))
-            sp.conv.append(win.clone())
+        sps = _ACTIVE.get()
+        if sps is not None and hidden_states.dim() == 3 and hidden_states.shape[-1] >= sps[0].tokens:
+            for sp in sps:
+                # the inputs end with the forward's tokens (the layer prepends its cached window, if any)
+                end = hidden_states.shape[-1] - sp.tokens + sp.offset
+                win = hidden_states[..., max(0, end - sp.kernel):end]
+                if win.shape[-1] < sp.kernel:  # a fresh sequence: zeros before its first token
+                    win = F.pad(win, (sp.kernel - win.shape[-1], 0))
+                sp.conv.append(win.clone())
         return orig(hidden_states, *args, **kw)
 
     conv_fn.__tiered_cache_split__ = orig
@@ -127,34 +140,39 @@ def install(model) -> None:
 
 
 @torch.no_grad()
-def forward_chunk_split(model, cache, input_ids: torch.Tensor, start_pos: int, split_pos: int):
-    """``forward_chunk`` over ``[start_pos, start_pos + T)``, also returning the state after ``split_pos``
-    tokens (``start_pos < split_pos < start_pos + T``) as a ``SplitStates``: one conv window and one
-    recurrent state per linear layer, in layer order. Returns ``(logits [T, vocab], cache, states)``.
+def forward_chunk_split(model, cache, input_ids: torch.Tensor, start_pos: int, split_pos: Sequence[int]):
+    """``forward_chunk`` over ``[start_pos, start_pos + T)``, also returning the state after each of
+    ``split_pos``'s positions (increasing, each with ``start_pos < p < start_pos + T``), one
+    ``SplitStates`` per position in their order: one conv window and one recurrent state per linear
+    layer, in layer order. Returns ``(logits [T, vocab], cache, states)``.
 
     ``states`` is None, with a warning, if the forward did not call the wrapped functions once per
     linear layer as ``split_supported`` expected. The forward itself is sound (the wrappers only split
-    the recurrence, as two forwards would): the caller keeps its logits and cache and caches no state
-    at the split."""
+    the recurrence, as one forward per part would): the caller keeps its logits and cache and caches no
+    state at the splits."""
     if not split_supported(model):
         raise InvalidArgumentError("model", "gated-delta layers that call the module's chunk rule and conv "
                                    "by name (split_supported)", type(model).__name__)
     t = int(input_ids.numel())
-    if not isinstance(split_pos, int) or not start_pos < split_pos < start_pos + t:
-        raise InvalidArgumentError("split_pos", f"an int in ({start_pos}, {start_pos + t})", split_pos)
+    want = f"a non-empty increasing sequence of ints in ({start_pos}, {start_pos + t})"
+    pos = tuple(split_pos) if isinstance(split_pos, (tuple, list)) else None
+    if not pos or not all(isinstance(p, int) and not isinstance(p, bool) for p in pos) \
+            or not start_pos < pos[0] or not pos[-1] < start_pos + t or any(a >= b for a, b in zip(pos, pos[1:])):
+        raise InvalidArgumentError("split_pos", want, split_pos)
     install(model)
     n_linear = sum(k in STATE_KINDS for k in layer_kinds(model.config))
-    sp = SplitStates(tokens=t, offset=split_pos - start_pos, kernel=_linear_layer(model).conv_kernel_size)
-    token = _ACTIVE.set(sp)
+    kernel = _linear_layer(model).conv_kernel_size
+    sps = tuple(SplitStates(tokens=t, offset=p - start_pos, kernel=kernel) for p in pos)
+    token = _ACTIVE.set(sps)
     try:
         logits, cache = forward_chunk(model, cache, input_ids, start_pos)
     finally:
         _ACTIVE.reset(token)
-    if len(sp.conv) != n_linear or len(sp.recurrent) != n_linear:
-        warnings.warn(f"split forward captured {len(sp.conv)} conv windows and {len(sp.recurrent)} states for "
-                      f"{n_linear} linear layers; no state is taken at position {split_pos}", stacklevel=2)
+    if any(len(sp.conv) != n_linear or len(sp.recurrent) != n_linear for sp in sps):
+        warnings.warn(f"split forward captured {len(sps[0].conv)} conv windows and {len(sps[0].recurrent)} states "
+                      f"for {n_linear} linear layers; no state is taken at positions {list(pos)}", stacklevel=2)
         return logits, cache, None
-    return logits, cache, sp
+    return logits, cache, list(sps)
 
 
 __all__ = ["SplitStates", "forward_chunk_split", "install", "split_supported"]
