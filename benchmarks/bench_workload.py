@@ -188,8 +188,9 @@ def run_config(model, ecfg, drive, total: int, label: str, progress: bool, timel
     if bar is not None:
         bar.close()
     st = engine.stats_dict()
-    # forwards by kind: prefill chunks run as one forward with a state taken inside (split_forwards)
-    st["engine_counts"] = {k: int(engine.stats.c[k]) for k in ("split_forwards", "mid_checkpoints",
+    # forwards by kind: prefill chunks run as one forward with states taken inside (split_forwards, taking
+    # split_states in all)
+    st["engine_counts"] = {k: int(engine.stats.c[k]) for k in ("split_forwards", "split_states", "mid_checkpoints",
                                                                "branch_checkpoints", "end_checkpoints",
                                                                "block_checkpoints",
                                                                "decode_forwards", "decode_checkpoints")}
