@@ -18,9 +18,7 @@ block boundary, ``cache_finished_req``). The policies, at equal GPU bytes:
                   tuned online by the policy, as in the engine and the SGLang backend: from the first
                   eviction, every ``--window`` finished requests are replayed for each alpha of the grid on
                   ghost caches of the tree's budget (``radix.policies.tuning``); the best one is kept
-    ours          the tier-aware policy (``radix.policies.tiered``), its form and weight tuned online by the
-                  same tuner over ``TIERED_GRID`` (its expected saving per byte at recency powers 1, 1.5,
-                  2; Marconi's utility over its tier-aware terms at each of Marconi's alphas), leaf +
+    ours          the tier-aware policy (``radix.policies.tiered``, its default recency power), leaf +
                   branch admission; (b): block
                   admission with the states the placement exports (one per prefill chunk, at its last
                   512-token boundary: a prompt's last full block, where Mooncake's next turn resumes);
@@ -62,7 +60,6 @@ from tiered_cache import costs  # noqa: E402
 from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.radix.placement import checkpoint_position  # noqa: E402
 from tiered_cache.radix.policies import ALPHA_GRID, SCORED, PrefixCosts, TieredPolicy, make_policy  # noqa: E402
-from tiered_cache.radix.policies.tiered import TIERED_GRID  # noqa: E402
 from tiered_cache.specs import KVSpec, StateSpec  # noqa: E402
 
 GiB = 1 << 30
@@ -185,7 +182,7 @@ def run(reqs: list, warm: int, tiers: dict, state: StateSpec, pc: PrefixCosts, p
            "requests": c["requests"], "wall_s": time.perf_counter() - t}
     if tuner is not None:
         out["tuned"] = getattr(sim.policy, SCORED[policy].TUNED)
-        out["tunings"] = [tuner.best(h) for h in tuner.history]
+        out["tunings"] = [max(h, key=lambda v, h=h: (h[v], -v)) for h in tuner.history]
         out["tuning_s"] = tuner.seconds
     return out
 
@@ -226,7 +223,7 @@ def sweep(name: str, reqs_by_key: dict, geometry: costs.Geometry, kv: KVSpec, st
                        **{k: tiers.get(k, 0) for k in ("kv_pages", "t1_states", "host_kv_pages", "host_states")}, **r}
                 rows.append(row)
                 print(f"  ({name}) {key:>12} GPU {g:4g} GiB {pol:>12}: hit {r['hit_rate']:.3f} FLOPs saved "
-                      f"{r['flops_saved']:.3f}" + (f" tuned {r['tuned']}" if "tuned" in r else "")
+                      f"{r['flops_saved']:.3f}" + (f" tuned {r['tuned']:g}" if "tuned" in r else "")
                       + f" ({r['wall_s']:.0f} s)", flush=True)
     return rows
 
@@ -365,9 +362,8 @@ def main(argv: Optional[list[str]] = None) -> str:
              f"alpha tuned online by the policy itself (radix.policies.tuning, as in the engine and the SGLang "
              f"backend) over {list(ALPHA_GRID)} from 1.0, on windows of {a.window} finished requests from the "
              f"first eviction, each replayed on ghost caches of the tree's budget warmed to the live cache's "
-             f"state; ours' setting (form, weight) tuned online by the same tuner over {list(TIERED_GRID)} from "
-             f"{TieredPolicy(PrefixCosts.of(costs.MARCONI_7B)).setting} (on one tier its ('utility', a) is Marconi's "
-             f"utility at alpha a). Recompute at "
+             f"state; ours' recency power fixed at its default "
+             f"({TieredPolicy(PrefixCosts.of(costs.MARCONI_7B)).power:g}). Recompute at "
              f"{PrefixCosts.of(costs.MARCONI_7B).prefill_flops_per_s:.3g} FLOP/s, PCIe at "
              f"{PrefixCosts.of(costs.MARCONI_7B).pcie_bytes_per_s:.3g} B/s (H200 h2d, transfer-h200.json).")
     notes += (" flops_saved_unbounded_vs_marconi: the least, over the grid points, of Marconi's FLOPs saved "

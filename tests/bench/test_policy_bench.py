@@ -77,10 +77,9 @@ def test_a_short_run_of_each_configuration(policy, admission, cuts, config):
     pc = bp.PrefixCosts.of(costs.MARCONI_7B, tokens_per_key=64, t1_int8=config != "gpu_only")
     r = bp.run(reqs, 20, tiers, bp.cs.tiny_state(real), pc, policy, admission, cuts, 8, 128, 15)
     assert r["requests"] == 40 and 0.0 < r["hit_rate"] <= 1.0 and 0.0 < r["flops_saved"] <= 1.0
-    if policy != "lru" and config == "gpu_only":  # tuned from the first eviction (the host budget here
+    if policy == "marconi" and config == "gpu_only":  # tuned from the first eviction (the host budget here
         # holds this trace: no eviction, no tuning): at least one window of 15 after it
-        grid = bp.ALPHA_GRID if policy == "marconi" else bp.TIERED_GRID
-        assert r["tunings"] and set(r["tunings"]) <= set(grid) and r["tuned"] == r["tunings"][-1]
+        assert r["tunings"] and set(r["tunings"]) <= set(bp.ALPHA_GRID) and r["tuned"] == r["tunings"][-1]
 
 
 def test_tiered_run_evicts_in_every_tier():

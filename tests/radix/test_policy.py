@@ -224,10 +224,10 @@ def test_recency_power_weighs_age_against_cost():
     pol.touch("state", new)
     now = max(pol.recency("state", x) for x in (old, new))
     assert pol.recency("state", old) < pol.recency("state", new)
-    cost = [pol.cost("state", x) / pol.freed_bytes("state", x) for x in (old, new)]
+    cost = [pol.cost_s("state", x) / pol.freed_bytes("state", x) for x in (old, new)]
     assert cost[0] != cost[1]
     for power in (1.0, 50.0):
-        pol.setting = ("saving", power)
+        pol.power = power
         ranked = pol.priority("state", old, now) < pol.priority("state", new, now)
         assert ranked == (power == 50.0 or cost[0] * (now - pol.recency("state", new) + 1)
                           < cost[1] * (now - pol.recency("state", old) + 1))
@@ -255,10 +255,9 @@ def test_tiered_policy_with_t2_costs_a_copy():
     cache = _tree_for_policies("lru")
     x = node_at(cache, [30, 31, 32, 33, 34, 35, 36, 37])
     c = _costs()
-    # in FLOPs: a copy's seconds at the prefill rate, or the FLOPs recomputed
-    assert p.cost("state", x) == pytest.approx(c.host_state_bytes / c.pcie_bytes_per_s * c.prefill_flops_per_s)
-    assert q.cost("state", x) == c.saved(0, 8)
-    assert p.cost("state", x) < q.cost("state", x)
+    assert p.cost_s("state", x) == pytest.approx(c.host_state_bytes / c.pcie_bytes_per_s)
+    assert q.cost_s("state", x) == pytest.approx(c.saved(0, 8) / c.prefill_flops_per_s)
+    assert p.cost_s("state", x) < q.cost_s("state", x)
 
 
 def test_cli_flags_reach_the_cache_config():

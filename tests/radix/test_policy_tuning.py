@@ -20,16 +20,7 @@ from tiered_cache import costs
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix import CacheReq
-from tiered_cache.radix.policies import (
-    ALPHA_GRID,
-    TIERED_GRID,
-    AlphaTuner,
-    GhostCache,
-    MarconiPolicy,
-    PrefixCosts,
-    TieredPolicy,
-    make_policy,
-)
+from tiered_cache.radix.policies import ALPHA_GRID, AlphaTuner, GhostCache, MarconiPolicy, PrefixCosts, make_policy
 from tiered_cache.radix.policies import ghost as ghost_mod
 from tiered_cache.radix.policies import tuning as tuning_mod
 from tiered_cache.specs import KVSpec, StateSpec
@@ -130,34 +121,6 @@ def test_ghost_copy_runs_alike_and_apart():
     assert [g.request(seq) for seq in trace[100:]] == hits  # same state, same stamps: same victims
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_ours_utility_on_one_tier_is_marconi(seed):
-    """On one tier (no T2) ours' ("utility", a) setting evicts exactly as Marconi at alpha a: the same hit
-    for every request and the same cache after each, for every alpha of Marconi's grid (TIERED_GRID holds
-    them all, so ours' tuner can pick whatever Marconi's can)."""
-    trace = _trace(random.Random(seed), 160)
-    for a in ALPHA_GRID:
-        assert ("utility", a) in TIERED_GRID
-        m, o = GhostCache(_marconi(a), 40, 5), GhostCache(TieredPolicy(_costs(), setting=("utility", a)), 40, 5)
-        for seq in trace:
-            assert m.request(seq) == o.request(seq), (a, seq)
-            assert sorted(map(tuple, _paths(m).values())) == sorted(map(tuple, _paths(o).values()))
-        _check(o)
-
-
-def test_tuner_takes_pairs_and_keeps_the_grid_order_on_ties():
-    """Ours' grid of (form, weight) pairs: a tie goes to the earliest of the grid (for Marconi's, sorted
-    ascending, the smaller alpha as before)."""
-    t = AlphaTuner(lambda v: TieredPolicy(_costs(), setting=v), 10, 2, grid=[("utility", 2.0), ("saving", 1.0),
-                                                                           ("utility", 2.0)])
-    assert t.grid == [("utility", 2.0), ("saving", 1.0)]
-    assert t.best({("utility", 2.0): 5.0, ("saving", 1.0): 5.0}) == ("utility", 2.0)
-    assert t.best({("utility", 2.0): 4.0, ("saving", 1.0): 5.0}) == ("saving", 1.0)
-    assert AlphaTuner(_marconi, 10, 2, grid=(0.0, 1.0)).best({0.0: 3.0, 1.0: 3.0}) == 0.0
-    with pytest.raises(InvalidArgumentError, match="grid"):
-        AlphaTuner(_marconi, 10, 2, grid=[("saving", -1.0)])
-
-
 def test_ghost_bad_budgets():
     with pytest.raises(InvalidArgumentError, match="kv_tokens"):
         GhostCache(_marconi(), kv_tokens=0, states=1)
@@ -255,7 +218,7 @@ def test_tuner_replays_once_per_window(monkeypatch):
     assert len(calls) == 3 and not p.tuner.history
     p.observe(trace[7], 9)
     assert len(calls) == 3 + 3 * 5 and len(p.tuner.history) == 1 and set(p.tuner.history[0]) == {0.0, 2.0}
-    live_replay = calls[3 + 2 * 5]  # the grid in its order (0, 2), then the live 0.25: the third replay
+    live_replay = calls[3 + 5]  # values in order 0, 0.25, 2: the second replay ran under the live 0.25
     assert p.tuner.base is live_replay and p.alpha in (0.0, 2.0)
     assert p.tuner.seconds > 0.0
     # the replays ran on ghosts of the most KV the live tree held in the window (12 of its 30: the
@@ -350,20 +313,13 @@ def test_tuner_bad_arguments():
         AlphaTuner(_marconi, 1, 0)
 
 
-def test_only_marconi_and_ours_take_a_tuner():
-    """SegLen has no tuned weight: make_policy gives it no tuner, and it refuses one. Ours tunes its
-    (form, weight) over TIERED_GRID, Marconi its alpha over ALPHA_GRID."""
-    assert make_policy("seglen", _costs(), tiered=False, budget=(10, 2)).tuner is None
-    with pytest.raises(InvalidTypeError, match="tuner"):
-        make_policy("seglen", _costs(), tiered=False, tuner=AlphaTuner(_marconi, 10, 2))
-    assert make_policy("tiered", _costs(), tiered=False, budget=(10, 2)).tuner.grid == list(TIERED_GRID)
-    assert make_policy("marconi", _costs(), tiered=False, budget=(10, 2)).tuner.grid == list(ALPHA_GRID)
+def test_only_marconi_takes_a_tuner():
+    """SegLen and ours have no tuned weight: make_policy gives them no tuner, and they refuse one."""
+    for name in ("seglen", "tiered"):
+        assert make_policy(name, _costs(), tiered=False, budget=(10, 2)).tuner is None
+        with pytest.raises(InvalidTypeError, match="tuner"):
+            make_policy(name, _costs(), tiered=False, tuner=AlphaTuner(_marconi, 10, 2))
     assert make_policy("marconi", _costs(), tiered=False).tuner is None  # no budget: alpha stays
-    assert make_policy("tiered", _costs(), tiered=False).tuner is None
-    with pytest.raises(InvalidArgumentError, match="setting"):
-        TieredPolicy(_costs(), setting=("lru", 1.0))
-    with pytest.raises(InvalidArgumentError, match="setting"):
-        TieredPolicy(_costs(), setting=1.5)
     with pytest.raises(InvalidTypeError, match="tuner"):
         MarconiPolicy(_costs(), tuner="grid")
 

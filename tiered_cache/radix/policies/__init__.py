@@ -3,8 +3,8 @@
     admission.py  StateAdmission: which offered states the tree keeps (chunk ends, leaf + branch, blocks)
     facts.py      NodeFacts: the node facts the cost-aware policies read (prefix, anchor, children, tiers)
     scored.py     PrefixCosts (costs of a victim from the model geometry), MarconiPolicy, SegLenPolicy
-    tiered.py     TieredPolicy: tier-aware eviction ("ours"), its form and weight tuned online
-    tuning.py     AlphaTuner: a policy's online setting (Marconi's alpha), replaying the recent window
+    tiered.py     TieredPolicy: tier-aware expected saving per byte ("ours")
+    tuning.py     AlphaTuner: Marconi's online alpha, by replaying the recent window over a grid
     ghost.py      GhostCache: the token-and-count model of a cache the tuner replays on
 """
 
@@ -18,7 +18,7 @@ from tiered_cache.radix.policies.admission import ADMISSIONS, StateAdmission, is
 from tiered_cache.radix.policies.facts import NodeFacts
 from tiered_cache.radix.policies.ghost import GhostCache
 from tiered_cache.radix.policies.scored import MarconiPolicy, PrefixCosts, ScoredPolicy, SegLenPolicy
-from tiered_cache.radix.policies.tiered import TIERED_GRID, TieredPolicy
+from tiered_cache.radix.policies.tiered import TieredPolicy
 from tiered_cache.radix.policies.tuning import ALPHA_GRID, AlphaTuner
 
 # CacheConfig.eviction_policy -> the class, for every policy but "lru" (the stack's CountingLRUPolicy)
@@ -34,26 +34,24 @@ def stack_costs(cost_model: str, kv_token_bytes: int, t1_slot_bytes: int) -> Pre
 
 
 def make_policy(name: str, costs: PrefixCosts, *, tiered: bool, budget: Optional[tuple[int, int]] = None,
-                window: int = 500, grid: Optional[Sequence[Any]] = None, background: bool = False,
+                window: int = 500, grid: Sequence[float] = ALPHA_GRID, background: bool = False,
                 **kw: Any) -> ScoredPolicy:
     """The scored policy ``name`` over ``costs``; ``tiered``: a T2 lies below T1; ``kw``: the class's own.
-    ``budget``: the tree's (device KV tokens, T1 states): a policy with a tuned setting (Marconi's alpha,
-    ours' form and weight) then tunes it online over ``grid`` (default: the class's ``GRID``) every
-    ``window`` finished requests (``tuning.AlphaTuner``; with ``background`` its replays run beside the
-    requests, the stack's choice)."""
+    ``budget``: the tree's (device KV tokens, T1 states): a policy with a tuned weight (Marconi's alpha)
+    then tunes it online over ``grid`` every ``window`` finished requests (``tuning.AlphaTuner``; with
+    ``background`` its replays run beside the requests, the stack's choice)."""
     if name not in SCORED:
         raise InvalidArgumentError("eviction_policy", f"one of {', '.join(SCORED)}", name)
     cls, tuned = SCORED[name], SCORED[name].TUNED
     if budget is not None and tuned is not None and "tuner" not in kw:
-        def fresh(value: Any) -> ScoredPolicy:  # a replay's policy: the live class at ``value``, no tuner
+        def fresh(value: float) -> ScoredPolicy:  # a replay's policy: the live class at ``value``, no tuner
             weight: dict[str, Any] = {tuned: value}
             return cls(costs, **weight)
 
-        kw["tuner"] = AlphaTuner(fresh, *budget, grid=cls.GRID if grid is None else grid, window=window,
-                                 background=background)
+        kw["tuner"] = AlphaTuner(fresh, *budget, grid=grid, window=window, background=background)
     return cls(costs, tiered=tiered, **kw)
 
 
 __all__ = ["ADMISSIONS", "ALPHA_GRID", "SCORED", "AlphaTuner", "GhostCache", "MarconiPolicy", "NodeFacts",
-           "PrefixCosts", "ScoredPolicy", "SegLenPolicy", "StateAdmission", "TIERED_GRID", "TieredPolicy",
-           "is_branch_point", "make_policy", "stack_costs"]
+           "PrefixCosts", "ScoredPolicy", "SegLenPolicy", "StateAdmission", "TieredPolicy", "is_branch_point",
+           "make_policy", "stack_costs"]

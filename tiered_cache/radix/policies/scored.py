@@ -23,7 +23,6 @@ from typing import Any, Optional
 from tiered_cache.costs import Geometry
 from tiered_cache.errors import InvalidTypeError
 from tiered_cache.radix.policies.facts import NodeFacts
-from tiered_cache.radix.policies.tuning import ALPHA_GRID
 from tiered_cache.radix.policy import RECENCY, LRUPolicy
 from tiered_cache.validate import float_arg, int_arg
 
@@ -80,7 +79,6 @@ class ScoredPolicy(LRUPolicy):
     settings."""
 
     TUNED: Optional[str] = None
-    GRID: tuple = ()  # the tuner's settings of ``TUNED``
 
     def __init__(self, costs: PrefixCosts, *, tiered: bool = False, facts: Optional[NodeFacts] = None,
                  tuner: Any = None) -> None:
@@ -159,8 +157,7 @@ class ScoredPolicy(LRUPolicy):
         return kv
 
 
-def norm(vals: list[float]) -> list[float]:
-    """Min-max normalised ``vals`` (all 0 when they are equal)."""
+def _norm(vals: list[float]) -> list[float]:
     lo, hi = min(vals), max(vals)
     return [0.0] * len(vals) if hi == lo else [(v - lo) / (hi - lo) for v in vals]
 
@@ -169,7 +166,6 @@ class MarconiPolicy(ScoredPolicy):
     """Marconi's eviction (module docstring); the tuner sets ``alpha``."""
 
     TUNED = "alpha"
-    GRID = ALPHA_GRID
 
     def __init__(self, costs: PrefixCosts, *, alpha: float = 1.0, **kw: Any) -> None:
         super().__init__(costs, **kw)
@@ -179,8 +175,8 @@ class MarconiPolicy(ScoredPolicy):
         if resource not in ("kv", "state"):
             return self.least_recent(resource, cands)
         pool = [x for x in cands if self.facts.children(x) <= 1] or cands
-        rec = norm([float(self.recency(resource, x)) for x in pool])
-        eff = norm([self.lost_flops(x) / self.freed_bytes(resource, x) for x in pool])
+        rec = _norm([float(self.recency(resource, x)) for x in pool])
+        eff = _norm([self.lost_flops(x) / self.freed_bytes(resource, x) for x in pool])
         best = min(range(len(pool)), key=lambda i: (rec[i] + self.alpha * eff[i], rec[i], pool[i].id))
         return pool[best]
 

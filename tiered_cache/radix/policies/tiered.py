@@ -9,94 +9,73 @@ that would resume at ``x`` pays for that::
                                    and the tombstones above it: ``NodeFacts.dropped_with``)
     T2 copies  -> dropped          recomputing [anchor, prefix)
 
-Two forms rank the candidates, each over these tier-aware costs (in FLOPs: a copy's seconds at the
-prefill rate), per byte the victim frees:
+A victim is the candidate of least expected saving per byte and per unit of time,
+``freq(x) x cost(x) / bytes(x) / age(x) ** power``: ``age`` counts the uses (of the same recency clock)
+since ``x``'s last one, so reuse is taken as likelier the more recent, and ``freq`` is the matches that
+resumed at ``x`` plus one for a leaf or a branch point, and 0 for a node with exactly one child: the
+requests that resumed there have moved on to its child's longer state (a conversation's earlier turn),
+and only one that diverges right there would resume from it again, so such nodes go first, least
+recent first, before any cost is computed.
 
-    saving   the least expected saving per byte and per unit of time, ``freq(x) x cost(x) / bytes(x) /
-             age(x) ** power``: ``age`` counts the uses (of the same recency clock) since ``x``'s last
-             one; ``freq`` is the matches that resumed at ``x`` plus one for a leaf or a branch point,
-             and 0 for a node with exactly one child (the requests that resumed there have moved on to
-             its child's longer state), so such nodes go first, least recent first
-    utility  Marconi's: normalised recency + ``alpha`` x normalised cost per byte, over the nodes with at
-             most one child. On one tier the cost is the recompute Marconi counts, so ``("utility", a)``
-             evicts exactly as Marconi at alpha ``a`` (tests/radix/test_policy_tuning.py); with a T2 the
-             copies' costs come on top
-
-The setting (form, weight) is tuned online by the tuner Marconi's alpha uses (``tuning.AlphaTuner``,
-ghost replays of the recent window) over ``TIERED_GRID``: the saving form at powers 1, 1.5, 2 and the
-utility at each of Marconi's alphas, so the tuner can pick whatever Marconi's can, and more. It starts
-at ("saving", 1.5), the power that, fixed, was not behind the Marconi of before (alpha tuned on a
-second cache over 0, 1, 2, 4) at any point of bench_policy's grid, and was behind the Marconi tuned on
-ghosts at 3 of 10 (0.987-0.998 of its FLOPs saved). The ghosts model the device tiers only: in a
-tiered cache the setting is picked for what the device keeps. A window's best setting on its ghosts is
-not always the live cache's best over the next window (the ghost leaves out the running requests, the
-prompt / answer split and the host tiers).
+``power`` says how fast the chance of reuse falls with age. At 1 (hyperbolic) a node twice as costly
+per byte outlives one of half its age, which keeps the long context of a session that has ended over
+the newest turn of one still running; where sessions end (agents' tool loops, chats) reuse falls
+faster. In bench_policy at 1, ours lost to Marconi's recency order on its SWE-agent sessions (0.975 of
+its FLOPs saved at 0.5 sessions/s, 8 GiB); at 2 it was ahead there but lost on the Mooncake trace
+(0.91 at 64 GiB), where cost per byte matters more. The default, 1.5, was picked on that benchmark's
+grid from 1, 1.5, 2 and 4 (1.25 and 8 tried at a few points), against the Marconi of then (alpha tuned
+by replaying windows on a second cache, over 0, 1, 2, 4): the only one not behind it at any point. It
+is fitted to those traces, and another trace may want another power. Against Marconi as tuned now
+(``tuning``: online, on ghost caches, over 0 to 8 from 1) it is behind at 3 of 10 points (0.987-0.998
+of its FLOPs saved). Tuning the power online with the same tuner (over 1 to 4, or 0 to 4) did not close
+that (0.987 at the worst point either way): a window's best power is not the next one's while the
+sessions ramp up, and the requests before the first tuning run on the initial power. Nor did tuning
+its form with that tuner over a grid holding Marconi's own utility (normalised recency + alpha x the
+tier-aware cost per byte, over nodes with at most one child: on one tier exactly Marconi at that alpha)
+at each of Marconi's alphas beside powers 1, 1.5 and 2 (9c21202, reverted): the worst point fell to
+0.954 (SWE at 2/s, 8 GiB, where both tuned to alpha 2 from different caches), Mooncake at 64 GiB from
+1.30 to 1.03. A window's replay on a copy of the live cache ranked the forms unlike the live cache over
+the next window (SWE at 2/s, 24 GiB: the power 1.5 1.1 % ahead of alpha 0.5 on the ghosts, 1.4 %
+behind in the live cache), and on Marconi's traces its tuned path (alpha 1, then the window's best)
+beat every fixed setting of either form at two of the points where ours is behind
+(benchmarks/results/README.md, policy section).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tiered_cache.errors import InvalidArgumentError
-from tiered_cache.radix.policies.scored import PrefixCosts, ScoredPolicy, norm
-from tiered_cache.radix.policies.tuning import ALPHA_GRID, setting
-
-# ours' settings (form, weight), in the tuner's order of preference on a tie: its own expected saving per
-# byte at a recency power, then Marconi's utility over the tier-aware terms at each of Marconi's alphas
-FORMS = ("saving", "utility")
-TIERED_GRID = (*(("saving", p) for p in (1.0, 1.5, 2.0)), *(("utility", a) for a in ALPHA_GRID))
+from tiered_cache.radix.policies.scored import PrefixCosts, ScoredPolicy
+from tiered_cache.validate import float_arg
 
 
 class TieredPolicy(ScoredPolicy):
-    """Tier-aware eviction (module docstring); ``tiered``: T1 victims go to a T2; ``setting``: (form,
-    weight), ``("saving", power)`` or ``("utility", alpha)``, tuned online over ``TIERED_GRID`` when a
-    tuner is given (``make_policy`` gives one when it knows the tree's budget)."""
+    """Tier-aware expected saving per byte (module docstring); ``tiered``: T1 victims go to a T2; ``power``:
+    how fast the chance of reuse falls with age."""
 
-    TUNED = "setting"
-    GRID = TIERED_GRID
-
-    def __init__(self, costs: PrefixCosts, *, setting: Any = ("saving", 1.5), **kw: Any) -> None:
+    def __init__(self, costs: PrefixCosts, *, power: float = 1.5, **kw: Any) -> None:
         super().__init__(costs, **kw)
-        self.setting = setting
+        self.power = float_arg("power", power, lo=0.0)
 
-    @property
-    def setting(self) -> tuple[str, float]:
-        return self.form, self.weight
-
-    @setting.setter
-    def setting(self, value: Any) -> None:
-        v = setting(value)
-        if not isinstance(v, tuple) or v[0] not in FORMS:
-            raise InvalidArgumentError("setting", f"a (form, weight >= 0) pair, form one of {', '.join(FORMS)}",
-                                       value)
-        self.form, self.weight = v
-
-    def cost(self, resource: str, x: Any) -> float:
-        """What the next hit at ``x`` pays once ``resource`` is evicted, in FLOPs: those it recomputes, or a
-        copy's seconds at the prefill rate."""
+    def cost_s(self, resource: str, x: Any) -> float:
+        """Seconds the next hit at ``x`` pays once ``resource`` is evicted."""
         f, c = self.facts, self.costs
         if resource == "state" and self.tiered:
-            return c.copy_s(c.host_state_bytes) * c.prefill_flops_per_s
+            return c.copy_s(c.host_state_bytes)
         if resource == "kv" and f.host_kv(x):
-            return c.copy_s(f.span(x) * c.kv_bytes) * c.prefill_flops_per_s
-        return self.lost_flops(x)
+            return c.copy_s(f.span(x) * c.kv_bytes)
+        return c.recompute_s(f.anchor(x), f.prefix(x))
 
     def priority(self, resource: str, x: Any, now: int) -> float:
-        """Expected FLOPs saved per byte per use of the clock (``now``: the latest stamp): the saving form."""
+        """Expected seconds saved per byte per use of the clock (``now``: the latest stamp)."""
         f = self.facts
         freq = 0 if f.children(x) == 1 else f.hits(x) + 1
         age = now - self.recency(resource, x) + 1
-        return freq * self.cost(resource, x) / self.freed_bytes(resource, x) / age ** self.weight
+        return freq * self.cost_s(resource, x) / self.freed_bytes(resource, x) / age ** self.power
 
     def choose(self, resource: str, cands: list[Any]) -> Any:
         if resource == "swa":
             return self.least_recent(resource, cands)
-        if self.form == "utility":  # Marconi's, over the nodes with at most one child, with the tier's cost
-            pool = [x for x in cands if self.facts.children(x) <= 1] or cands
-            rec = norm([float(self.recency(resource, x)) for x in pool])
-            eff = norm([self.cost(resource, x) / self.freed_bytes(resource, x) for x in pool])
-            a = self.weight
-            return pool[min(range(len(pool)), key=lambda i: (rec[i] + a * eff[i], rec[i], pool[i].id))]
         passed = [x for x in cands if self.facts.children(x) == 1]
         if passed:  # freq 0: priority 0
             return self.least_recent(resource, passed)

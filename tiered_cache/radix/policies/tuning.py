@@ -1,5 +1,5 @@
-"""Online tuning of a policy's one setting (Marconi's alpha; ours' form and weight): replay the recent
-window of requests over a grid, keep the best.
+"""Online tuning of a policy's one weight (Marconi's alpha): replay the recent window of requests over a
+grid, keep the best.
 
 The live policy records every sequence the tree caches at a request's end (``EvictionPolicy.observe``:
 ``requests.cache_finished_req`` tells it), so the engine, the SGLang backend and the capacity simulation
@@ -11,12 +11,10 @@ As in Marconi, tuning starts at the first eviction: until then no weight changes
 requests only fill the cache. Until the live tree first evicts, each finished sequence goes into the
 ``base`` ghost (the model of the live cache, under the live value); from then on sequences are kept, and
 once ``window`` of them have arrived each value of the grid replays them on a copy of ``base`` and
-scores the FLOPs its hits save. A setting is a weight (a float >= 0: Marconi's alpha) or a pair of a
-form and its weight (ours: ``tiered.TIERED_GRID``); the policy class checks its own. A window scored
-from an empty cache measures one that fills, not one that evicts, and picks weights for the wrong
-regime (in bench_policy, alpha 2 on SWE-agent sessions at 2 sessions/s where 0 and 1 did better), hence
-the warm ``base``. The best value is kept (ties: the earliest in the grid, for Marconi's the smaller
-alpha); the copy that ran the window under the live value becomes the next ``base`` (the live cache
+scores the FLOPs its hits save. A window scored from an empty cache measures one that fills, not one
+that evicts, and picks weights for the wrong regime (in bench_policy, alpha 2 on SWE-agent sessions at 2
+sessions/s where 0 and 1 did better), hence the warm ``base``. The best value is kept (ties: the
+smaller); the copy that ran the window under the live value becomes the next ``base`` (the live cache
 ran it under that value).
 
 The live tree does not hold its budget of KV: the running requests' KV is outside it, and a T0 shared
@@ -44,7 +42,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.radix.policies.ghost import GhostCache
@@ -52,41 +50,27 @@ from tiered_cache.validate import int_arg
 
 ALPHA_GRID = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
 _log = logging.getLogger(__name__)
-Setting = Union[float, tuple[str, float]]
-
-
-def setting(v: Any) -> Optional[Setting]:
-    """``v`` as a tuner's setting (a float >= 0, or a (form name, float >= 0) pair), None when it is neither."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v) if v >= 0 else None
-    if isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[0], str):
-        w = setting(v[1])
-        return None if w is None else (v[0], w)  # type: ignore[return-value]
-    return None
 
 
 class AlphaTuner:
-    """Tunes the setting of a policy made by ``make(value)`` (a fresh ``ScoredPolicy`` without a tuner, of
+    """Tunes the weight of a policy made by ``make(value)`` (a fresh ``ScoredPolicy`` without a tuner, of
     the live one's class and costs) on ghosts of ``kv_tokens`` device KV tokens and ``states`` T1 states
-    (the live tree's budget), over ``grid`` (settings, in their order of preference on a tie), every
-    ``window`` finished requests from the first eviction."""
+    (the live tree's budget), over ``grid``, every ``window`` finished requests from the first eviction."""
 
-    def __init__(self, make: Callable[[Any], Any], kv_tokens: int, states: int, grid: Sequence[Any] = ALPHA_GRID,
+    def __init__(self, make: Callable[[float], Any], kv_tokens: int, states: int, grid: Sequence[float] = ALPHA_GRID,
                  window: int = 500, background: bool = False) -> None:
-        if isinstance(grid, (str, bytes)) or not grid or any(setting(a) is None for a in grid):
-            raise InvalidArgumentError("grid", "a non-empty sequence of values >= 0 or (form, value >= 0) pairs",
-                                       grid)
+        if not grid or any(not isinstance(a, (int, float)) or isinstance(a, bool) or a < 0 for a in grid):
+            raise InvalidArgumentError("grid", "a non-empty sequence of values >= 0", grid)
         if not isinstance(background, bool):
             raise InvalidArgumentError("background", "a bool", background)
-        self.make = make
-        self.grid: list[Setting] = list(dict.fromkeys(v for a in grid if (v := setting(a)) is not None))
+        self.make, self.grid = make, sorted({float(a) for a in grid})
         self.window = int_arg("window", window, lo=1)
         self.kv_tokens = int_arg("kv_tokens", kv_tokens, lo=1)
         self.states = int_arg("states", states, lo=1)
         self.background = background
         self.base: Optional[GhostCache] = None  # made at the first request, under the live value
         self.recent: list[array] = []
-        self.history: list[dict[Any, float]] = []  # each tuning's score per value
+        self.history: list[dict[float, float]] = []  # each tuning's score per value
         self.seconds = 0.0  # spent replaying
         self.held = 0  # the most device KV tokens the live tree held in this window
         self._pending: Optional[tuple[threading.Thread, dict]] = None  # a background replay and its result
@@ -98,16 +82,15 @@ class AlphaTuner:
             self._pending[0].join()
         self._pending, self.base, self.recent, self.held = None, None, [], 0
 
-    def observe(self, tokens: Sequence[int], kv_held: int, evicting: bool, live: Any) -> Optional[Setting]:
+    def observe(self, tokens: Sequence[int], kv_held: int, evicting: bool, live: float) -> Optional[float]:
         """Record the finished sequence ``tokens`` (``kv_held``: the device KV tokens the live tree holds
         after it; ``evicting``: the live tree has evicted; ``live``: the weight it runs under) -> the best
         value when a tuning ends with this one (inline: it filled the window; background: it filled the
         window after the one being replayed), else None."""
         if self.error is not None:
             return None
-        live = setting(live)
         if self.base is None:
-            self.base = GhostCache(self.make(live), self.kv_tokens, self.states)
+            self.base = GhostCache(self.make(float(live)), self.kv_tokens, self.states)
         if not evicting and not self.history and not self.recent and self._pending is None:
             self.base.request(tokens)  # the cache is still filling: the first window's warm-up
             return None
@@ -122,13 +105,12 @@ class AlphaTuner:
             self._pending = None
             if "error" in done:
                 self.error = done["error"]
-                _log.warning("%s tuning stopped (the setting stays %s): %r", type(self.base.policy).__name__, live,
-                             self.error)
+                _log.warning("Marconi alpha tuning stopped (the weight stays %s): %r", live, self.error)
                 self.recent = []
                 return None
             best = self._take(*done["result"])
         recent, held, self.recent, self.held = self.recent, self.held or self.kv_tokens, [], 0
-        base = self.base
+        base, live = self.base, float(live)
         if not self.background:
             return self._take(*self._replay(base, recent, held, live))
 
@@ -145,23 +127,19 @@ class AlphaTuner:
         return best
 
     def _replay(self, base: GhostCache, recent: list[array], cap: int,
-                live: Any) -> tuple[dict[Any, float], GhostCache, float]:
+                live: float) -> tuple[dict[float, float], GhostCache, float]:
         """Each value of the grid (and ``live``) replays ``recent`` on a copy of ``base`` of ``cap`` KV
         tokens -> (scores, the copy that ran under ``live``, seconds). Reads nothing the requests change."""
         t, costs = time.perf_counter(), base.policy.costs
         scores, ends = {}, {}
-        for a in dict.fromkeys([*self.grid, live]):
+        for a in sorted({*self.grid, live}):
             g = base.copy(self.make(a), kv_tokens=cap)
             scores[a] = float(sum(costs.saved(0, g.request(x)) for x in recent))
             ends[a] = g
         return scores, ends[live], time.perf_counter() - t
 
-    def _take(self, scores: dict[Any, float], end: GhostCache, seconds: float) -> Setting:
+    def _take(self, scores: dict[float, float], end: GhostCache, seconds: float) -> float:
         self.history.append({a: scores[a] for a in self.grid})
         self.base = end
         self.seconds += seconds
-        return self.best(self.history[-1])
-
-    def best(self, scores: dict[Any, float]) -> Setting:
-        """The value of the grid that scored most in ``scores`` (a ``history`` entry); ties: the earliest."""
-        return max(self.grid, key=lambda a: (scores[a], -self.grid.index(a)))
+        return max(self.grid, key=lambda a: (scores[a], -a))
