@@ -16,8 +16,11 @@ bit-exact against the reference). Then, in the same run, three timings of the sa
 The engine's path (``--parts api``, GPU): ``store_from_active`` / ``load_to_active`` over a T0 ``UnifiedPool``
 state side with virtual ids (host lists), 1, 4, 16 and 64 states a call, ``k`` calls back to back between
 two CUDA events against as many device copies of the same bytes (``api_store_fp32_n16_vs_copy`` ...: host
-time the GPU waits for counts), the host microseconds of one call (``api_host_us_per_call_n1`` ...),
-device-id variants at 16 (a read-back each call), and for bf16 the store's other formulation. The
+time the GPU waits for counts), the host microseconds of one call (``api_host_us_per_call_n1`` ...; per
+op and dtype ``api_store_fp32_n1_host_us`` ...), the device operations one call enqueues as CUPTI records them
+(``api_device_ops_per_call_n1`` ...: kernels, copies, fills), the share of launches that took the bound path
+(``..._bound_launch_share``, ``kernels/launch.py``), device-id variants at 16 (a read-back each call), and for
+bf16 the store's other formulation. The
 store's formulations (``--parts sweep``, GPU): one-pass tiles and the two-pass kernel, 16 states.
 
 GB/s = 1e9 bytes/s counting bytes read plus written: store reads ``N*E*isz`` and writes ``N*E`` int8
@@ -51,7 +54,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import commit, device_tag  # noqa: E402
-from tiered_cache.kernels import quant  # noqa: E402
+from tiered_cache.kernels import launch, quant  # noqa: E402
 from tiered_cache.kernels.reference import dequantize_load_reference, quantize_store_reference  # noqa: E402
 from tiered_cache.specs import StateSpec  # noqa: E402
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool, envelope_layout  # noqa: E402
@@ -154,6 +157,21 @@ def host_us_per_call(fn: Callable[[], None], k: int) -> float:
     return statistics.median(out)
 
 
+def device_ops_per_call(fn: Callable[[], None], k: int = 10) -> Optional[float]:
+    """Device operations (kernels, copies, fills) one call enqueues, as CUPTI records them (``torch.profiler``);
+    None where the profiler records nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(k):
+            fn()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(ops) / k if ops else None
+
+
 def bench_api(dt_name: str, n: int, shape: dict[str, int], conv: tuple, device: torch.device,
               reps: int, k: int) -> dict[str, float]:
     """T1 through the paths an engine calls: ``store_from_active`` / ``load_to_active`` over a T0
@@ -212,10 +230,16 @@ def bench_api(dt_name: str, n: int, shape: dict[str, int], conv: tuple, device: 
     calls = {"store": lambda: pool.store_from_active(side, src, slots),
              "load": lambda: pool.load_to_active(slots, side, dst)}
     for op, fn in calls.items():
+        bound0, ordinary0 = launch.stats["fast"], launch.stats["ordinary"]
         ms = gpu_ms_per_call(fn, k, reps)
         out[f"api_{op}_{p}_ms"] = ms
         out[f"api_{op}_{p}_vs_copy"] = copy_ms / ms
         out[f"api_{op}_{p}_host_us"] = host_us_per_call(fn, 3 * k)
+        bound, ordinary = launch.stats["fast"] - bound0, launch.stats["ordinary"] - ordinary0
+        out[f"api_{op}_{p}_bound_launch_share"] = bound / (bound + ordinary)  # kernels.launch.Bound's path
+        ops = device_ops_per_call(fn)
+        if ops is not None:
+            out[f"api_{op}_{p}_device_ops_per_call"] = ops
     if dt_name != "fp32":  # the store's other formulation, for the choice of the default
         alt = None if quant._STREAM_STORE[dtype] is not None else (32, 64, 4)
         saved = quant._STREAM_STORE[dtype]
@@ -359,7 +383,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     def progress(what: str, got: dict[str, float]) -> None:  # a run cut short still shows what it measured
         print(f"[{time.perf_counter() - t_start:6.1f} s] {what}: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in got.items() if k.endswith(("vs_copy", "host_us", "bit_exact"))), flush=True)
+            f"{k} {v:.3f}" for k, v in got.items() if k.endswith(("vs_copy", "host_us", "bit_exact", "_per_call",
+                                                                 "_share"))), flush=True)
 
     if "kernels" in args.parts:
         for dt in args.dtypes:
@@ -395,6 +420,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for n in (1, 4, 16, 64):
             named[f"api_host_us_per_call_n{n}"] = max(metrics[f"api_{op}_{dt}_n{n}_host_us"]
                                                       for dt in args.dtypes for op in ("store", "load"))
+            ops = [metrics.get(f"api_{op}_{dt}_n{n}_device_ops_per_call") for dt in args.dtypes
+                   for op in ("store", "load")]
+            if None not in ops:  # undefined where the profiler recorded nothing
+                named[f"api_device_ops_per_call_n{n}"] = max(o for o in ops if o is not None)
     named.update(capacity_metrics(shape, conv))
     metrics = {**named, **metrics}
     record = {

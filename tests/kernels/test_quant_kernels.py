@@ -171,7 +171,7 @@ def test_store_flags_non_finite_states_in_every_formulation(poison, formulation,
 @pytest.mark.parametrize("value_axis", [1, 2])
 @pytest.mark.parametrize("bad", [None, "temporal", "conv"])
 def test_store_and_load_with_the_conv_window_in_one_launch(poison, formulation, dtype, value_axis, bad):
-    """``quantize_store_checked`` / ``dequantize_load_checked`` with ``conv``: the temporal codes and the conv
+    """``quant.StorePlan`` / ``quant.LoadPlan`` with ``conv``: the temporal codes and the conv
     window (its bits) land as the separate kernels' twins put them, into poisoned outputs; a NaN in either
     field clears the slot's flag, and only that slot's."""
     L, R, S, H, dv, dk = 2, 5, 7, 2, 24, 40
@@ -187,7 +187,7 @@ def test_store_and_load_with_the_conv_window_in_one_launch(poison, formulation, 
     q_ref, s_ref, conv_ref = q.clone(), s.clone(), conv_t1.clone()
     fin, fin_ref = torch.ones(S, dtype=torch.uint8), torch.ones(S, dtype=torch.uint8)
     state = quant.validate_quantize_store(src, rows, q, s, slots, value_axis, finite=fin)
-    quant.quantize_store_checked(src, state, rows, q, s, slots, value_axis, "triton", fin, conv=(conv_src, conv_t1))
+    quant.StorePlan(src, state, q, s, value_axis, "triton", fin, conv=(conv_src, conv_t1))(rows, slots)
     quantize_store_reference(src, rows, q_ref, s_ref, slots, value_axis, fin_ref)
     copy_rows_reference(conv_src, rows, conv_ref, slots, fin_ref)
     assert torch.equal(fin, fin_ref) and fin.tolist() == [1 if bad is None or i != 5 else 0 for i in range(S)]
@@ -201,8 +201,7 @@ def test_store_and_load_with_the_conv_window_in_one_launch(poison, formulation, 
     dst, conv_dst = poison.like(src), poison.like(conv_src)
     dst_ref, conv_dst_ref = dst.clone(), conv_dst.clone()
     state = quant.validate_dequantize_load(q_ref, s_ref, slots, dst, rows, value_axis)
-    quant.dequantize_load_checked(q_ref, s_ref, slots, dst, state, rows, value_axis, "triton",
-                                  conv=(conv_ref, conv_dst))
+    quant.LoadPlan(q_ref, s_ref, dst, state, value_axis, "triton", conv=(conv_ref, conv_dst))(slots, rows)
     dequantize_load_reference(q_ref, s_ref, slots, dst_ref, rows, value_axis)
     copy_rows_reference(conv_ref, slots, conv_dst_ref, rows)
     keep = torch.ones(R, dtype=torch.bool)

@@ -367,3 +367,56 @@ def test_gpu_qwen3_next_sized_pool_through_t0(dtype, value_axis):
 @pytest.mark.gpu
 def test_gpu_chain(poison):
     check_chain(*run_chain(poison, "cuda", "auto", shape=(32, 128, 128), layers=4))
+
+
+def check_moves_of_every_size(poison, device, backend):
+    """One pool and side, stores and loads of 1, 3, 2, 16 and 1 states (fresh random ids each; the bound
+    launches of every size class on a GPU), each against the reference into poisoned T0 rows; one store in
+    three holds a NaN (temporal) or an inf (conv) in one state: only that slot is reported non-finite, and
+    re-storing it from a finite state clears it."""
+    spec = make_spec(value_axis=2, shape=(2, 32, 16), layers=3)
+    t0 = UnifiedPool(KVSpec(2, 2, 16), spec, low_slots=4, high_slots=48, device=device, backend=backend)
+    side = t0.side("mamba")
+    ids = side.alloc(24).tolist()
+    temporal, conv = side.temporal_view_all(), side.conv_view_all(0)
+    rows_of = lambda vids: side.translate(torch.tensor(vids, device=device))  # noqa: E731
+    g = torch.Generator().manual_seed(3)
+    temporal[:, rows_of(ids)] = torch.randn(3, 24, *spec.temporal_shape, generator=g).to(device)
+    conv[:, rows_of(ids)] = torch.randn(3, 24, *spec.conv_shapes[0], generator=g).to(device, spec.conv_dtype)
+    pool = Int8CheckpointPool(spec, 20, device, backend=backend)
+    all_slots = pool.alloc_ids(20)[1]
+    for step, n in enumerate([1, 3, 2, 16, 1, 3]):
+        pick = torch.randperm(24, generator=g)
+        src = [ids[i] for i in pick[:n].tolist()]
+        slots = [all_slots[i] for i in torch.randperm(20, generator=g)[:n].tolist()]
+        r0 = rows_of(src[:1])
+        saved = temporal[:, r0].clone(), conv[:, r0].clone()
+        if step % 3 == 1:
+            temporal[1, r0, 0, 3, 2] = float("nan")
+        elif step % 3 == 2:
+            conv[2, r0, 5, 1] = float("inf")
+        pool.store_from_active(side, src, slots)
+        assert pool.poll_flags(wait_for=slots) == {s: step % 3 == 0 or s != slots[0] for s in sorted(set(slots))}
+        temporal[:, r0], conv[:, r0] = saved
+        if step % 3:  # re-stored from the finite state: served again
+            pool.store_from_active(side, src[:1], slots[:1])
+            assert pool.poll_flags(wait_for=slots[:1]) == {slots[0]: True}
+        dst = [ids[i] for i in pick[n:2 * n].tolist()] if 2 * n <= 24 else [ids[i] for i in pick[:n].tolist()]
+        want_t, want_c = expected_load(ActiveViews(temporal, (conv,)), rows_of(src), spec), conv[:, rows_of(src)]
+        temporal[:, rows_of(dst)] = poison.value(spec.temporal_dtype)
+        conv[:, rows_of(dst)] = poison.value(spec.conv_dtype)
+        pool.load_to_active(slots, side, dst)
+        assert torch.equal(temporal[:, rows_of(dst)], want_t) and torch.equal(conv[:, rows_of(dst)], want_c)
+
+
+def test_moves_of_every_size_through_a_side(poison):
+    check_moves_of_every_size(poison, "cpu", "triton")
+
+
+@pytest.mark.gpu
+def test_gpu_moves_of_every_size_through_a_side_take_the_bound_launches(poison):
+    from tiered_cache.kernels import launch
+
+    before = launch.stats["fast"]
+    check_moves_of_every_size(poison, "cuda", "auto")
+    assert launch.stats["fast"] > before

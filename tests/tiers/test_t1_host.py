@@ -39,7 +39,8 @@ def twins_layout(pool, views):
 
 def store(pool, lay, rows, slots):
     rows_t, slots_t = torch.tensor(rows), torch.tensor(slots)
-    t1_args.kernels_store(pool, lay, rows_t, slots_t, pool.flags.arm(slots_t))
+    pool.flags.arm(slots_t)
+    t1_args.kernels_store(pool, lay, rows_t, slots_t)
 
 
 def clone(views):

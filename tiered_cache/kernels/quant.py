@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
-from tiered_cache.kernels import use_triton
+from tiered_cache.kernels import launch, use_triton
 from tiered_cache.kernels._ref_quant import (
     copy_rows_reference,
     dequantize_load_reference,
@@ -484,62 +484,83 @@ def quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tenso
     state ``i`` holds a NaN or an inf, and left as it is otherwise (see ``_ref_quant``).
     """
     state = validate_quantize_store(src, src_rows, qdata, scale, dst_slots, value_axis, check_ids, finite)
-    quantize_store_checked(src, state, src_rows, qdata, scale, dst_slots, value_axis, backend, finite)
+    StorePlan(src, state, qdata, scale, value_axis, backend, finite)(src_rows, dst_slots)
 
 
-def _conv_args(src: torch.Tensor, dst: torch.Tensor, n: int) -> tuple[list, int, int]:
-    """A conv window's copy as kernel arguments: bit views ``[L, rows, C]``, their strides, and blocks."""
+def _conv_args(src: torch.Tensor, dst: torch.Tensor) -> tuple[list, int, int]:
+    """A conv window's copy as kernel arguments: bit views ``[L, rows, C]``, their strides, and blocks;
+    the block size and the programs per state."""
     bits = _BITS[src.element_size()]
     sv = src.view(src.shape[0], src.shape[1], -1).view(bits)
     dv_ = dst.view(dst.shape[0], dst.shape[1], -1).view(bits)
     c = sv.shape[2]
     block = min(_COPY_TILE if src.device.type == "cuda" else 1 << 16, triton.next_power_of_2(c))
     cb = triton.cdiv(c, block)
-    return [sv, dv_, c, sv.stride(0), sv.stride(1), dv_.stride(0), dv_.stride(1), cb], block, sv.shape[0] * n * cb
+    return [sv, dv_, c, sv.stride(0), sv.stride(1), dv_.stride(0), dv_.stride(1), cb], block, sv.shape[0] * cb
 
 
-def quantize_store_checked(src: torch.Tensor, state: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor,
-                           scale: torch.Tensor, dst_slots: torch.Tensor, value_axis: int, backend: str,
-                           finite: Optional[torch.Tensor],
-                           conv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
-    """``quantize_store`` after ``validate_quantize_store`` passed on these arguments (``state``: what it
-    returned): for callers that validated a layout once and own the id tensors, so no per-call check
-    costs host time. Nothing here is checked again. ``conv``: ``(src, dst)`` of a conv window checked by
+class StorePlan:
+    """``quantize_store`` bound to its tensors, checked by ``validate_quantize_store`` (``state``: what it
+    returned), for callers that validated a layout once: ``plan(src_rows, dst_slots)`` (id tensors on the
+    device, checked by the caller) is one launch with nothing checked again, and its host work is the
+    launch alone (``launch.Bound``). ``conv``: ``(src, dst)`` of a conv window checked by
     ``validate_copy_rows`` for the same ids, copied (and flagged) by the same launch."""
-    n = src_rows.numel()
-    if n == 0:
-        return
-    if not use_triton(src.device, backend):
-        quantize_store_reference(src, src_rows, qdata, scale, dst_slots, value_axis, finite)
+
+    def __init__(self, src: torch.Tensor, state: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                 value_axis: int, backend: str, finite: Optional[torch.Tensor],
+                 conv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        self.src, self.qdata, self.scale, self.value_axis, self.finite, self.conv = (
+            src, qdata, scale, value_axis, finite, conv)
+        self.ref = not use_triton(src.device, backend)
+        if self.ref:
+            return
+        L, _, H, dv, dk = state.shape
+        stream = _STREAM_STORE.get(src.dtype)
+        if stream is not None:
+            block_v, block_k, warps = stream
+            block_v = min(block_v, triton.next_power_of_2(dv))
+            block_k = (min(block_k, triton.next_power_of_2(dk)) if src.device.type == "cuda"
+                       else triton.next_power_of_2(dk))
+            even = dv % block_v == 0 and dk % block_k == 0
+        else:
+            block_v, block_k = _tile(dv, dk, src.device, _STORE_TILE)
+            warps, even = _STORE_WARPS, _even(dv, dk, block_v, block_k)
+        fin = qdata if finite is None else finite
+        # rows, slots and N (and QP) vary per call: placeholders here (0)
+        args = [state, 0, qdata, scale, 0, fin, 0, H, dv, dk, *state.stride(), *qdata.stride(),
+                scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4)]
+        self.per_state, self.kb, self.conv_per_state = L * H, triton.cdiv(dk, block_k), 0
+        meta = dict(KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype), FMA_DIV=src.device.type == "cuda",
+                    EVEN=even, FLAG=finite is not None, num_warps=warps)
         if conv is not None:
-            copy_rows_reference(conv[0], src_rows, conv[1], dst_slots, finite)
-        return
-    L, _, H, dv, dk = state.shape
-    stream = _STREAM_STORE.get(src.dtype)
-    if stream is not None:
-        block_v, block_k, warps = stream
-        block_v = min(block_v, triton.next_power_of_2(dv))
-        block_k = min(block_k, triton.next_power_of_2(dk)) if src.device.type == "cuda" else triton.next_power_of_2(dk)
-        even = dv % block_v == 0 and dk % block_k == 0
-    else:
-        block_v, block_k = _tile(dv, dk, src.device, _STORE_TILE)
-        warps, even = _STORE_WARPS, _even(dv, dk, block_v, block_k)
-    fin = qdata if finite is None else finite
-    args = [state, src_rows, qdata, scale, dst_slots, fin, n, H, dv, dk, *state.stride(), *qdata.stride(),
-            scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4)]
-    qp = L * n * H
-    meta = dict(KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype), FMA_DIV=src.device.type == "cuda", EVEN=even,
-                FLAG=finite is not None, num_warps=warps)
-    if conv is not None:
-        cargs, cblock, cp = _conv_args(conv[0], conv[1], n)
-        mask = 0 if finite is None else _EXP_MASK.get(conv[0].dtype, 0)
-        _store_with_conv_kernel[(qp + cp, triton.cdiv(dk, block_k))](
-            *args, *cargs, qp, BLOCK_V=block_v, BLOCK_K=block_k, STREAM=stream is not None, CONV_BLOCK=cblock,
-            CONV_MASK=mask, **meta)
-    elif stream is not None:
-        _quantize_store_stream_kernel[(qp, triton.cdiv(dk, block_k))](*args, SUB_V=block_v, BLOCK_K=block_k, **meta)
-    else:
-        _quantize_store_kernel[(qp, triton.cdiv(dk, block_k))](*args, BLOCK_V=block_v, BLOCK_K=block_k, **meta)
+            cargs, cblock, self.conv_per_state = _conv_args(conv[0], conv[1])
+            mask = 0 if finite is None else _EXP_MASK.get(conv[0].dtype, 0)
+            self.bound = launch.Bound(
+                _store_with_conv_kernel, [*args, *cargs, 0],
+                dict(BLOCK_V=block_v, BLOCK_K=block_k, STREAM=stream is not None, CONV_BLOCK=cblock,
+                     CONV_MASK=mask, **meta), ("rows_ptr", "slots_ptr", "N", "QP"))
+        elif stream is not None:
+            self.bound = launch.Bound(_quantize_store_stream_kernel, args, dict(SUB_V=block_v, BLOCK_K=block_k,
+                                                                                **meta), ("rows_ptr", "slots_ptr", "N"))
+        else:
+            self.bound = launch.Bound(_quantize_store_kernel, args, dict(BLOCK_V=block_v, BLOCK_K=block_k, **meta),
+                                      ("rows_ptr", "slots_ptr", "N"))
+
+    def __call__(self, src_rows: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        n = src_rows.shape[0]
+        if n == 0:
+            return
+        if self.ref:
+            quantize_store_reference(self.src, src_rows, self.qdata, self.scale, dst_slots, self.value_axis,
+                                     self.finite)
+            if self.conv is not None:
+                copy_rows_reference(self.conv[0], src_rows, self.conv[1], dst_slots, self.finite)
+            return
+        qp = self.per_state * n
+        if self.conv is not None:
+            self.bound((qp + self.conv_per_state * n, self.kb), src_rows, dst_slots, n, qp)
+        else:
+            self.bound((qp, self.kb), src_rows, dst_slots, n)
 
 
 def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
@@ -547,34 +568,48 @@ def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.T
                     check_ids: bool = True) -> None:
     """Dequantize ``qdata/scale[:, src_slots[i]]`` into ``dst[:, dst_rows[i]]`` (dtype of ``dst``), one launch."""
     state = validate_dequantize_load(qdata, scale, src_slots, dst, dst_rows, value_axis, check_ids)
-    dequantize_load_checked(qdata, scale, src_slots, dst, state, dst_rows, value_axis, backend)
+    LoadPlan(qdata, scale, dst, state, value_axis, backend)(src_slots, dst_rows)
 
 
-def dequantize_load_checked(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
-                            state: torch.Tensor, dst_rows: torch.Tensor, value_axis: int, backend: str,
-                            conv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
-    """``dequantize_load`` after ``validate_dequantize_load`` passed (``state``: what it returned); ``conv``:
-    ``(T1 conv field, T0 conv view)`` checked by ``validate_copy_rows``, copied back by the same launch."""
-    n = src_slots.numel()
-    if n == 0:
-        return
-    if not use_triton(dst.device, backend):
-        dequantize_load_reference(qdata, scale, src_slots, dst, dst_rows, value_axis)
+class LoadPlan:
+    """``dequantize_load`` bound to its tensors (``StorePlan``'s terms), checked by
+    ``validate_dequantize_load``: ``plan(src_slots, dst_rows)``; ``conv``: ``(T1 conv field, T0 conv
+    view)`` checked by ``validate_copy_rows``, copied back by the same launch."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dst: torch.Tensor, state: torch.Tensor,
+                 value_axis: int, backend: str, conv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        self.qdata, self.scale, self.dst, self.value_axis, self.conv = qdata, scale, dst, value_axis, conv
+        self.ref = not use_triton(dst.device, backend)
+        if self.ref:
+            return
+        L, _, H, dv, dk = state.shape
+        block_v, block_k = _tile(dv, dk, dst.device, _LOAD_TILE)
+        args = [qdata, scale, 0, state, 0, 0, H, dv, dk, *qdata.stride(), scale.stride(0), scale.stride(1),
+                scale.stride(2), scale.stride(4), *state.stride()]
+        meta = dict(BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[dst.dtype], EVEN=_even(dv, dk, block_v, block_k),
+                    num_warps=_LOAD_WARPS)
+        self.per_state, self.kb, self.conv_per_state = L * H, triton.cdiv(dk, block_k), 0
         if conv is not None:
-            copy_rows_reference(conv[0], src_slots, conv[1], dst_rows)
-        return
-    L, _, H, dv, dk = state.shape
-    block_v, block_k = _tile(dv, dk, dst.device, _LOAD_TILE)
-    args = [qdata, scale, src_slots, state, dst_rows, n, H, dv, dk, *qdata.stride(), scale.stride(0), scale.stride(1),
-            scale.stride(2), scale.stride(4), *state.stride()]
-    meta = dict(BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[dst.dtype], EVEN=_even(dv, dk, block_v, block_k),
-                num_warps=_LOAD_WARPS)
-    qp = L * n * H
-    if conv is not None:
-        cargs, cblock, cp = _conv_args(conv[0], conv[1], n)
-        _load_with_conv_kernel[(qp + cp, triton.cdiv(dk, block_k))](*args, *cargs, qp, CONV_BLOCK=cblock, **meta)
-    else:
-        _dequantize_load_kernel[(qp, triton.cdiv(dk, block_k))](*args, **meta)
+            cargs, cblock, self.conv_per_state = _conv_args(conv[0], conv[1])
+            self.bound = launch.Bound(_load_with_conv_kernel, [*args, *cargs, 0], dict(CONV_BLOCK=cblock, **meta),
+                                      ("slots_ptr", "rows_ptr", "N", "QP"))
+        else:
+            self.bound = launch.Bound(_dequantize_load_kernel, args, meta, ("slots_ptr", "rows_ptr", "N"))
+
+    def __call__(self, src_slots: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        n = src_slots.shape[0]
+        if n == 0:
+            return
+        if self.ref:
+            dequantize_load_reference(self.qdata, self.scale, src_slots, self.dst, dst_rows, self.value_axis)
+            if self.conv is not None:
+                copy_rows_reference(self.conv[0], src_slots, self.conv[1], dst_rows)
+            return
+        qp = self.per_state * n
+        if self.conv is not None:
+            self.bound((qp + self.conv_per_state * n, self.kb), src_slots, dst_rows, n, qp)
+        else:
+            self.bound((qp, self.kb), src_slots, dst_rows, n)
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
@@ -586,24 +621,31 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     row that received a NaN or an inf (float dtypes of ``FLAG_DTYPES``; other dtypes are not checked).
     """
     validate_copy_rows(src, src_rows, dst, dst_rows, check_ids, finite=finite)
-    copy_rows_checked(src, src_rows, dst, dst_rows, backend, finite)
+    CopyPlan(src, dst, backend, finite)(src_rows, dst_rows)
 
 
-def copy_rows_checked(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
-                      backend: str, finite: Optional[torch.Tensor]) -> None:
-    """``copy_rows`` after ``validate_copy_rows`` passed on these arguments."""
-    n = src_rows.numel()
-    if n == 0:
-        return
-    if not use_triton(src.device, backend):
-        copy_rows_reference(src, src_rows, dst, dst_rows, finite)
-        return
-    bits = _BITS[src.element_size()]
-    s = src.view(src.shape[0], src.shape[1], -1).view(bits)
-    d = dst.view(dst.shape[0], dst.shape[1], -1).view(bits)
-    c = s.shape[2]
-    block = min(_COPY_TILE if src.device.type == "cuda" else 1 << 16, triton.next_power_of_2(c))
-    grid = (s.shape[0] * n, triton.cdiv(c, block))
-    mask = 0 if finite is None else _EXP_MASK.get(src.dtype, 0)
-    _copy_rows_kernel[grid](s, src_rows, d, dst_rows, d if finite is None else finite, n, c, s.stride(0), s.stride(1),
-                            d.stride(0), d.stride(1), grid[1], BLOCK=block, EXP_MASK=mask)
+class CopyPlan:
+    """``copy_rows`` bound to its tensors (``StorePlan``'s terms), checked by ``validate_copy_rows``:
+    ``plan(src_rows, dst_rows)``."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, backend: str, finite: Optional[torch.Tensor]) -> None:
+        self.src, self.dst, self.finite = src, dst, finite
+        self.ref = not use_triton(src.device, backend)
+        if self.ref:
+            return
+        cargs, block, _ = _conv_args(src, dst)
+        s, d, c, s_l, s_r, d_l, d_r, cb = cargs
+        self.layers, self.cb = s.shape[0], cb
+        mask = 0 if finite is None else _EXP_MASK.get(src.dtype, 0)
+        self.bound = launch.Bound(_copy_rows_kernel, [s, 0, d, 0, d if finite is None else finite, 0, c, s_l, s_r,
+                                                      d_l, d_r, cb], dict(BLOCK=block, EXP_MASK=mask),
+                                  ("rows_ptr", "slots_ptr", "N"))
+
+    def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        n = src_rows.shape[0]
+        if n == 0:
+            return
+        if self.ref:
+            copy_rows_reference(self.src, src_rows, self.dst, dst_rows, self.finite)
+            return
+        self.bound((self.layers * n, self.cb), src_rows, dst_rows, n)

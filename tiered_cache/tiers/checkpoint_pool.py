@@ -246,7 +246,9 @@ class Int8CheckpointPool:
         if rows.size == 0:
             return
         rows_t, slots_t = self._args.to_device(rows, slots)
-        t1_args.kernels_store(self, lay, rows_t, slots_t, self.flags.arm(slots_t))
+        self.flags.arm(slots_t)
+        t1_args.kernels_store(self, lay, rows_t, slots_t)
+        self._args.sent(rows.size)
         self.flags.sent(slots.tolist())
 
     def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
@@ -272,6 +274,7 @@ class Int8CheckpointPool:
             return
         rows_t, slots_t = self._args.to_device(rows, slots)
         t1_args.kernels_load(self, lay, slots_t, rows_t)
+        self._args.sent(rows.size)
 
     def __repr__(self) -> str:
         return (f"Int8CheckpointPool({self.codec}, {self.num_slots} slots x {self.slot_bytes} B = "

@@ -15,7 +15,8 @@ Every check runs before the first launch: a bad argument raises and nothing is w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 
 from tiered_cache import device as dev
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, SlotStateError
-from tiered_cache.kernels import quant
+from tiered_cache.kernels import launch, quant
 from tiered_cache.tiers.protocols import StateSide
 from tiered_cache.tiers.t1_host import HostMoves, host_moves
 from tiered_cache.validate import _INT_TORCH, int_list
@@ -52,6 +53,9 @@ class Layout:
     convs: tuple[torch.Tensor, ...]
     what: str  # what the ids name, for errors: virtual ids of a side, or physical rows
     host: Optional[HostMoves] = None  # the moves on numpy views, where they apply (CPU: ``t1_host``)
+    # the launches of each direction, bound to these views once (``quant.StorePlan`` ...), made on first use
+    plans: dict[str, list[Callable[[Any, Any], None]]] = field(default_factory=dict, init=False, compare=False,
+                                                              repr=False)
 
     @property
     def rows(self) -> int:
@@ -80,9 +84,11 @@ def host_ids(name: str, ids: Any, device: torch.device) -> np.ndarray:
             raise InvalidArgumentError(name, f"a tensor on {device}", ids.device)
         return ids.detach().to("cpu", torch.int64).numpy()
     vals = int_list(name, ids)  # strings, floats, bools, None, nested sequences: InvalidTypeError
-    if vals and (min(vals) < -2**63 or max(vals) >= 2**63):
-        raise InvalidArgumentError(name, "ids in the int64 range", [v for v in vals if abs(v) >= 2**63][:16])
-    return np.asarray(vals, dtype=np.int64)
+    try:
+        return np.asarray(vals, dtype=np.int64)
+    except OverflowError:
+        raise InvalidArgumentError(name, "ids in the int64 range",
+                                   [v for v in vals if not -2**63 <= v < 2**63][:16]) from None
 
 
 def _check_view(pool, name: str, t: object, inner: tuple[int, ...], dtype: torch.dtype,
@@ -155,6 +161,7 @@ class CallArgs:
     def __init__(self, pool) -> None:
         self.pool = pool
         self._layouts: dict[int, tuple[Any, Layout]] = {}
+        self._ring = launch.IdRing(pool.device) if pool.device.type == "cuda" else None
 
     def layout(self, side: Any) -> Layout:
         if is_state_side(side):
@@ -169,12 +176,14 @@ class CallArgs:
     def slots(self, name: str, ids: Any, unique: bool) -> np.ndarray:
         pool = self.pool
         host = host_ids(name, ids, pool.device)
-        out = host[(host < 1) | (host > pool.num_slots)]
-        if out.size:
+        if not host.size:
+            return host
+        if _MIN(host) < 1 or _MAX(host) > pool.num_slots:
+            out = host[(host < 1) | (host > pool.num_slots)]
             raise InvalidArgumentError(name, f"checkpoint slot ids in [1, {pool.num_slots}]", out.tolist())
-        unalloc = host[~pool.allocator._allocated[host]]
-        if unalloc.size:
-            raise SlotStateError(name, "allocated checkpoint slots", unalloc.tolist())
+        allocated = pool.allocator._allocated[host]
+        if not _ALL(allocated):
+            raise SlotStateError(name, "allocated checkpoint slots", host[~allocated].tolist())
         if unique and _repeats(host):
             raise InvalidArgumentError(name, "distinct destination slots", host.tolist())
         return host
@@ -182,28 +191,42 @@ class CallArgs:
     def rows(self, side: Any, lay: Layout, active_ids: Any, unique: bool) -> np.ndarray:
         host = host_ids("active_ids", active_ids, self.pool.device)
         if is_state_side(side):
-            if host.size and not host.all():
+            if host.size and not _ALL(host):
                 raise InvalidArgumentError("active_ids", "active state ids (slot 0 is the sink, never active)",
                                            host.tolist())
             try:
                 host = np.asarray(side.translate_host(host), dtype=np.int64)  # a free id maps to -1
             except InvalidArgumentError:
                 raise InvalidArgumentError("active_ids", "virtual ids of the T0 side", host.tolist()) from None
-        if host.size and (host.min() < 0 or host.max() >= lay.rows):
+        if host.size and (_MIN(host) < 0 or _MAX(host) >= lay.rows):
             raise InvalidArgumentError("active_ids", f"{lay.what} (rows in [0, {lay.rows}))", host.tolist())
         if unique and _repeats(host):
             raise InvalidArgumentError("active_ids", "distinct destination states", host.tolist())
         return host
 
     def to_device(self, rows: np.ndarray, slots: np.ndarray) -> tuple[Any, Any]:
-        """Rows and slots on the pool's device in one non-blocking copy from page-locked memory. On the CPU
-        nothing is sent: the checked arrays themselves (the numpy moves take them; ``ids_tensor`` wraps
-        them for a torch launch without a copy)."""
+        """Rows and slots on the pool's device in one non-blocking copy from page-locked memory (``launch.
+        IdRing``: no allocation per call; ``sent`` after the launches). On the CPU nothing is sent: the
+        checked arrays themselves (the numpy moves take them; ``ids_tensor`` wraps them for a torch launch
+        without a copy)."""
         n = rows.size
-        if self.pool.device.type == "cpu":
+        if self._ring is None:
             return rows, slots
+        if n <= self._ring.width:
+            return self._ring.send(rows, slots)
         both = dev.host_to_device(torch.from_numpy(np.concatenate([rows, slots])), self.pool.device)
         return both[:n], both[n:]
+
+    def sent(self, n: int) -> Any:
+        """After the launches of a move of ``n`` ids from ``to_device``: an event recorded after them, or
+        None (the CPU, or ids past the ring's width)."""
+        if self._ring is not None and n <= self._ring.width:
+            return self._ring.done()
+        return None
+
+
+# ndarray.min / .max / .all without their Python wrappers (a few ids: the wrapper is most of the cost)
+_MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
 
 
 def _repeats(a: np.ndarray) -> bool:
@@ -220,26 +243,41 @@ def ids_tensor(ids: Any) -> torch.Tensor:
     return torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
 
 
-def kernels_store(pool, lay: Layout, rows: Any, slots: Any, fin: torch.Tensor) -> None:
-    """The launches of a store (all checked before): int8, the temporal state and the first conv window
-    in one launch; lossless, one copy per field; any further conv window, one copy each. ``rows`` and
-    ``slots`` as ``CallArgs.to_device`` gives them."""
-    if lay.host is not None and lay.host.store(rows, slots):
-        return  # on the CPU, all finite: numpy did it (a NaN or an inf: the twins below, which flag it)
-    rows, slots = ids_tensor(rows), ids_tensor(slots)
-    va, b = pool.spec.value_axis, pool.backend
-    convs = list(zip(lay.convs, pool.conv))
+def _plans(pool, lay: Layout, op: str) -> list[Callable[[Any, Any], None]]:
+    """``lay``'s launches of a store or load, bound once: int8, the temporal state and the first conv window
+    in one launch; lossless, one copy per field; any further conv window, one copy each. A store flags
+    non-finite values in ``pool.flags``."""
+    plans = lay.plans.get(op)
+    if plans is not None:
+        return plans
+    va, b, store = pool.spec.value_axis, pool.backend, op == "store"
+    fin = pool.flags.flags if store else None
+    convs = [(c0, c1) if store else (c1, c0) for c0, c1 in zip(lay.convs, pool.conv)]  # (src, dst)
+    plans = []
     if lay.temporal is None:
         pass  # conv windows only: one copy each, below
     elif pool.codec == "int8":
         assert lay.state is not None
         qdata, scale = pool._temporal
-        quant.quantize_store_checked(lay.temporal, lay.state, rows, qdata, scale, slots, va, b, fin,
-                                     conv=convs.pop(0) if convs else None)
+        conv = convs.pop(0) if convs else None
+        plans.append(quant.StorePlan(lay.temporal, lay.state, qdata, scale, va, b, fin, conv) if store
+                     else quant.LoadPlan(qdata, scale, lay.temporal, lay.state, va, b, conv))
     else:
-        quant.copy_rows_checked(lay.temporal, rows, pool._temporal[0], slots, b, fin)
-    for c_src, c_dst in convs:
-        quant.copy_rows_checked(c_src, rows, c_dst, slots, b, fin)
+        t0, t1 = lay.temporal, pool._temporal[0]
+        plans.append(quant.CopyPlan(t0, t1, b, fin) if store else quant.CopyPlan(t1, t0, b, None))
+    plans += [quant.CopyPlan(src, dst, b, fin) for src, dst in convs]
+    lay.plans[op] = plans
+    return plans
+
+
+def kernels_store(pool, lay: Layout, rows: Any, slots: Any) -> None:
+    """The launches of a store (all checked before; ``_plans``), ``rows`` and ``slots`` as
+    ``CallArgs.to_device`` gives them; the flags of ``slots`` armed before."""
+    if lay.host is not None and lay.host.store(rows, slots):
+        return  # on the CPU, all finite: numpy did it (a NaN or an inf: the twins below, which flag it)
+    rows, slots = ids_tensor(rows), ids_tensor(slots)
+    for plan in _plans(pool, lay, "store"):
+        plan(rows, slots)
 
 
 def kernels_load(pool, lay: Layout, slots: Any, rows: Any) -> None:
@@ -248,16 +286,5 @@ def kernels_load(pool, lay: Layout, slots: Any, rows: Any) -> None:
         lay.host.load(slots, rows)
         return
     slots, rows = ids_tensor(slots), ids_tensor(rows)
-    va, b = pool.spec.value_axis, pool.backend
-    convs = list(zip(pool.conv, lay.convs))
-    if lay.temporal is None:
-        pass
-    elif pool.codec == "int8":
-        assert lay.state is not None
-        qdata, scale = pool._temporal
-        quant.dequantize_load_checked(qdata, scale, slots, lay.temporal, lay.state, rows, va, b,
-                                      conv=convs.pop(0) if convs else None)
-    else:
-        quant.copy_rows_checked(pool._temporal[0], slots, lay.temporal, rows, b, None)
-    for c_src, c_dst in convs:
-        quant.copy_rows_checked(c_src, slots, c_dst, rows, b, None)
+    for plan in _plans(pool, lay, "load"):
+        plan(slots, rows)

@@ -1,0 +1,223 @@
+"""The bound launches of the per-call T1 moves (``kernels/launch.py``, ``quant.StorePlan`` ...).
+
+On the CPU: ``Bound``'s logic against a stand-in kernel that records every launch (which path, which
+arguments, which grid); the plans through the interpreter, one plan serving calls of several sizes,
+against the torch twins into poisoned outputs (int8 bit-exact); ``IdRing``'s reuse and growth. On the
+H200 (``-m gpu``): the same plans through the compiled kernels, with the bound path taken.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tiered_cache.kernels import launch, quant
+from tiered_cache.kernels.reference import (
+    copy_rows_reference,
+    dequantize_load_reference,
+    quantize_store_reference,
+)
+
+
+class FakeCompiled:
+    """A compiled kernel whose launcher takes exactly ``accept`` arguments after the nine of the launch."""
+
+    def __init__(self, log: list, accept: set[int], tag: tuple) -> None:
+        self.log, self.accept, self.tag = log, accept, tag
+        self.function, self.packed_metadata = "function", "packed"
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+        assert (function, packed, meta, enter, exit_) == ("function", "packed", None, None, None)
+        if len(args) not in self.accept:
+            raise TypeError(f"takes {self.accept} arguments ({len(args)} given)")
+        self.log.append(("fast", self.tag, (g0, g1, g2), stream, args))
+
+
+class FakeKernel:
+    """``kernel(a_ptr, N, x, BLOCK: constexpr, MODE: constexpr = 7)``: an ordinary launch logs itself and
+    returns the compiled kernel of its specialization (``_spec_class`` of the pointer and ``N``)."""
+
+    def __init__(self, accept: set[int]) -> None:
+        def fn(a_ptr, N, x, BLOCK, MODE=7):
+            pass
+
+        self.fn, self.accept, self.log, self.compiled = fn, accept, [], {}
+        self.params = [SimpleNamespace(is_constexpr=n in ("BLOCK", "MODE")) for n in ("a_ptr", "N", "x", "BLOCK",
+                                                                                          "MODE")]
+
+    def warmup(self) -> None:  # present on a JITFunction, absent on the interpreter's function
+        pass
+
+    def __getitem__(self, grid):
+        def go(*args, **meta):
+            tag = (launch._spec_class(args[0]), launch._spec_class(args[1]))
+            self.log.append(("ordinary", tag, grid, args, meta))
+            return self.compiled.setdefault(tag, FakeCompiled(self.log, self.accept, tag))
+        return go
+
+
+@pytest.fixture
+def compiled_mode(monkeypatch):
+    """Launches as on a GPU (no interpreter), the driver's stream 1234 on device 0."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(launch, "_driver_getters", lambda: ((lambda dev: 1234 + dev), lambda: 0))
+
+
+def test_bound_binds_once_per_class_and_passes_the_arguments_in_signature_order(compiled_mode):
+    k = FakeKernel(accept={5})
+    ids = torch.zeros(64, dtype=torch.int64)
+    b = launch.Bound(k, [None, None, 3.5], dict(BLOCK=64, num_warps=4), ("a_ptr", "N"))
+    b((4,), ids[:4], 4)  # ordinary: compiles the class (aligned, N not 1 nor a multiple of 16)
+    b((5, 2), ids[:5], 5)  # the same class: bound
+    b((16,), ids[:16], 16)  # N % 16 == 0: a class of its own, ordinary once
+    b((1,), ids[:1], 1)  # N == 1: another
+    b((17,), ids[:17], 17)  # back in the first class: bound
+    b((3,), ids[1:4], 3)  # a pointer 8 bytes off alignment: a class of its own
+    kinds = [(e[0], e[2]) for e in k.log]
+    assert kinds == [("ordinary", (4,)), ("fast", (5, 2, 1)), ("ordinary", (16,)), ("ordinary", (1,)),
+                     ("fast", (17, 1, 1)), ("ordinary", (3,))]
+    first = k.log[0][3]
+    assert first[0].data_ptr() == ids.data_ptr() and first[1:] == (4, 3.5) and k.log[0][4] == dict(BLOCK=64,
+                                                                                                   num_warps=4)
+    # signature order, constexprs and defaults included, tensors as pointers, on the driver's stream
+    assert k.log[1][3] == 1234 and k.log[1][4] == (ids.data_ptr(), 5, 3.5, 64, 7)
+    assert k.log[4][4] == (ids.data_ptr(), 17, 3.5, 64, 7)
+    assert len({e[1] for e in k.log}) == 4  # four specialization classes, each launch under its own
+
+
+def test_bound_takes_the_list_without_constexprs_where_the_launcher_wants_it(compiled_mode):
+    k = FakeKernel(accept={3})  # a Triton that does not pass constexprs to its launcher
+    ids = torch.zeros(8, dtype=torch.int64)
+    b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
+    for n in (2, 3, 5):
+        b((n,), ids[:n], n)
+    assert [e[0] for e in k.log] == ["ordinary", "fast", "fast"]  # one launch per call, the refused try none
+    assert [e[4] for e in k.log[1:]] == [(ids.data_ptr(), 3, 2.0), (ids.data_ptr(), 5, 2.0)]
+
+
+def test_bound_falls_back_to_ordinary_launches_when_the_launcher_refuses_both(compiled_mode):
+    k = FakeKernel(accept={9})
+    ids = torch.zeros(8, dtype=torch.int64)
+    b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
+    before = launch.stats["ordinary"]
+    for n in (2, 3, 5):
+        b((n,), ids[:n], n)
+    assert [e[0] for e in k.log] == ["ordinary"] * 3 and [e[3][1] for e in k.log] == [2, 3, 5]
+    assert launch.stats["ordinary"] - before == 3
+
+
+def test_bound_launches_ordinarily_under_a_launch_hook_or_the_interpreter(compiled_mode, monkeypatch):
+    ids = torch.zeros(8, dtype=torch.int64)
+    k = FakeKernel(accept={5})
+    monkeypatch.setattr(launch, "_hooks_set", lambda: True)
+    b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
+    for n in (2, 3):
+        b((n,), ids[:n], n)
+    assert [e[0] for e in k.log] == ["ordinary"] * 2
+    monkeypatch.setattr(launch, "_hooks_set", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = FakeKernel(accept={5})
+    b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
+    for n in (2, 3):
+        b((n,), ids[:n], n)
+    assert [e[0] for e in k.log] == ["ordinary"] * 2
+
+
+def test_spec_class_separates_what_triton_specializes_on():
+    classes = {launch._spec_class(v) for v in (1, 2, 3, 16, 32, 2**31, 2**40, 2**63)}
+    assert launch._spec_class(2) == launch._spec_class(3) and launch._spec_class(16) == launch._spec_class(32)
+    assert len(classes) == 5  # {1}, {2, 3}, {16, 32}, {2**31, 2**40} (int64 multiples of 16), {2**63} (uint64)
+    t = torch.zeros(4, dtype=torch.int64)
+    assert launch._spec_class(t) != launch._spec_class(t[1:]) and launch._spec_class(t) == launch._spec_class(t[2:])
+
+
+def test_id_ring_reuses_a_landed_entry_and_grows_past_one_in_flight():
+    ring = launch.IdRing(torch.device("cpu"), width=8)
+    a, b = ring.send(np.array([3, 1, 2]), np.array([7, 5, 6]))
+    assert a.tolist() == [3, 1, 2] and b.tolist() == [7, 5, 6] and b.data_ptr() % 16 == 0
+    ring.done()
+    pending = ring._ring[0]
+    pending.event = SimpleNamespace(query=lambda: False, record=lambda: None)  # its kernels still run
+    c, d = ring.send(np.array([4]), np.array([9]))
+    ring.done()
+    assert len(ring._ring) == 2 and c.tolist() == [4] and d.tolist() == [9]
+    assert a.tolist() == [3, 1, 2] and b.tolist() == [7, 5, 6]  # the entry in flight kept its ids
+    pending.event = SimpleNamespace(query=lambda: True, record=lambda: None)
+    ring.send(np.array([0, 0]), np.array([1, 1]))
+    ring.done()
+    assert len(ring._ring) == 2  # landed: reused
+
+
+# ------------------------------------------------------------------- plans, through the real kernels
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits of ``t`` as integers: NaNs (the poison) compare equal, and every byte counts."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _plans_case(poison, device, dtype, value_axis, backend):
+    L, R, S, H, dv, dk = 2, 9, 10, 2, 16, 32
+    g = torch.Generator().manual_seed(5)
+    shape = (R, L, H, dv, dk) if value_axis == 1 else (R, L, H, dk, dv)
+    src = torch.randn(shape, generator=g).to(dtype).transpose(0, 1).to(device)
+    conv = torch.randn(R, L, 12, 3, generator=g).to(torch.bfloat16).transpose(0, 1).to(device)
+    q, s = poison((L, S, H, dv, dk), torch.int8, device), poison((L, S, H, 1, dk), dtype, device)
+    conv_t1 = poison((L, S, 12, 3), torch.bfloat16, device)
+    fin = torch.ones(S, dtype=torch.uint8, device=device)
+    state = quant.validate_quantize_store(src, torch.zeros(0, dtype=torch.int64, device=device), q, s,
+                                          torch.zeros(0, dtype=torch.int64, device=device), value_axis, finite=fin)
+    store = quant.StorePlan(src, state, q, s, value_axis, backend, fin, conv=(conv, conv_t1))
+    dst, conv_dst = poison.like(src), poison.like(conv)
+    dstate = quant.validate_dequantize_load(q, s, torch.zeros(0, dtype=torch.int64, device=device), dst,
+                                            torch.zeros(0, dtype=torch.int64, device=device), value_axis)
+    load = quant.LoadPlan(q, s, dst, dstate, value_axis, backend, conv=(conv_t1, conv_dst))
+    copy = quant.CopyPlan(conv, conv_dst, backend, None)
+    return src, conv, q, s, conv_t1, fin, store, dst, conv_dst, load, copy
+
+
+def check_plans_serve_every_call(poison, device, dtype, value_axis, backend):
+    """One set of plans, calls of 1, 3, 2 and 9 states (new ids each), each against the twins."""
+    src, conv, q, s, conv_t1, fin, store, dst, conv_dst, load, copy = _plans_case(poison, device, dtype,
+                                                                                 value_axis, backend)
+    g = torch.Generator().manual_seed(6)
+    for n in (1, 3, 2, 9):
+        rows = torch.randint(src.shape[1], (n,), generator=g).to(device)  # a store may read a row twice
+        slots = (torch.randperm(q.shape[1] - 1, generator=g)[:n] + 1).to(device)
+        q_ref, s_ref, c_ref = q.clone(), s.clone(), conv_t1.clone()
+        store(rows, slots)
+        quantize_store_reference(src, rows, q_ref, s_ref, slots, value_axis)
+        copy_rows_reference(conv, rows, c_ref, slots)
+        # every byte, the poison of the slots not written included
+        assert torch.equal(q, q_ref) and torch.equal(bits(s), bits(s_ref)) and torch.equal(bits(conv_t1), bits(c_ref))
+        assert bool(fin.all())
+        back = torch.randperm(src.shape[1], generator=g)[:n].to(device)  # distinct destinations
+        dst.copy_(poison.like(dst))
+        conv_dst.copy_(poison.like(conv_dst))
+        load(slots, back)
+        want, want_conv = poison.like(dst), poison.like(conv_dst)
+        dequantize_load_reference(q_ref, s_ref, slots, want, back, value_axis)
+        copy_rows_reference(c_ref, slots, want_conv, back)
+        assert torch.equal(bits(dst), bits(want)) and torch.equal(bits(conv_dst), bits(want_conv))
+        conv_dst.copy_(poison.like(conv_dst))
+        copy(rows, back)
+        want_conv = poison.like(conv_dst)
+        copy_rows_reference(conv, rows, want_conv, back)
+        assert torch.equal(bits(conv_dst), bits(want_conv))
+
+
+@pytest.mark.parametrize("value_axis", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_plans_serve_calls_of_every_size(poison, dtype, value_axis):
+    check_plans_serve_every_call(poison, "cpu", dtype, value_axis, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value_axis", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_plans_take_the_bound_path(poison, dtype, value_axis):
+    before = launch.stats["fast"]
+    check_plans_serve_every_call(poison, "cuda", dtype, value_axis, "triton")
+    torch.cuda.synchronize()
+    assert launch.stats["fast"] > before  # calls after the first of a class went through the bound launcher

@@ -1,0 +1,237 @@
+"""Cheap Triton launches for the per-call T1 moves: a kernel bound once to the arguments that never change.
+
+``kernel[grid](*args, **meta)`` costs 20-40 us of host time on the H200 machine (2026-12-01): Triton binds
+every argument, computes each one's specialization (integer divisibility, pointer alignment), hashes them
+into its cache key, checks the kernel's globals and only then calls the compiled launcher. A T1 move of
+one to a few states is shorter than that on the GPU, and its arguments are the same on every call but for
+the id pointers and the state count: a ``T0`` side's views and T1's buffers never move.
+
+``Bound`` takes the fixed arguments once and the varying ones per call. The first call of each
+*specialization class* of the varying values (``_spec_class``: what Triton would specialize on) goes
+through the ordinary launch, which compiles or finds the kernel; later calls of that class hand the
+compiled kernel's launcher the stored argument list with the varying values put in (tensors as their
+pointers). The class is at least as fine as Triton's own key, so a compiled kernel is only reused for
+values it was compiled for. The stored list holds the kernel's parameters in signature order, with or
+without the constexprs (Triton versions differ: 3.3 and later pass them to the launcher); a launcher
+given the wrong count raises ``TypeError`` before it launches, and the other list is tried.
+
+Ordinary launches throughout (nothing bound) under the interpreter (``TRITON_INTERPRET=1``: what the CPU
+tests run), when a launch hook is set (a profiler wants every launch), or where the compiled launcher takes
+neither list. ``stats`` counts both kinds, so a benchmark can say which ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+# "fast": launches through a bound compiled kernel; "ordinary": through ``kernel[grid]``.
+stats: collections.Counter[str] = collections.Counter()
+
+_ORDINARY = object()  # a class whose launches stay ordinary (no compiled kernel to bind, or it refused)
+
+
+def _spec_class(v: Any) -> Any:
+    """What Triton's specialization can depend on, for a varying argument: for an int its range class, 1,
+    and divisibility by 16; for a tensor its dtype and 16-byte alignment (the value passed is the pointer)."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    return (v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63)
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is set (a profiler's): Triton 3.4 and later keep them in ``knobs``, 3.9 as
+    chains of hooks, empty when none is set; earlier ones on ``CompiledKernel``."""
+    try:
+        from triton import knobs
+    except ImportError:
+        from triton.compiler import CompiledKernel
+
+        hooks = [getattr(CompiledKernel, "launch_enter_hook", None), getattr(CompiledKernel, "launch_exit_hook", None)]
+    else:
+        hooks = [knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook]
+    return any(h is not None and (not hasattr(h, "calls") or h.calls) for h in hooks)
+
+
+_NAMES: dict[Any, list[str]] = {}
+
+
+def _param_names(kernel: Any) -> list[str]:
+    names = _NAMES.get(kernel)
+    if names is None:
+        names = _NAMES[kernel] = list(inspect.signature(kernel.fn).parameters)
+    return names
+
+
+def _driver_getters() -> tuple[Any, Any]:
+    """Triton's current-stream and current-device functions: the stream every ordinary launch goes to."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream, driver.active.get_current_device
+
+
+class _Fast:
+    """A compiled kernel and its argument lists (all parameters, and without the constexprs), the varying
+    positions marked; ``lists`` narrows to the one its launcher took."""
+
+    __slots__ = ("run", "function", "packed", "lists")
+
+    def __init__(self, compiled: Any, lists: list[tuple[list, tuple[int, ...]]]) -> None:
+        self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.lists = lists
+
+
+class Bound:
+    """``kernel`` with every argument but ``vary`` bound: ``bound(grid, *values)`` launches it with the
+    varying arguments (named in ``vary``, in that order) set to ``values`` on the current stream.
+
+    ``args``: the positional arguments (any value at the varying positions: it is never used);
+    ``meta``: keyword arguments, constexprs and launch options (``num_warps``) alike."""
+
+    def __init__(self, kernel: Any, args: Sequence[Any], meta: dict[str, Any], vary: Sequence[str]) -> None:
+        self.kernel, self.args, self.meta = kernel, list(args), dict(meta)
+        self.names = _param_names(kernel)
+        self.vary = tuple(self.names.index(v) for v in vary)
+        self._classes: dict[tuple, Any] = {}
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        self._off = interpret or not hasattr(kernel, "warmup")  # no compiled kernel to bind
+        self._stream: Any = None  # the driver's current-stream and current-device getters, once bound
+        self._device: Any = None
+
+    def _filled(self, values: Sequence[Any]) -> list[Any]:
+        args = list(self.args)
+        for i, v in zip(self.vary, values):
+            args[i] = v
+        return args
+
+    def __call__(self, grid: tuple[int, ...], *values: Any) -> None:
+        if self._off:
+            stats["ordinary"] += 1
+            self.kernel[grid](*self._filled(values), **self.meta)
+            return
+        vals: list[Any] = []
+        cls: list[tuple] = []
+        for v in values:  # the launcher's values and their classes (``_spec_class``) in one pass
+            if isinstance(v, torch.Tensor):
+                p = v.data_ptr()
+                vals.append(p)
+                cls.append((v.dtype, p % 16 == 0))
+            else:
+                vals.append(v)
+                cls.append((v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63))
+        key = tuple(cls)
+        fast = self._classes.get(key)
+        if fast is None or fast is _ORDINARY:
+            stats["ordinary"] += 1
+            compiled = self.kernel[grid](*self._filled(values), **self.meta)
+            if fast is None:
+                self._classes[key] = self._bind(compiled)
+            return
+        stats["fast"] += 1
+        g0 = grid[0]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = self._stream(self._device())
+        while True:
+            template, idx = fast.lists[0]
+            a = list(template)
+            for i, v in zip(idx, vals):
+                a[i] = v
+            try:
+                fast.run(g0, g1, g2, stream, fast.function, fast.packed, None, None, None, *a)
+            except (TypeError, ValueError):  # raised while parsing the arguments, before any launch
+                if len(fast.lists) == 1:  # neither list: ordinary launches from now on (this one too)
+                    self._classes[key] = _ORDINARY
+                    stats["fast"] -= 1
+                    stats["ordinary"] += 1
+                    self.kernel[grid](*self._filled(values), **self.meta)
+                    return
+                fast.lists.pop(0)
+                continue
+            if len(fast.lists) > 1:
+                del fast.lists[1:]  # this launcher's list
+            return
+
+    def _bind(self, compiled: Any) -> Any:
+        """The compiled kernel of one class with its argument lists, or ``_ORDINARY``."""
+        if compiled is None or not hasattr(compiled, "run") or _hooks_set():
+            return _ORDINARY
+        self._stream, self._device = _driver_getters()
+        sig = inspect.signature(self.kernel.fn).parameters
+        full: list[Any] = []
+        for pos, name in enumerate(self.names):
+            if pos < len(self.args):
+                v = self.args[pos]
+            elif name in self.meta:
+                v = self.meta[name]
+            elif sig[name].default is not inspect.Parameter.empty:
+                v = sig[name].default
+            else:
+                return _ORDINARY
+            full.append(v.data_ptr() if isinstance(v, torch.Tensor) else v)
+        constexpr = [i for i, p in enumerate(self.kernel.params) if p.is_constexpr]
+        keep = [i for i in range(len(full)) if i not in constexpr]
+        lists = [(full, self.vary)]
+        if constexpr:
+            if any(i in constexpr for i in self.vary):
+                return _ORDINARY
+            lists.append(([full[i] for i in keep], tuple(keep.index(i) for i in self.vary)))
+        return _Fast(compiled, lists)
+
+
+class _Entry:
+    __slots__ = ("host", "host_np", "dev", "event", "views")
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        from tiered_cache import device as dev
+
+        self.host = dev.pinned_empty(2 * width * 8).view(torch.int64)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(2 * width, dtype=torch.int64, device=device)
+        self.event = dev.new_event(device)
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class IdRing:
+    """Two id arrays of up to ``width`` ints each (a move's sources and destinations) on the GPU in one
+    fixed-size non-blocking copy from page-locked memory, with no allocation per call.
+
+    Each entry is a page-locked host buffer and a device buffer of ``2 * width`` int64: the ids are written
+    into the host buffer, the whole buffer is copied, and the views of the first ``n`` of each half are
+    returned (cached per ``n``; the halves start 16-byte aligned, as ``Bound``'s classes expect). After
+    the launches that read them, ``done`` records the entry's event: the entry is reused once its event
+    has fired (its copy landed and its kernels ran, on whatever stream), and while it has not, the ring
+    grows by an entry instead of waiting, so a caller running ahead of the GPU never blocks here.
+    """
+
+    def __init__(self, device: torch.device, width: int = 256) -> None:
+        self.device, self.width = device, width
+        self._ring = [_Entry(width, device)]
+        self._i = 0
+
+    def send(self, a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a`` and ``b`` (int64 numpy arrays of one length ``n <= width``) on the device."""
+        n, w = a.shape[0], self.width
+        e = self._ring[self._i]
+        if not e.event.query():  # still read by a move in flight: a new entry in its place
+            e = _Entry(w, self.device)
+            self._ring.insert(self._i, e)
+        e.host_np[:n] = a
+        e.host_np[w:w + n] = b
+        e.dev.copy_(e.host, non_blocking=True)
+        v = e.views.get(n)
+        if v is None:
+            v = e.views[n] = (e.dev[:n], e.dev[w:w + n])
+        return v
+
+    def done(self) -> Any:
+        """After the launches that read the ids of the last ``send``: records and returns its event."""
+        event = self._ring[self._i].event
+        event.record()
+        self._i = (self._i + 1) % len(self._ring)
+        return event
