@@ -21,7 +21,11 @@ tokens on both sides. Then ``--rounds`` interleaved rounds (the side that goes f
   per second.
 
 Keys are made inside the timer, on both sides from the ids as SGLang's ``Req`` holds them (an
-``array("q")``: what our SGLang backend gets too), as each tree is called per request. Each ratio is
+``array("q")``: what our SGLang backend gets too), as each tree is called per request. A round's inputs are
+made before its timers as such arrays too, not lists of Python ints: an array is not tracked by Python's
+cycle collector, while a young list of 10^4 ints is walked item by item by every young-generation collection
+that an allocation inside a timed call triggers (2-20 ms a collection at 10^5 cached tokens, charged to
+whichever side made the 700th allocation). Each ratio is
 SGLang's time over ours per round (> 1: ours is faster), reported as median, min and max over rounds.
 ``*_tree_only``: our time less the time spent inside the T1 pool (``Int8CheckpointPool``: the state's
 store, load, slot alloc/free and flag reads), i.e. the tree's bookkeeping alone; SGLang's tree holds
@@ -147,9 +151,9 @@ class Ours:
         """Cached tokens."""
         return self.cache.total_size()[0]
 
-    def held(self, toks: list[int]) -> Any:
-        """Token ids as SGLang's ``Req`` holds them (an ``array("q")``), which our SGLang backend makes keys of
-        (``integrations.sglang.backend.tree_key``)."""
+    def held(self, toks: Any) -> Any:
+        """Token ids (a list or an array) as SGLang's ``Req`` holds them (an ``array("q")``), which our SGLang
+        backend makes keys of (``integrations.sglang.backend.tree_key``)."""
         return array("q", toks)
 
     def turn(self, toks: Any) -> tuple[float, float]:
@@ -201,8 +205,8 @@ class Sgl:
     def size(self) -> int:
         return self.cache.evictable_size() + self.cache.protected_size()
 
-    def held(self, toks: list[int]) -> Any:
-        """Token ids as SGLang's ``Req`` holds them (an ``array("q")``)."""
+    def held(self, toks: Any) -> Any:
+        """Token ids (a list or an array) as SGLang's ``Req`` holds them (an ``array("q")``)."""
         return array("q", toks)
 
     def turn(self, toks: Any) -> tuple[float, float]:
@@ -279,7 +283,7 @@ def run_size(target: int, rounds: int, ops: int, sgl_mods: dict[str, Any], seed:
                                                  "sgl_insert_us", "ours_evict_tok_s", "sgl_evict_tok_s")}
     for rnd in range(rounds):
         sides = (ours, sgl) if rnd % 2 == 0 else (sgl, ours)
-        queries = [trace.query() for _ in range(ops)]
+        queries = [array("q", trace.query()) for _ in range(ops)]  # arrays: see the docstring (inputs)
         t: dict[str, float] = {}
         for side in sides:
             keys = [(side.held(q), req) for q in queries]
@@ -290,7 +294,7 @@ def run_size(target: int, rounds: int, ops: int, sgl_mods: dict[str, Any], seed:
         r["match_tree_only"].append(t["sglang"] / (t["ours"] - t["ours_t1"]))
         r["ours_match_us"].append(t["ours"] / ops * 1e6)
         r["sgl_match_us"].append(t["sglang"] / ops * 1e6)
-        turns = [list(trace.next_turn()) for _ in range(ops)]
+        turns = [array("q", trace.next_turn()) for _ in range(ops)]
         start = {s.name: s.size for s in sides}
         for side in sides:
             held = [side.held(toks) for toks in turns]

@@ -16,6 +16,7 @@ from tests.support.radix_util import (
     insert_fresh,
     make_cache,
     make_hi_cache,
+    page,
     state_pattern,
     write_kv,
     write_state,
@@ -200,7 +201,7 @@ def test_event_poll_drops_a_nonfinite_state_and_keeps_its_prefix_kv():
     insert_fresh(cache, [1, 2, 3, 4])
     cache.check_hicache_events()
     assert cache.stats["nonfinite_states"] == 1 and cache.total_size() == (4, 1)
-    node = cache.root.children[1]
+    node = cache.root.children[page(1)]
     assert node.is_tombstone and len(_cow(cache, [1, 2])[0].device_indices) == 0
     m, req = _cow(cache, [1, 2, 3, 4])
     assert len(m.device_indices) == 4
@@ -213,7 +214,7 @@ def test_locked_nonfinite_state_is_dropped_and_its_node_goes_with_the_lock():
     cache = make_cache()
     insert_fresh(cache, [1, 2])
     _insert_poisoned(cache, [1, 2, 3, 4], "conv", float("inf"))
-    node = cache.root.children[1].children[3]
+    node = cache.root.children[page(1)].children[page(3)]
     cache.inc_lock_ref(node)
     cache.check_hicache_events()
     assert node.is_tombstone and cache.mamba_protected_size() == 0 and cache.stats["nonfinite_states"] == 1

@@ -13,6 +13,7 @@ from tests.support.radix_util import (
     insert_fresh,
     make_cache,
     match,
+    page,
     read_state,
     write_kv,
     write_state,
@@ -39,7 +40,7 @@ def test_sglang_scenario_page_size_1(codec):
     assert len(match(cache, [10, 11, 12]).device_indices) == 0
     r = cache.evict(EvictParams(mamba_num=1))
     assert (r.num_tokens_evicted, r.mamba_num_evicted) == (0, 1)  # [1, 2, 3] becomes a tombstone
-    assert cache.root.children[1].key == [1, 2, 3] and cache.root.children[1].payload.mamba_value is None
+    assert cache.root.children[page(1)].key == [1, 2, 3] and cache.root.children[page(1)].payload.mamba_value is None
     cache.check_invariants(request_states=torch.empty(0))
 
     assert len(match(cache, [1, 2, 3, 4, 5]).device_indices) == 0
@@ -95,7 +96,7 @@ def test_page_size_4_alignment():
     # a branch after one page splits the node at a page boundary
     res, _ = insert_fresh(cache, [1, 2, 3, 4, 9, 9, 9, 9])
     assert (res.prefix_len, res.cached_len) == (4, 8)
-    top = cache.root.children[(1, 2, 3, 4)]
+    top = cache.root.children[page(1, 2, 3, 4)]
     assert top.key == [1, 2, 3, 4] and top.payload.mamba_value is None and len(top.children) == 2
     m = match(cache, [1, 2, 3, 4, 5, 6, 7])  # KV for 4 tokens, no state before 8
     assert len(m.device_indices) == 0 and m.kv_hit_length == 4 and m.mamba_branching_seqlen == 4
@@ -143,7 +144,7 @@ def test_locks_protect_and_report_deltas():
     assert cache.mamba_evictable_size() == 1  # [1, 2, 3]'s state is not locked: the state lock is the node's
     assert cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 0
     r = cache.evict(EvictParams(mamba_num=5))
-    assert r.mamba_num_evicted == 1 and cache.root.children[1].payload.mamba_value is None  # tombstone, kept
+    assert r.mamba_num_evicted == 1 and cache.root.children[page(1)].payload.mamba_value is None  # tombstone, kept
     cache.check_invariants(request_states=torch.empty(0))
     assert cache.dec_lock_ref(leaf).delta == 5
     with pytest.raises(InvalidArgumentError):
@@ -184,7 +185,7 @@ def test_state_recency_only_on_store_or_match():
     insert_fresh(cache, [3, 4])
     insert_fresh(cache, [1, 2, 5])  # walks through [1, 2] but does not refresh its state
     assert cache.evict(EvictParams(mamba_num=1)).mamba_num_evicted == 1
-    assert cache.root.children[1].payload.mamba_value is None
+    assert cache.root.children[page(1)].payload.mamba_value is None
     match(cache, [3, 4])
     insert_fresh(cache, [6])
     r = cache.evict(EvictParams(mamba_num=1))  # [5] is now the LRU state: a leaf, removed with its tombstone parent
@@ -272,8 +273,8 @@ def test_bad_inputs_raise_and_change_nothing():
         lambda: cache.insert(InsertParams(key=[4, 5, 6], value=ids, mamba_value=1.5)),
         lambda: cache.insert(InsertParams(key=[4, 5, 6], value=ids, prev_prefix_len=2)),  # longer than cached
         lambda: cache.insert(InsertParams(key="abc", value=ids)),
-        lambda: cache.inc_lock_ref(other.root.children[1]),  # a node of another cache
-        lambda: cache.dec_lock_ref(cache.root.children[1]),  # not locked
+        lambda: cache.inc_lock_ref(other.root.children[page(1)]),  # a node of another cache
+        lambda: cache.dec_lock_ref(cache.root.children[page(1)]),  # not locked
         lambda: cache.evict(EvictParams(num_tokens=-1)),
         lambda: cache.match_prefix(MatchPrefixParams(key=[1, 2, 3], cow_mamba=True)),  # cow without a request
     ]
@@ -283,7 +284,7 @@ def test_bad_inputs_raise_and_change_nothing():
         assert full_snapshot(cache) == before, f"bad call {i} changed the cache"
     res = cache.insert(InsertParams(key=[], value=torch.empty(0, dtype=torch.int64)))
     assert res.prefix_len == 0 and res.cached_len == 0
-    stale = cache.root.children[1]
+    stale = cache.root.children[page(1)]
     cache.reset()
     with pytest.raises(InvalidArgumentError):
         cache.inc_lock_ref(stale)

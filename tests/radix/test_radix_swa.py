@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.radix_util import check_kv, check_swa, insert_swa, make_swa_cache, match, node_at
+from tests.support.radix_util import check_kv, check_swa, insert_swa, make_swa_cache, match, node_at, page
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, InsertParams
 
@@ -61,7 +61,7 @@ def test_swa_evicted_seqlen_caches_the_slid_out_span_as_tombstones():
     cache = make_swa_cache(page_size=2, window=4, host=False)
     res = insert_swa(cache, list(range(1, 11)), evicted=5)  # SWA of [0, 5) gone: page [4, 6) with it
     assert res.cached_len == 10
-    top = cache.root.children[(1, 2)]
+    top = cache.root.children[page(1, 2)]
     assert top.key == [1, 2, 3, 4, 5, 6] and top.payload.swa_tomb and top.payload.swa_value is None
     leaf = node_at(cache, range(1, 11))
     assert leaf.key == [7, 8, 9, 10] and not leaf.payload.swa_tomb

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Sequence
 from typing import Optional
 
@@ -206,11 +207,17 @@ def match(cache, toks: Sequence[int], salt: Optional[str] = None, **kw):
     return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks), salt), **kw))
 
 
+def page(*toks: int) -> bytes:
+    """The key a child is filed under for its first page ``toks`` (below the root, or at it without a salt):
+    the page's int64 ids as bytes (``RadixTree.child_key``)."""
+    return array("q", toks).tobytes()
+
+
 def node_at(cache, toks: Sequence[int]):
     """The node whose key ends exactly at ``toks`` (a test's own path: the walk must not stop inside a node)."""
     x, i, ps = cache.root, 0, cache.page_size
     while i < len(toks):
-        x = x.children[toks[i] if ps == 1 else tuple(toks[i:i + ps])]
+        x = x.children[page(*toks[i:i + ps])]
         i += len(x.key)
     assert i == len(toks)
     return x

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tiered_cache.errors import InvalidTypeError, SlotBusyError, SlotStateError
 from tiered_cache.tiers.allocator import MultiEndedAllocator
+from tiered_cache.tiers.holes import HoleMap
 
 
 def make(ps: int, lazy: bool):
@@ -27,7 +28,7 @@ def make(ps: int, lazy: bool):
 
 
 def state(a: MultiEndedAllocator):
-    return (a._v2p.tolist(), a._p2v.tolist(), a._n, a._live, list(a._free_vids), sorted(a._hole_set), a.num_moves)
+    return (a._v2p.tolist(), a._p2v.tolist(), a._n, a._live, list(a._free_vids), a.hole_ranks(), a.num_moves)
 
 
 @settings(max_examples=60, deadline=None)
@@ -101,3 +102,38 @@ def test_both_paths_refuse_busy_pages():
     kv.free_pages([2, 1])
     assert kv.num_live == 0 and np.all(kv._v2p[1:] < 0)
     kv.check_invariants()
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), cap=st.sampled_from([8, 70, 600]))
+def test_hole_map_equals_a_sorted_set_of_holes(seed, cap):
+    """``HoleMap`` (a bitmap scanned in windows) against the plain model it replaced: a set of hole ranks,
+    the lowest taken first, the frontier dropped past the holes at its top."""
+    rng = random.Random(seed)
+    holes, model = HoleMap(cap), set()
+    n = 1  # the band's frontier; ranks [1, n) are live or holes
+    for _ in range(80):
+        op = rng.random()
+        live = sorted(set(range(1, n)) - model)
+        if op < 0.4 and n < cap:  # alloc: reuse the lowest holes, then grow
+            k = rng.randrange(1, cap - n + len(model) + 1)
+            reuse = min(k, len(model))
+            want = sorted(model)[:reuse]
+            assert holes.take_lowest(reuse).tolist() == want
+            model -= set(want)
+            n += k - reuse
+        elif op < 0.85 and live:  # release some live ranks, then trim
+            freed = rng.sample(live, rng.randrange(1, len(live) + 1))
+            holes.add(np.array(freed, dtype=np.int64))
+            model |= set(freed)
+            new_n = holes.trim(n)
+            while n > 1 and n - 1 in model:
+                n -= 1
+                model.discard(n)
+            assert new_n == n
+        elif op < 0.9:
+            assert holes.below(n) == sorted(model)
+            holes.clear(n)
+            model = set()
+        assert holes.ranks() == model and holes.count == len(model)
+        assert all(r >= holes.lo for r in model)

@@ -110,12 +110,13 @@ def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:
 
 
 def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mamba_value") -> np.ndarray:
-    """-> the slot's id as a host array [1] (checked: T1's trusted moves take it)."""
+    """-> the slot's physical row as a host array [1] (checked: T1's trusted moves take it, with no second
+    translate)."""
     v = int(slot)
-    ids = np.array([v])
-    if not 0 < v < states.capacity or states.translate_host(ids)[0] < 0:  # host table: no launch
+    rows = states.translate_host(np.array([v])) if 0 < v < states.capacity else None  # host table: no launch
+    if rows is None or rows[0] < 0:
         raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
-    return ids
+    return rows
 
 
 def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0,
@@ -128,13 +129,16 @@ def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0
     toks = v.numpy()[lo:hi] if v.is_cpu else v[lo:hi].cpu().numpy()
     first = toks[::ps]
     pages = first // ps
-    # whole pages: the ids equal page*ps + 0..ps-1, compared as bytes (one memcmp, no bool array)
-    if ps > 1 and np.ascontiguousarray(toks).tobytes() != ((pages * ps)[:, None] + tree.offsets).tobytes():
+    # whole pages: the ids equal page*ps + 0..ps-1, compared as bytes (one memcmp, no bool array; a step-1
+    # slice of a 1-D tensor's view is contiguous)
+    if ps > 1 and toks.tobytes() != ((pages * ps)[:, None] + tree.offsets).tobytes():
         raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", toks[:16].tolist())
     lst = pages.tolist()  # a few dozen pages: Python's min, max and set beat numpy's calls
     if lst and (min(lst) < 1 or max(lst) >= tree.kv.capacity):
         raise InvalidArgumentError(arg, f"KV ids of pages in [1, {tree.kv.capacity})", toks[:16].tolist())
-    if lst and (len(set(lst)) != len(lst) or tree.owned[pages].any() or tree.kv.translate_host(first).min() < 0):
+    # np.count_nonzero and Python's min over the list: ndarray.any() and .min() go through Python wrappers
+    if lst and (len(set(lst)) != len(lst) or np.count_nonzero(tree.owned[pages])
+                or min(tree.kv.translate_host(first).tolist()) < 0):
         raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)", toks[:16].tolist())
     return pages
 

@@ -184,12 +184,12 @@ class MambaRule:
         if not isinstance(cow, bool):
             raise InvalidTypeError("cow_mamba", "a bool", cow)
         dst: Any = None
-        dst_id = None  # its id, where checked here: the load then takes the trusted path
+        dst_row = None  # its physical row, where checked here: the load then takes the trusted path
         if cow:
             if req is None or not hasattr(req, "mamba_pool_idx"):
                 raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
             if req.mamba_pool_idx is not None:
-                dst, dst_id = self.req_slot(req)
+                dst, dst_row = self.req_slot(req)
         # Every check is done: what follows may change the tree.
         if host.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
             host.t3.maybe_prefetch(toks.tolist(), salt, req)
@@ -223,8 +223,8 @@ class MambaRule:
         if dev is not best and dev is not root:
             touch("state", dev)
         host.count_hits(path, best)
-        if cow and dev is not root and dst_id is not None:  # both ids checked: no second check in T1
-            self.ckpt.load_rows(np.array([dev.payload.t1_slot]), self.states, self.states.translate_host(dst_id))
+        if cow and dev is not root and dst_row is not None:  # both ids checked: no second check in T1
+            self.ckpt.load_rows(np.array([dev.payload.t1_slot]), self.states, dst_row)
         elif cow and dev is not root:
             self.ckpt.load_to_active(dev.payload.mamba_value, self.states, dst)
         idx = tree.empty if dev_k == 0 else values[0] if dev_k == 1 else torch.cat(values[:dev_k])
@@ -232,8 +232,8 @@ class MambaRule:
         return tree.match_result(idx, dev, best, best_len - dev_len, mamba_host, branching, kv_len)
 
     def req_slot(self, req: Any) -> tuple[torch.Tensor, Optional[np.ndarray]]:
-        """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and its id as a host
-        array where ``validate`` checked it is allocated (else None)."""
+        """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and its physical row as a
+        host array where ``validate`` checked it is allocated (else None)."""
         slot = state_slot(self.states, "req.mamba_pool_idx", req.mamba_pool_idx)
         if self.tree.validate:
             return slot, check_state_allocated(self.states, slot, "req.mamba_pool_idx")
@@ -253,18 +253,22 @@ class MambaRule:
         dev, dev_len, dev_k = root, 0, 0
         best, best_len = root, 0
         on_dev = True
+        kb = toks.tobytes()  # child keys are cut from it (``RadixTree.child_key``, inlined)
+        w = 8 * ps
         while i < end:
-            child = tree.child(node, toks, i, salt)
+            ck = kb[8 * i:8 * i + w]
+            child = node.children.get((salt, ck) if salt is not None and node is root else ck)
             if child is None:
                 break
             v = child.value
             if v is None and child.host_kv is None:
                 break  # dead: matches nothing
-            m = common_len(child.akey, toks, i, end, ps)
+            ak = child.akey
+            n = len(ak)
             path.append(child)
-            if m < len(child.akey):
-                return path, values, i + m, dev, dev_len, dev_k, best, best_len
-            i += m
+            if i + n > end or toks[i:i + n] != ak:  # one compare in C; common_len only where the match ends
+                return path, values, i + common_len(ak, toks, i, end, ps), dev, dev_len, dev_k, best, best_len
+            i += n
             node = child
             if v is None:
                 on_dev = False
@@ -297,7 +301,7 @@ class MambaRule:
         path, end_node, _, pending = tree.probe(toks, salt, aligned, prev)
         # the caller's pages, checked once: duplicates and new leaves use them without another check
         pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
-        sid = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
+        row = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
         if pending:  # the caller computed on KV a load is writing: its ticket is done, or nearly
             self.host.settle("load")
             path, end_node, _, _ = tree.probe(toks, salt, aligned, prev, "the prefix whose load succeeded")
@@ -313,8 +317,8 @@ class MambaRule:
                 return InsertResult(prefix_len=prev, cached_len=prev, last_device_node=None)
             t1, (t1_id,) = got
             try:
-                if sid is not None:  # checked above, and a slot just allocated: the trusted store
-                    self.ckpt.store_rows(self.states, self.states.translate_host(sid), np.array(got[1]))
+                if row is not None:  # checked above, and a slot just allocated: the trusted store
+                    self.ckpt.store_rows(self.states, row, np.array(got[1]))
                 else:
                     self.ckpt.store_from_active(self.states, slot, t1)
             except BaseException:
@@ -341,9 +345,13 @@ class MambaRule:
         node, i, prefix = root, 0, None
         dups: list[tuple[int, int]] = []  # token ranges of value the tree already holds: freed at the end
         split_suffix = None
-        for k, probed in enumerate(path):
-            child, m, lower = tree.insert_step(node, toks, i, aligned, salt, probed, k < len(path) - 1)
-            split_suffix = lower or split_suffix
+        last = len(path) - 1
+        for k, child in enumerate(path):
+            if k < last:  # matched whole by probe: only its recency changes (``insert_step`` without the call)
+                m = len(child.akey)
+                touch("kv", child)
+            else:
+                child, m, split_suffix = tree.insert_step(node, toks, i, aligned, salt, child)
             if child.value is None:  # on the host only (or dead): take the caller's ids for its span
                 prefix = i if prefix is None else prefix
                 tree.reattach(child, value[i:i + m])

@@ -1,19 +1,19 @@
 """``RadixTree``: the nodes of a radix cache, their keys, locks and size counters.
 
-The tree maps token pages to nodes and keeps three things true whatever moves data between tiers:
-every node is filed under the one child key (``child_key``), the size counters match the nodes, and
-each node sits in exactly the eviction candidate sets it belongs to (``sync``). It knows the KV side
-of T0 (a node's ``value``) and nothing of the hybrid kind: what a node needs to resume is its
-payload, and the kind's resume rule (``mamba.MambaRule``, ``swa_rule.SWARule``) answers the few
-questions the tree asks about it (``hooks.KindHooks``). Moving data is the host tier's and the eviction's
-job (``host.py``, ``evict.py``); both change nodes only through the methods here.
+The tree maps token pages to nodes and keeps three things true whatever moves data between tiers: every
+node is filed under the one child key (``child_key``), the size counters match the nodes, and each node sits
+in exactly the eviction candidate sets it belongs to (``sync``). It knows the KV side of T0 (a node's
+``value``) and nothing of the hybrid kind: what a node needs to resume is its payload, and the kind's resume
+rule (``mamba.MambaRule``, ``swa_rule.SWARule``) answers the few questions the tree asks about it
+(``hooks.KindHooks``). Moving data is the host tier's and the eviction's job (``host.py``, ``evict.py``);
+both change nodes only through the methods here.
 
 Locks: ``lock(node)`` adds one to ``full_lock_ref`` of every node from ``node`` to the root and one
 to ``node.mamba_lock_ref``, which protects the node's payload. A tombstone may be locked (the engine
 locks where its prefix ends); a locked tombstone may become a leaf when its children go, and is
-removed when its last lock is released. Otherwise no leaf is a tombstone. Dropping a leaf removes
-it, then any parents it leaves as childless unlocked idle tombstones. Walks take the tokens as a list
-or an int64 ``array`` (compared with the nodes' ``akey`` in C: no Python int made per token).
+removed when its last lock is released. Otherwise no leaf is a tombstone. Dropping a leaf removes it,
+then any parents it leaves as childless unlocked idle tombstones. Walks take the tokens as a list or an
+int64 ``array`` (compared with the nodes' ``akey`` in C, child keys cut from its bytes: no int per token).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix.checks import common_len
-from tiered_cache.radix.frees import Frees
+from tiered_cache.radix.frees import Frees, pages_of
 from tiered_cache.radix.hooks import KindHooks
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import MatchResult
@@ -37,12 +37,11 @@ from tiered_cache.tiers.protocols import KVSide
 
 
 class RadixTree:
-    """Nodes over the KV side ``kv`` of T0, victims ranked by ``policy``. Public state the components
-    read: ``root``, ``page_size``, ``device``, ``policy``, ``stats`` (event counts of the whole cache),
-    ``freed`` (running totals of device units freed, per resource: the eviction reports deltas),
-    ``owned`` (page-level "the tree owns this KV page": refuses inserts of ids it already holds),
-    ``sinks`` (``Frees``' pools) and ``host_on`` (a T2 tier is attached: a device node whose children
-    are on the host only may give up its KV)."""
+    """Nodes over the KV side ``kv`` of T0, victims ranked by ``policy``. Public state the components read:
+    ``root``, ``page_size``, ``device``, ``policy``, ``stats`` (event counts of the whole cache), ``freed``
+    (running totals of device units freed, per resource: the eviction reports deltas), ``owned`` (page-level
+    "the tree owns this KV page": refuses inserts of ids it already holds), ``sinks`` (``Frees``' pools) and
+    ``host_on`` (a T2 tier is attached: a device node whose children are on the host only may give up its KV)."""
 
     def __init__(self, kv: KVSide, policy: Optional[EvictionPolicy], validate: bool) -> None:
         if policy is not None and not isinstance(policy, EvictionPolicy):
@@ -90,21 +89,22 @@ class RadixTree:
         self.full_evictable = self.full_protected = self.state_evictable = self.state_protected = 0
         self.freed = {"kv": 0, "state": 0, "swa": 0}
 
-    def pages_of(self, ids: torch.Tensor) -> np.ndarray:  # whole-page token ids (any device) -> host page ids
-        first = ids.numpy()[::self.page_size] if ids.is_cpu else ids[::self.page_size].cpu().numpy()
-        return first // self.page_size  # on the CPU through a numpy view: a torch slice costs ~5 us
-
-    # ----------------------------------------------------------------------------- keys
-    def child_key(self, toks: Sequence[int], i: int, at_root: bool, salt: Optional[str]) -> Any:
-        """THE key of the child holding ``toks[i:]`` in its parent's ``children``: the first token
-        (page_size 1) or page (a tuple), under ``(salt, ...)`` at the root when a request key is set."""
-        ck = toks[i] if self.page_size == 1 else tuple(toks[i:i + self.page_size])
+    # ----------------------------------------------------------------------------- keys, walks
+    def child_key(self, toks: Any, i: int, at_root: bool, salt: Optional[str]) -> Any:
+        """THE key of the child holding ``toks[i:]`` in its parent's ``children``: its first page's int64 ids as
+        bytes (hashed and compared in C, no Python int per token), under ``(salt, ...)`` at the root when set.
+        ``toks``: a list, an int64 array, or such an array's bytes (``tobytes()``: the page cut, no slice made)."""
+        if type(toks) is bytes:
+            ck = toks[8 * i:8 * (i + self.page_size)]
+        else:
+            page = toks[i:i + self.page_size]
+            ck = (page if type(page) is array else array("q", page)).tobytes()
         return (salt, ck) if at_root and salt is not None else ck
 
     @staticmethod
     def key_salt(ck: Any) -> Optional[str]:
-        """The request key a root child's key was filed under (``child_key``'s inverse; a page is ints)."""
-        return ck[0] if isinstance(ck, tuple) and len(ck) == 2 and isinstance(ck[0], str) else None
+        """The request key a root child's key was filed under (``child_key``'s inverse; a page is bytes)."""
+        return ck[0] if isinstance(ck, tuple) else None
 
     def child(self, node: TreeNode, toks: Sequence[int], i: int, salt: Optional[str]) -> Optional[TreeNode]:
         return node.children.get(self.child_key(toks, i, node is self.root, salt))
@@ -128,25 +128,27 @@ class RadixTree:
 
     def probe(self, toks: list[int], salt: Optional[str], aligned: int, prev: int,
               what: str = "the cached prefix length"):
-        """Read-only insert walk. -> (path, the node ending exactly at ``aligned`` or None, device-matched
-        tokens, whether a load is in flight on the path). Tokens a load is writing count as on the
-        device (the caller got their ids from ``init_load_back``); a node on the host only, or dead,
-        ends the device part: insert gives it the caller's ids. An insert's ``prev_prefix_len`` past
-        that part (``what``) is an error."""
+        """Read-only insert walk. -> (path, the node ending exactly at ``aligned`` or None, device-matched tokens,
+        whether a load is in flight on the path). Tokens a load is writing count as on the device (the caller got
+        their ids from ``init_load_back``); a node on the host only, or dead, ends the device part: insert gives
+        it the caller's ids. An insert's ``prev_prefix_len`` past that part (``what``) is an error."""
         ps, node = self.page_size, self.root
         path, i, dev, on_dev, pending, total = [], 0, 0, True, False, 0
+        kb = toks.tobytes() if type(toks) is array else toks  # child keys are cut from the bytes
         while i < aligned:
-            child = self.child(node, toks, i, salt)
+            child = node.children.get(self.child_key(kb, i, node is self.root, salt))
             if child is None:
                 break
-            m = common_len(child.akey if type(toks) is array else child.key, toks, i, aligned, ps)
+            key = child.akey if kb is not toks else child.key
+            n = len(key)  # a whole node: one compare in C (common_len only where the match ends inside it)
+            m = n if i + n <= aligned and toks[i:i + n] == key else common_len(key, toks, i, aligned, ps)
             path.append(child)
             pending = pending or child.value_pending is not None
             on_dev = on_dev and (child.value is not None or child.value_pending is not None)
             i += m
-            total += len(child.akey)
+            total += n
             dev = i if on_dev else dev
-            if m < len(child.akey):
+            if m < n:
                 break
             node = child
         end = path[-1] if path and i == aligned == total else None
@@ -167,20 +169,20 @@ class RadixTree:
                            **kw)
 
     def insert_step(self, node: TreeNode, toks: list[int], i: int, end: int, salt: Optional[str],
-                    child: Optional[TreeNode] = None, whole: bool = False):
-        """One step of an insert walk: the child of ``node`` holding ``toks[i:end]`` (``child``: that child,
-        found by ``probe``; ``whole``: matched in full), split where the match ends inside it, its KV
-        recency refreshed. -> (child, tokens matched, the lower half of a split or None), or None: no child."""
+                    child: Optional[TreeNode] = None):
+        """One step of an insert walk: the child of ``node`` holding ``toks[i:end]`` (``child``: that child, found
+        by ``probe``), split where the match ends inside it, its KV recency refreshed. -> (child, tokens
+        matched, the lower half of a split or None), or None: no child."""
         child = self.child(node, toks, i, salt) if child is None else child
         if child is None:
             return None
         key = child.akey if type(toks) is array else child.key
-        m = len(key) if whole else common_len(key, toks, i, end, self.page_size)
+        m = common_len(key, toks, i, end, self.page_size)
         lower, child = (child, self.split(child, m)) if m < len(key) else (None, child)
         self.policy.touch("kv", child)
         return child, m, lower
 
-    # ----------------------------------------------------------------------------- checks
+    # ----------------------------------------------------------------------- checks, structure
     def check_node(self, node: Any, arg: str = "node") -> None:
         if not isinstance(node, TreeNode):
             raise InvalidTypeError(arg, "a TreeNode of this cache", type(node).__name__)
@@ -193,7 +195,6 @@ class RadixTree:
         if node is not self.root and node.mamba_lock_ref <= 0:
             raise InvalidArgumentError(arg, "a node locked by inc_lock_ref", node)
 
-    # ----------------------------------------------------------------------------- structure
     def link(self, parent: TreeNode, key: Any, value: Optional[torch.Tensor], salt: Optional[str]) -> TreeNode:
         """A new node under ``parent`` (nothing counted, listed or touched yet); ``key`` a list or an array."""
         akey = key if type(key) is array else None  # an array key: no list made (``TreeNode.key``)
@@ -204,10 +205,10 @@ class RadixTree:
 
     def new_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, salt: Optional[str],
                  fill: Any = None, pages: Optional[np.ndarray] = None) -> TreeNode:
-        """A device leaf taking a copy of the caller's ids ``value`` (``pages``: theirs, if checked);
-        ``fill(leaf)`` gives it its payload."""
+        """A device leaf taking a copy of the caller's ids ``value`` (``pages``: theirs, if checked); ``fill(leaf)``
+        gives it its payload."""
         leaf = self.link(parent, key, value.clone(), salt)
-        self.owned[self.pages_of(value) if pages is None else pages] = True
+        self.owned[pages_of(value, self.page_size) if pages is None else pages] = True
         self.full_evictable += len(key)
         self.policy.touch("kv", leaf)
         if fill is not None:
@@ -218,7 +219,7 @@ class RadixTree:
 
     def own(self, x: TreeNode) -> None:
         """``x.value`` was just set (a reattach or a finished load): the tree owns and counts its pages."""
-        self.owned[self.pages_of(x.value)] = True  # type: ignore[arg-type]  # just set: a tensor
+        self.owned[pages_of(x.value, self.page_size)] = True  # type: ignore[arg-type]  # just set: a tensor
         if x.full_lock_ref:
             self.full_protected += len(x.akey)
         else:
@@ -232,8 +233,8 @@ class RadixTree:
         self.sync(x.parent)
 
     def split(self, child: TreeNode, m: int) -> TreeNode:
-        """child -> new (key[:m]) -> child (key[m:]); returns new. Sizes do not change. Host pages (one
-        per page), data in flight and the payload (``payload.split``) are partitioned at the same page."""
+        """child -> new (key[:m]) -> child (key[m:]); returns new. Sizes do not change. Host pages (one per page),
+        data in flight and the payload (``payload.split``) are partitioned at the same page."""
         parent, k = child.parent, m // self.page_size
         new = TreeNode(self.token, parent, None, None if child.value is None else child.value[:m].clone(),
                        child.payload.split(m, k), child.akey[:m])
@@ -262,7 +263,7 @@ class RadixTree:
         self.sync(child)
         return new
 
-    # ----------------------------------------------------------------------------- locks
+    # ----------------------------------------------------------------------- locks, candidates
     def lock(self, node: TreeNode) -> int:
         """-> the change of ``full_evictable`` (<= 0)."""
         if node is self.root:
@@ -313,11 +314,10 @@ class RadixTree:
         f.flush()
         return delta
 
-    # ----------------------------------------------------------------------------- candidates
     def sync(self, x: TreeNode) -> None:
-        """Put ``x`` in exactly the candidate sets it belongs to now, from the node alone (and its
-        children): every path that changes a node calls it instead of keeping add/discard pairs in
-        step by hand. A node with a transfer in flight is never a candidate."""
+        """Put ``x`` in exactly the candidate sets it belongs to now, from the node alone (and its children):
+        every path that changes a node calls it instead of keeping add/discard pairs in step by hand. A node
+        with a transfer in flight is never a candidate."""
         if x is self.root or not x.alive:
             return
         pol = self.policy
@@ -372,9 +372,9 @@ class RadixTree:
 
     def evict_each(self, resource: str, num: int, one: Callable[[TreeNode, Frees], int],
                    settle: Optional[Callable[[], bool]] = None) -> int:
-        """Pop victims of ``resource`` (LRU first) and hand each to ``one``, which frees into a shared
-        ``Frees`` and returns how much it freed, until ``num``. No victim left: ``settle()`` (backups in
-        flight hold candidates: they finish) says whether to look again. -> the amount freed."""
+        """Pop victims of ``resource`` (LRU first) and hand each to ``one``, which frees into a shared ``Frees``
+        and returns how much it freed, until ``num``. No victim left: ``settle()`` (backups in flight hold
+        candidates: they finish) says whether to look again. -> the amount freed."""
         f = Frees(self)
         got = 0
         while got < num:

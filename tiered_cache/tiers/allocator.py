@@ -23,7 +23,6 @@ speak token ids (``page * page_size + offset``), as a serving engine's token-to-
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -39,6 +38,7 @@ from tiered_cache.errors import (
     SlotBusyError,
     SlotStateError,
 )
+from tiered_cache.tiers.holes import HoleMap
 from tiered_cache.tiers.page_table import PageTable
 from tiered_cache.tiers.slots import BusyMarks
 from tiered_cache.validate import bool_arg, choice_arg, int_arg, int_list, is_int, str_arg
@@ -141,8 +141,7 @@ class MultiEndedAllocator(BusyMarks):
         self._n = 1  # band size in ranks, sink included
         self._live = 0
         self._free_vids: list[int] = list(range(self.capacity - 1, 0, -1))  # pop() gives 1, 2, ...
-        self._holes: list[int] = []  # min-heap of hole ranks (may hold stale entries)
-        self._hole_set: set[int] = set()
+        self._holes = HoleMap(self.capacity)  # free ranks inside the band (lazy compaction)
         if getattr(self, "_busy", None):
             raise SlotBusyError(f"side {self.name!r}: cannot clear with transfers in flight")
 
@@ -170,13 +169,13 @@ class MultiEndedAllocator(BusyMarks):
 
     def available_size(self) -> int:
         """Tokens (slots when ``page_size`` is 1) ``alloc`` can return without moving the peer."""
-        slots = len(self._hole_set) + max(0, self._max_ranks() - self._n)
+        slots = self._holes.count + max(0, self._max_ranks() - self._n)
         return min(slots, len(self._free_vids)) * self.page_size
 
     def schedulable_available_size(self) -> int:
         """Tokens ``alloc`` can return now, counting peer holes that compaction would release."""
         peer_bytes = None if self.peer is None else self.peer.live_band_bytes()
-        slots = len(self._hole_set) + max(0, self._max_ranks(peer_bytes) - self._n)
+        slots = self._holes.count + max(0, self._max_ranks(peer_bytes) - self._n)
         return min(slots, len(self._free_vids)) * self.page_size
 
     @property
@@ -185,7 +184,11 @@ class MultiEndedAllocator(BusyMarks):
 
     @property
     def num_holes(self) -> int:
-        return len(self._hole_set)
+        return self._holes.count
+
+    def hole_ranks(self) -> list[int]:
+        """The band's holes, ascending (tests compare allocators by them)."""
+        return sorted(self._holes.ranks())
 
     def live_virtual_ids(self) -> list[int]:
         return sorted(int(v) for v in np.nonzero(self._v2p >= 0)[0] if v != 0)
@@ -213,22 +216,16 @@ class MultiEndedAllocator(BusyMarks):
         k = int(n) // self.page_size
         if k > len(self._free_vids):
             return None
-        reuse = min(k, len(self._hole_set))
+        reuse = min(k, self._holes.count)
         grow = k - reuse
         if self._n + grow > self._max_ranks():
             if self.peer is None or self._n + grow > self._max_ranks(self.peer.live_band_bytes()):
                 return None
             self.peer.compact()  # the peer's holes are exactly the bytes we need
-        ranks: list[int] = []
-        while len(ranks) < reuse:
-            r = heapq.heappop(self._holes)
-            if r in self._hole_set:
-                self._hole_set.discard(r)
-                ranks.append(r)
-        ranks.extend(range(self._n, self._n + grow))
+        ranks = np.concatenate((self._holes.take_lowest(reuse), np.arange(self._n, self._n + grow)))
         self._n += grow
         vids = [self._free_vids.pop() for _ in range(k)]
-        rows = [self._row(r) for r in ranks]
+        rows = self._row(ranks)
         self._v2p[vids] = rows
         self._p2v[rows] = vids
         self._live += k
@@ -259,9 +256,7 @@ class MultiEndedAllocator(BusyMarks):
         self._live -= len(vids)
         self._free_vids.extend(reversed(vids))
         self.pages.mark_dirty(vids)
-        ranks = (rows if self.grows == "up" else self.capacity - 1 - rows).tolist()
-        self._hole_set.update(ranks)
-        list(map(heapq.heappush, [self._holes] * len(ranks), ranks))  # one push each, the loop in C
+        self._holes.add(self._row(rows))  # rank <-> row is its own inverse
         if self.lazy:
             self._trim()
         else:
@@ -276,7 +271,7 @@ class MultiEndedAllocator(BusyMarks):
         if self._n == new_n:
             self._clear_holes()
             return 0
-        targets = sorted(r for r in self._hole_set if r < new_n)
+        targets = self._holes.below(new_n)
         top_rows = self._row(np.arange(new_n, self._n))
         sources = [int(r) for r in top_rows[self._p2v[top_rows] >= 0]]
         dst_rows = [self._row(r) for r in targets]
@@ -293,8 +288,8 @@ class MultiEndedAllocator(BusyMarks):
             self._v2p[moved_vids] = dst_rows
             self.pages.mark_dirty(moved_vids.tolist())
             self.num_moves += len(sources)
-        self._n = new_n
         self._clear_holes()
+        self._n = new_n
         return len(sources)
 
     def physical_rows(self, vids: Sequence[int], arg: str = "vids") -> list[int]:
@@ -340,8 +335,10 @@ class MultiEndedAllocator(BusyMarks):
         ranks = self._row(live_rows)
         assert ranks.max() < self._n, "a live slot lies outside the band"
         band_holes = set(range(1, self._n)) - set(ranks.tolist())
-        assert band_holes == self._hole_set, "hole set disagrees with the table"
-        assert self.lazy or not self._hole_set, "eager side has holes"
+        assert band_holes == self._holes.ranks(), "hole map disagrees with the table"
+        assert self._holes.count == len(band_holes), "hole count disagrees with the map"
+        assert min(band_holes, default=self.capacity) >= self._holes.lo, "a hole lies below the map's bound"
+        assert self.lazy or not band_holes, "eager side has holes"
         assert self._n == 1 or (self._row(self._n - 1) in set(live_rows.tolist())), "band not trimmed"
         free = set(self._free_vids)
         assert len(free) == len(self._free_vids), "a virtual id is free twice"
@@ -389,11 +386,7 @@ class MultiEndedAllocator(BusyMarks):
         return out
 
     def _trim(self) -> None:
-        while self._n > 1 and (self._n - 1) in self._hole_set:
-            self._n -= 1
-            self._hole_set.discard(self._n)
-        # stale heap entries above the frontier are skipped when popped
+        self._n = self._holes.trim(self._n)
 
     def _clear_holes(self) -> None:
-        self._holes.clear()
-        self._hole_set.clear()
+        self._holes.clear(self._n)  # every hole lies below the frontier
