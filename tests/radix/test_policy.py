@@ -215,6 +215,30 @@ def test_marconi_alpha_weights_flop_efficiency():
         assert _first_state_victim(cache) == want
 
 
+def test_ours_keeps_a_shared_prefix_with_one_child_left():
+    """A one-child node resumed by one request (a conversation's earlier turn: its next turn moved on to
+    the child) goes first; one resumed by several (a shared system prompt whose other sessions were
+    evicted) is a shared prefix still: it is ranked by its saving per byte, not taken as passed."""
+    from tiered_cache.radix.policies import GhostCache
+
+    g = GhostCache(TieredPolicy(_costs()), kv_tokens=1000, states=100)
+    system = [1, 2, 3, 4, 5, 6, 7, 8]
+    for tail in ([9], [10], [11], [12]):  # the split at [10] puts a state on the system prompt; 2 hits after
+        g.request(system + tail)
+    for seq in ([50, 51], [50, 51, 52]):  # a conversation: its first turn is resumed once, then passed
+        g.request(seq)
+    shared = g.root.children[1]
+    for leaf in list(shared.children.values())[:3]:
+        g._drop(leaf)
+    turn = g.root.children[50]
+    assert len(shared.children) == len(turn.children) == 1 and shared.hit_count == 2 and turn.hit_count == 1
+    pol = g.policy
+    cands = list(pol.candidates("state"))
+    assert pol.choose("state", cands) is turn
+    rest = [x for x in cands if x is not turn]
+    assert pol.choose("state", rest) is not shared and pol.priority("state", shared, 10 ** 6) > 0
+
+
 def test_recency_power_weighs_age_against_cost():
     """Two leaves of the same hits: the old one costs more per byte. At power 1 its cost keeps it and
     the recent cheap one goes; at a high power age wins and the old one goes."""
