@@ -167,6 +167,31 @@ def test_store_flags_non_finite_states_in_every_formulation(poison, formulation,
     assert torch.equal(q[:, good], q_ref[:, good]) and torch.equal(bits(s[:, good]), bits(s_ref[:, good]))
 
 
+def test_a_store_writes_its_mark_into_int64_flags(poison, formulation):
+    """``finite`` int64 with a ``mark`` (``FiniteFlags``' scheme): the non-finite slot's flag becomes the mark,
+    every other keeps its older value, kernel and twin alike, for the quantize store and the row copy."""
+    src = rand_states(state_shape(2, 5, 2, 16, 32, 1), torch.float32, seed=4, k_axis=-1)
+    src[0, 2, 1, 3, 5] = float("nan")
+    rows, slots = torch.tensor([2, 0, 4]), torch.tensor([3, 5, 1])
+    q, s = poisoned_codes(poison, 2, 8, 2, 16, 32, torch.float32)
+    older = torch.arange(8, dtype=torch.int64) * 100 + 1  # the marks of older non-finite stores
+    fin, fin_ref = older.clone(), older.clone()
+    quant.quantize_store(src, rows, q, s, slots, backend="triton", finite=fin, mark=4242)
+    quantize_store_reference(src, rows, q.clone(), s.clone(), slots, finite=fin_ref, mark=4242)
+    want = older.clone()
+    want[3] = 4242
+    assert torch.equal(fin, want) and torch.equal(fin_ref, want)
+    conv = torch.randn(2, 5, 6, 3, generator=torch.Generator().manual_seed(1))
+    conv[1, 4, 2, 0] = float("inf")
+    dst, dst_ref = poison((2, 8, 6, 3)), poison((2, 8, 6, 3))
+    fin, fin_ref = older.clone(), older.clone()
+    quant.copy_rows(conv, rows, dst, slots, backend="triton", finite=fin, mark=77)
+    copy_rows_reference(conv, rows, dst_ref, slots, finite=fin_ref, mark=77)
+    want = older.clone()
+    want[1] = 77
+    assert torch.equal(fin, want) and torch.equal(fin_ref, want) and torch.equal(bits(dst), bits(dst_ref))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("value_axis", [1, 2])
 @pytest.mark.parametrize("bad", [None, "temporal", "conv"])

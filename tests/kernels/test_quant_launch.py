@@ -88,6 +88,17 @@ def test_bound_binds_once_per_class_and_passes_the_arguments_in_signature_order(
     assert len({e[1] for e in k.log}) == 4  # four specialization classes, each launch under its own
 
 
+def test_a_plain_varying_int_keeps_its_class(compiled_mode):
+    """``plain``: an int the kernel does not specialize on (a per-call mark) never splits the class."""
+    k = FakeKernel(accept={5})
+    ids = torch.zeros(8, dtype=torch.int64)
+    b = launch.Bound(k, [None, None, 0], dict(BLOCK=8), ("a_ptr", "N", "x"), plain=("x",))
+    for mark in (1, 2, 16, 17):
+        b((3,), ids[:3], 3, mark)
+    assert [e[0] for e in k.log] == ["ordinary", "fast", "fast", "fast"]
+    assert [e[4][2] for e in k.log[1:]] == [2, 16, 17]
+
+
 def test_bound_takes_the_list_without_constexprs_where_the_launcher_wants_it(compiled_mode):
     k = FakeKernel(accept={3})  # a Triton that does not pass constexprs to its launcher
     ids = torch.zeros(8, dtype=torch.int64)

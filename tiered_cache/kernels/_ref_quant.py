@@ -13,9 +13,10 @@ below fp16's smallest subnormal), and ``x / 0`` is NaN. The rounded scale is the
 dtype's smallest positive value (``MIN_SCALE``: fp16 ``2**-24``; fp32 and bf16 never reach it because
 of the ``1e-8`` clamp, so their math is untouched). With that scale ``|x / scale| < 127`` still holds.
 
-Finiteness flags (``finite``, optional, uint8 ``[slots]``): a store clears ``finite[dst]`` to 0 when any value
-it reads for that destination is NaN or +-inf, and never sets it (the caller sets the flags of a store's
-slots to 1 first). A NaN would spread through its int8 scale group, so such a state must never be served.
+Finiteness flags (``finite``, optional, integers ``[slots]``): a store sets ``finite[dst]`` to ``mark`` (0 by
+default) when any value it reads for that destination is NaN or +-inf, and leaves it otherwise (the caller
+sets the flags of a store's slots to 1 first, or gives each store its own ``mark``: ``FiniteFlags``). A NaN
+would spread through its int8 scale group, so such a state must never be served.
 
 Canonical layout: ``[..., d_v, d_k]`` (value axis second to last). Stores take sources ``[L, R, H, a, b]``
 with ``value_axis`` 1 (``a`` is d_v) or 2 (``b`` is d_v) and write ``qdata [L, S, H, d_v, d_k]``.
@@ -76,21 +77,22 @@ def _canonical(t: torch.Tensor, value_axis: int) -> torch.Tensor:
     return t.transpose(3, 4) if value_axis == 2 else t
 
 
-def _clear_nonfinite(finite: torch.Tensor, dst: torch.Tensor, values: torch.Tensor) -> None:
-    """``finite[dst[i]] &= all(isfinite(values[:, i]))`` for ``values [L, n, ...]``, on the device (no sync)."""
+def _clear_nonfinite(finite: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, mark: int = 0) -> None:
+    """``finite[dst[i]] = mark`` unless ``all(isfinite(values[:, i]))``, for ``values [L, n, ...]``, on the
+    device (no sync)."""
     if values.dtype not in FLAG_DTYPES:
         return
     ok = torch.isfinite(values).transpose(0, 1).reshape(values.shape[1], -1).all(dim=1)
-    finite[dst] = finite[dst] & ok.to(finite.dtype)
+    finite[dst] = torch.where(ok, finite[dst], torch.full_like(finite[dst], mark))
 
 
 def quantize_store_reference(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor,
                              scale: torch.Tensor, dst_slots: torch.Tensor, value_axis: int = 1,
-                             finite: Optional[torch.Tensor] = None) -> None:
+                             finite: Optional[torch.Tensor] = None, mark: int = 0) -> None:
     """Twin of ``quant.quantize_store``: quantize ``src[:, src_rows]`` into ``qdata/scale[:, dst_slots]``.
 
     ``src [L, R, H, a, b]``, ``qdata [L, S, H, d_v, d_k]`` int8, ``scale [L, S, H, 1, d_k]`` (src dtype);
-    ``finite [S]`` uint8: cleared for a slot whose state holds a NaN or an inf (see the module docstring).
+    ``finite [S]``: set to ``mark`` for a slot whose state holds a NaN or an inf (see the module docstring).
     """
     state = _canonical(src, value_axis)[:, src_rows.long()]
     q, s = quantize_reference(state)
@@ -98,7 +100,7 @@ def quantize_store_reference(src: torch.Tensor, src_rows: torch.Tensor, qdata: t
     qdata[:, slots] = q
     scale[:, slots] = s
     if finite is not None:
-        _clear_nonfinite(finite, slots, state)
+        _clear_nonfinite(finite, slots, state, mark)
 
 
 def dequantize_load_reference(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor,
@@ -110,10 +112,10 @@ def dequantize_load_reference(qdata: torch.Tensor, scale: torch.Tensor, src_slot
 
 
 def copy_rows_reference(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
-                        dst_rows: torch.Tensor, finite: Optional[torch.Tensor] = None) -> None:
+                        dst_rows: torch.Tensor, finite: Optional[torch.Tensor] = None, mark: int = 0) -> None:
     """Twin of ``quant.copy_rows``: ``dst[:, dst_rows] = src[:, src_rows]`` for ``[L, rows, ...]`` tensors;
-    ``finite [dst rows]`` uint8 is cleared for a destination row that received a NaN or an inf."""
+    ``finite [dst rows]`` is set to ``mark`` for a destination row that received a NaN or an inf."""
     vals = src[:, src_rows.long()]
     dst[:, dst_rows.long()] = vals
     if finite is not None:
-        _clear_nonfinite(finite, dst_rows.long(), vals)
+        _clear_nonfinite(finite, dst_rows.long(), vals, mark)

@@ -91,12 +91,16 @@ class Bound:
     varying arguments (named in ``vary``, in that order) set to ``values`` on the current stream.
 
     ``args``: the positional arguments (any value at the varying positions: it is never used);
-    ``meta``: keyword arguments, constexprs and launch options (``num_warps``) alike."""
+    ``meta``: keyword arguments, constexprs and launch options (``num_warps``) alike; ``plain``: the varying
+    ints the kernel declares ``do_not_specialize`` (a per-call counter would otherwise split into classes)."""
 
-    def __init__(self, kernel: Any, args: Sequence[Any], meta: dict[str, Any], vary: Sequence[str]) -> None:
+    def __init__(self, kernel: Any, args: Sequence[Any], meta: dict[str, Any], vary: Sequence[str],
+                 plain: Sequence[str] = ()) -> None:
         self.kernel, self.args, self.meta = kernel, list(args), dict(meta)
         self.names = _param_names(kernel)
         self.vary = tuple(self.names.index(v) for v in vary)
+        # varying ints the kernel does not specialize on (``do_not_specialize``): their class is their range
+        self.plain = tuple(v in plain for v in vary)
         self._classes: dict[tuple, Any] = {}
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self._off = interpret or not hasattr(kernel, "warmup")  # no compiled kernel to bind
@@ -116,11 +120,14 @@ class Bound:
             return
         vals: list[Any] = []
         cls: list[tuple] = []
-        for v in values:  # the launcher's values and their classes (``_spec_class``) in one pass
+        for v, plain in zip(values, self.plain):  # the launcher's values and their classes (``_spec_class``)
             if isinstance(v, torch.Tensor):
                 p = v.data_ptr()
                 vals.append(p)
                 cls.append((v.dtype, p % 16 == 0))
+            elif plain:
+                vals.append(v)
+                cls.append(-2**31 <= v < 2**31)
             else:
                 vals.append(v)
                 cls.append((v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63))

@@ -78,7 +78,13 @@ def _round_to_dtype(x, KIND: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+def _mark(MARK, fin_ptr):
+    """The value a non-finite store writes into its slot's flag: ``MARK`` in the flags' dtype."""
+    return (tl.zeros((), dtype=tl.int64) + MARK).to(fin_ptr.dtype.element_ty)
+
+
+@triton.jit(do_not_specialize=["MARK"])
+def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
                            s_l, s_r, s_h, s_v, s_k,
                            q_l, q_s, q_h, q_v, q_k,
                            c_l, c_s, c_h, c_k,
@@ -107,7 +113,7 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
         # x - x is 0 for every finite x and NaN for NaN and +-inf: the tile is already in registers,
         # so the check costs one subtract and a reduction. Programs of one slot only ever write 0.
         bad = tl.max(tl.max(((x - x) != 0.0).to(tl.int32), axis=1), axis=0)
-        tl.store(fin_ptr + slot, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
+        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=bad > 0)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
     scale = _round_to_dtype(tl.math.div_rn(amax, 127.0), KIND)
     if MIN_SCALE > 0.0:
@@ -142,8 +148,8 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-@triton.jit
-def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+@triton.jit(do_not_specialize=["MARK"])
+def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
                                   s_l, s_r, s_h, s_v, s_k,
                                   q_l, q_s, q_h, q_v, q_k,
                                   c_l, c_s, c_h, c_k,
@@ -155,7 +161,7 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
     serves. Few registers per element, so many programs per SM keep many bytes in flight: the one-pass
     kernel holds its whole tile in registers and, with 2-byte states, half the bytes per SM. The math is
     the one-pass kernel's, step for step: the codes are bit-identical. Non-finite inputs show as a NaN
-    or inf amax of their column (NaN-keeping max), which clears the slot's flag."""
+    or inf amax of their column (NaN-keeping max), which marks the slot's flag."""
     pid = tl.program_id(0).to(tl.int64)
     h = pid % H
     n = (pid // H) % N
@@ -177,7 +183,7 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
         amax = _max_nan(amax, tl.reduce(tl.abs(x), 0, _max_nan))
     if FLAG:
         bad = tl.max(((amax - amax) != 0.0).to(tl.int32), axis=0)  # NaN or inf in some column
-        tl.store(fin_ptr + slot, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
+        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=bad > 0)
     amax = tl.maximum(amax, 1e-8)
     scale = _round_to_dtype(tl.math.div_rn(amax, 127.0), KIND)
     if MIN_SCALE > 0.0:
@@ -242,21 +248,21 @@ def _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_
         tl.store(dst, out, mask=mask)
 
 
-@triton.jit
-def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, fin_ptr, N, C, s_l, s_r, d_l, d_r, CB,
+@triton.jit(do_not_specialize=["MARK"])
+def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, fin_ptr, MARK, N, C, s_l, s_r, d_l, d_r, CB,
                       BLOCK: tl.constexpr, EXP_MASK: tl.constexpr):
     """``copy_rows``: program (layer * N + n, blk) copies one ``BLOCK`` of one (layer, row), the body the
     conv-window copy of a store or load launch shares (``_conv_rows``)."""
     _conv_rows(tl.program_id(0).to(tl.int64) * CB + tl.program_id(1), rows_ptr, slots_ptr, src_ptr, dst_ptr, fin_ptr,
-               N, C, s_l, s_r, d_l, d_r, CB, BLOCK, EXP_MASK)
+               MARK, N, C, s_l, s_r, d_l, d_r, CB, BLOCK, EXP_MASK)
 
 
 @triton.jit
-def _conv_rows(p, src_ids_ptr, dst_ids_ptr, src_ptr, dst_ptr, fin_ptr, N, C, s_l, s_r, d_l, d_r, CB,
+def _conv_rows(p, src_ids_ptr, dst_ids_ptr, src_ptr, dst_ptr, fin_ptr, MARK, N, C, s_l, s_r, d_l, d_r, CB,
                BLOCK: tl.constexpr, EXP_MASK: tl.constexpr):
     """Block ``p`` of a row copy (``copy_rows``, and the conv-window copy that rides along a store or load
     launch), one ``BLOCK`` of one (layer, state) row per program: ``dst[layer, dst_ids[n]] = src[layer,
-    src_ids[n]]``, bits; with ``EXP_MASK`` a NaN / inf clears ``fin[dst_ids[n]]``."""
+    src_ids[n]]``, bits; with ``EXP_MASK`` a NaN / inf sets ``fin[dst_ids[n]]`` to ``MARK``."""
     p = p.to(tl.int64)
     blk = p % CB
     n = (p // CB) % N
@@ -269,11 +275,11 @@ def _conv_rows(p, src_ids_ptr, dst_ids_ptr, src_ptr, dst_ptr, fin_ptr, N, C, s_l
     tl.store(dst_ptr + layer * d_l + dst_id * d_r + offs, vals, mask=mask)
     if EXP_MASK != 0:
         bad = tl.max(((vals & EXP_MASK) == EXP_MASK).to(tl.int32), axis=0)
-        tl.store(fin_ptr + dst_id, tl.zeros((), dtype=tl.uint8), mask=bad > 0)
+        tl.store(fin_ptr + dst_id, _mark(MARK, fin_ptr), mask=bad > 0)
 
 
-@triton.jit
-def _store_with_conv_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+@triton.jit(do_not_specialize=["MARK"])
+def _store_with_conv_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
                             s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
                             cv_src, cv_dst, C, cv_sl, cv_sr, cv_dl, cv_dr, CB, QP,
                             BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
@@ -284,15 +290,15 @@ def _store_with_conv_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr,
     window. One launch instead of two: each costs tens of microseconds of host time."""
     if tl.program_id(0) < QP:
         if STREAM:
-            _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+            _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
                                           s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
                                           BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG)
         else:
-            _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, N, H, D_V, D_K,
+            _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
                                    s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
                                    BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG)
     elif tl.program_id(1) == 0:
-        _conv_rows(tl.program_id(0) - QP, rows_ptr, slots_ptr, cv_src, cv_dst, fin_ptr, N, C, cv_sl, cv_sr,
+        _conv_rows(tl.program_id(0) - QP, rows_ptr, slots_ptr, cv_src, cv_dst, fin_ptr, MARK, N, C, cv_sl, cv_sr,
                    cv_dl, cv_dr, CB, CONV_BLOCK, CONV_MASK)
 
 
@@ -308,7 +314,7 @@ def _load_with_conv_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_V
                                 q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k, d_l, d_r, d_h, d_v, d_k,
                                 BLOCK_V, BLOCK_K, KIND, EVEN)
     elif tl.program_id(1) == 0:
-        _conv_rows(tl.program_id(0) - QP, slots_ptr, rows_ptr, cv_src, cv_dst, dst_ptr, N, C, cv_sl, cv_sr,
+        _conv_rows(tl.program_id(0) - QP, slots_ptr, rows_ptr, cv_src, cv_dst, dst_ptr, 0, N, C, cv_sl, cv_sr,
                    cv_dl, cv_dr, CB, CONV_BLOCK, 0)
 
 
@@ -377,13 +383,17 @@ def _check_codes(state: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) 
 
 
 def _check_flags(finite: object, rows: int, device: torch.device) -> None:
-    """``finite``: None, or a 1-D uint8 tensor on ``device`` with one flag per destination row."""
+    """``finite``: None, or a 1-D uint8 or int64 tensor on ``device`` (or, on a GPU, in page-locked host memory)
+    with one flag per destination row."""
     if finite is None:
         return
-    if not isinstance(finite, torch.Tensor) or finite.dim() != 1 or finite.dtype != torch.uint8:
-        raise InvalidTypeError("finite", "a 1-D uint8 tensor of flags", getattr(finite, "dtype", type(finite).__name__))
-    if finite.device != device or finite.numel() < rows or finite.stride(0) != 1:
-        raise InvalidArgumentError("finite", f"a contiguous tensor of >= {rows} flags on {device}",
+    if not isinstance(finite, torch.Tensor) or finite.dim() != 1 or finite.dtype not in (torch.uint8, torch.int64):
+        raise InvalidTypeError("finite", "a 1-D uint8 or int64 tensor of flags",
+                               getattr(finite, "dtype", type(finite).__name__))
+    # on a GPU, flags in page-locked host memory too: the kernels write them through its mapping
+    where = finite.device == device or (device.type == "cuda" and finite.is_pinned())
+    if not where or finite.numel() < rows or finite.stride(0) != 1:
+        raise InvalidArgumentError("finite", f"a contiguous tensor of >= {rows} flags on {device} or pinned",
                                    (finite.numel(), finite.device))
 
 
@@ -476,15 +486,15 @@ def _even(d_v: int, d_k: int, block_v: int, block_k: int) -> bool:
 
 def quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                    dst_slots: torch.Tensor, value_axis: int = 1, *, backend: str = "auto",
-                   check_ids: bool = True, finite: Optional[torch.Tensor] = None) -> None:
+                   check_ids: bool = True, finite: Optional[torch.Tensor] = None, mark: int = 0) -> None:
     """Quantize states ``src[:, src_rows[i]]`` into ``qdata/scale[:, dst_slots[i]]``, all layers, one launch.
 
     ``check_ids`` reads the ids back to range-check them (a sync on CUDA); callers that checked
-    them already pass ``False``. ``finite`` (uint8 ``[S]``): ``finite[dst_slots[i]]`` is set to 0 when
-    state ``i`` holds a NaN or an inf, and left as it is otherwise (see ``_ref_quant``).
+    them already pass ``False``. ``finite`` (integers ``[S]``): ``finite[dst_slots[i]]`` is set to ``mark``
+    when state ``i`` holds a NaN or an inf, and left as it is otherwise (see ``_ref_quant``).
     """
     state = validate_quantize_store(src, src_rows, qdata, scale, dst_slots, value_axis, check_ids, finite)
-    StorePlan(src, state, qdata, scale, value_axis, backend, finite)(src_rows, dst_slots)
+    StorePlan(src, state, qdata, scale, value_axis, backend, finite)(src_rows, dst_slots, mark)
 
 
 def _conv_args(src: torch.Tensor, dst: torch.Tensor) -> tuple[list, int, int]:
@@ -499,12 +509,24 @@ def _conv_args(src: torch.Tensor, dst: torch.Tensor) -> tuple[list, int, int]:
     return [sv, dv_, c, sv.stride(0), sv.stride(1), dv_.stride(0), dv_.stride(1), cb], block, sv.shape[0] * cb
 
 
+def _device_flags(finite: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """The flags where the torch twins can index them: host flags of a GPU pool are copied over (the torch
+    backend on a GPU, never the engine's path: the round trip waits for the stream)."""
+    return finite if finite is None or finite.device == device else finite.to(device)
+
+
+def _flags_back(finite: Optional[torch.Tensor], used: Optional[torch.Tensor]) -> None:
+    if finite is not None and used is not None and used is not finite:
+        finite.copy_(used)
+
+
 class StorePlan:
     """``quantize_store`` bound to its tensors, checked by ``validate_quantize_store`` (``state``: what it
-    returned), for callers that validated a layout once: ``plan(src_rows, dst_slots)`` (id tensors on the
-    device, checked by the caller) is one launch with nothing checked again, and its host work is the
+    returned), for callers that validated a layout once: ``plan(src_rows, dst_slots, mark)`` (id tensors on
+    the device, checked by the caller) is one launch with nothing checked again, and its host work is the
     launch alone (``launch.Bound``). ``conv``: ``(src, dst)`` of a conv window checked by
-    ``validate_copy_rows`` for the same ids, copied (and flagged) by the same launch."""
+    ``validate_copy_rows`` for the same ids, copied (and flagged) by the same launch. ``finite`` may be
+    page-locked host memory on a GPU (``FiniteFlags``): the kernels write it through its mapping."""
 
     def __init__(self, src: torch.Tensor, state: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                  value_axis: int, backend: str, finite: Optional[torch.Tensor],
@@ -526,8 +548,8 @@ class StorePlan:
             block_v, block_k = _tile(dv, dk, src.device, _STORE_TILE)
             warps, even = _STORE_WARPS, _even(dv, dk, block_v, block_k)
         fin = qdata if finite is None else finite
-        # rows, slots and N (and QP) vary per call: placeholders here (0)
-        args = [state, 0, qdata, scale, 0, fin, 0, H, dv, dk, *state.stride(), *qdata.stride(),
+        # rows, slots, the mark and N (and QP) vary per call: placeholders here (0)
+        args = [state, 0, qdata, scale, 0, fin, 0, 0, H, dv, dk, *state.stride(), *qdata.stride(),
                 scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4)]
         self.per_state, self.kb, self.conv_per_state = L * H, triton.cdiv(dk, block_k), 0
         meta = dict(KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype), FMA_DIV=src.device.type == "cuda",
@@ -538,29 +560,31 @@ class StorePlan:
             self.bound = launch.Bound(
                 _store_with_conv_kernel, [*args, *cargs, 0],
                 dict(BLOCK_V=block_v, BLOCK_K=block_k, STREAM=stream is not None, CONV_BLOCK=cblock,
-                     CONV_MASK=mask, **meta), ("rows_ptr", "slots_ptr", "N", "QP"))
+                     CONV_MASK=mask, **meta), ("rows_ptr", "slots_ptr", "MARK", "N", "QP"), plain=("MARK",))
         elif stream is not None:
-            self.bound = launch.Bound(_quantize_store_stream_kernel, args, dict(SUB_V=block_v, BLOCK_K=block_k,
-                                                                                **meta), ("rows_ptr", "slots_ptr", "N"))
+            self.bound = launch.Bound(_quantize_store_stream_kernel, args, dict(SUB_V=block_v, BLOCK_K=block_k, **meta),
+                                      ("rows_ptr", "slots_ptr", "MARK", "N"), plain=("MARK",))
         else:
             self.bound = launch.Bound(_quantize_store_kernel, args, dict(BLOCK_V=block_v, BLOCK_K=block_k, **meta),
-                                      ("rows_ptr", "slots_ptr", "N"))
+                                      ("rows_ptr", "slots_ptr", "MARK", "N"), plain=("MARK",))
 
-    def __call__(self, src_rows: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    def __call__(self, src_rows: torch.Tensor, dst_slots: torch.Tensor, mark: int = 0) -> None:
         n = src_rows.shape[0]
         if n == 0:
             return
         if self.ref:
-            quantize_store_reference(self.src, src_rows, self.qdata, self.scale, dst_slots, self.value_axis,
-                                     self.finite)
+            fin = _device_flags(self.finite, self.src.device)
+            quantize_store_reference(self.src, src_rows, self.qdata, self.scale, dst_slots, self.value_axis, fin,
+                                     mark)
             if self.conv is not None:
-                copy_rows_reference(self.conv[0], src_rows, self.conv[1], dst_slots, self.finite)
+                copy_rows_reference(self.conv[0], src_rows, self.conv[1], dst_slots, fin, mark)
+            _flags_back(self.finite, fin)
             return
         qp = self.per_state * n
         if self.conv is not None:
-            self.bound((qp + self.conv_per_state * n, self.kb), src_rows, dst_slots, n, qp)
+            self.bound((qp + self.conv_per_state * n, self.kb), src_rows, dst_slots, mark, n, qp)
         else:
-            self.bound((qp, self.kb), src_rows, dst_slots, n)
+            self.bound((qp, self.kb), src_rows, dst_slots, mark, n)
 
 
 def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
@@ -613,20 +637,21 @@ class LoadPlan:
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
-              backend: str = "auto", check_ids: bool = True, finite: Optional[torch.Tensor] = None) -> None:
+              backend: str = "auto", check_ids: bool = True, finite: Optional[torch.Tensor] = None,
+              mark: int = 0) -> None:
     """``dst[:, dst_rows[i]] = src[:, src_rows[i]]`` bit for bit, all layers, one launch.
 
     For conv windows (and lossless states): ``[L, rows, *inner]`` with the inner dims contiguous.
-    Bytes per call: ``2 * L * n * inner_bytes``. ``finite`` (uint8, one per ``dst`` row): set to 0 for a
-    row that received a NaN or an inf (float dtypes of ``FLAG_DTYPES``; other dtypes are not checked).
+    Bytes per call: ``2 * L * n * inner_bytes``. ``finite`` (integers, one per ``dst`` row): set to ``mark``
+    for a row that received a NaN or an inf (float dtypes of ``FLAG_DTYPES``; other dtypes are not checked).
     """
     validate_copy_rows(src, src_rows, dst, dst_rows, check_ids, finite=finite)
-    CopyPlan(src, dst, backend, finite)(src_rows, dst_rows)
+    CopyPlan(src, dst, backend, finite)(src_rows, dst_rows, mark)
 
 
 class CopyPlan:
     """``copy_rows`` bound to its tensors (``StorePlan``'s terms), checked by ``validate_copy_rows``:
-    ``plan(src_rows, dst_rows)``."""
+    ``plan(src_rows, dst_rows, mark)``."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, backend: str, finite: Optional[torch.Tensor]) -> None:
         self.src, self.dst, self.finite = src, dst, finite
@@ -637,15 +662,17 @@ class CopyPlan:
         s, d, c, s_l, s_r, d_l, d_r, cb = cargs
         self.layers, self.cb = s.shape[0], cb
         mask = 0 if finite is None else _EXP_MASK.get(src.dtype, 0)
-        self.bound = launch.Bound(_copy_rows_kernel, [s, 0, d, 0, d if finite is None else finite, 0, c, s_l, s_r,
-                                                      d_l, d_r, cb], dict(BLOCK=block, EXP_MASK=mask),
-                                  ("rows_ptr", "slots_ptr", "N"))
+        self.bound = launch.Bound(_copy_rows_kernel, [s, 0, d, 0, d if finite is None else finite, 0, 0, c, s_l,
+                                                      s_r, d_l, d_r, cb], dict(BLOCK=block, EXP_MASK=mask),
+                                  ("rows_ptr", "slots_ptr", "MARK", "N"), plain=("MARK",))
 
-    def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, mark: int = 0) -> None:
         n = src_rows.shape[0]
         if n == 0:
             return
         if self.ref:
-            copy_rows_reference(self.src, src_rows, self.dst, dst_rows, self.finite)
+            fin = _device_flags(self.finite, self.src.device)
+            copy_rows_reference(self.src, src_rows, self.dst, dst_rows, fin, mark)
+            _flags_back(self.finite, fin)
             return
-        self.bound((self.layers * n, self.cb), src_rows, dst_rows, n)
+        self.bound((self.layers * n, self.cb), src_rows, dst_rows, mark, n)

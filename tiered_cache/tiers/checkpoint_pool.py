@@ -18,9 +18,9 @@ Typed strided views ``qdata [L, S, H, d_v, d_k]``, ``scale [L, S, H, 1, d_k]``, 
 and ``conv[i] [L, S, *conv_shape]`` alias the buffer (layer stride: one layer's field; slot stride:
 ``slot_bytes``); ``fields`` gives each field's byte offset, size, dtype and shape inside an envelope.
 
-Non-finite states: every store also clears a per-slot flag when a value it reads is NaN or +-inf,
-nearly free and without a sync (``finite_flags.py``); ``poll_nonfinite`` reports the non-finite slots,
-which the owner must not serve.
+Non-finite states: every store also marks a per-slot flag when a value it reads is NaN or +-inf, nearly
+free, without a sync or a launch of its own (``finite_flags.py``); ``poll_nonfinite`` reports the non-finite
+slots, which the owner must not serve.
 """
 
 from __future__ import annotations
@@ -246,10 +246,9 @@ class Int8CheckpointPool:
         if rows.size == 0:
             return
         rows_t, slots_t = self._args.to_device(rows, slots)
-        self.flags.arm(slots_t)
-        t1_args.kernels_store(self, lay, rows_t, slots_t)
-        self._args.sent(rows.size)
-        self.flags.sent(slots.tolist())
+        mark = self.flags.arm(slots)
+        t1_args.kernels_store(self, lay, rows_t, slots_t, mark)
+        self.flags.sent(slots.tolist(), self._args.sent(rows.size))
 
     def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
         """Hit: dequantize (or copy) checkpoints ``ckpt_slots`` into the T0 states ``active_ids``.

@@ -54,7 +54,7 @@ class Layout:
     what: str  # what the ids name, for errors: virtual ids of a side, or physical rows
     host: Optional[HostMoves] = None  # the moves on numpy views, where they apply (CPU: ``t1_host``)
     # the launches of each direction, bound to these views once (``quant.StorePlan`` ...), made on first use
-    plans: dict[str, list[Callable[[Any, Any], None]]] = field(default_factory=dict, init=False, compare=False,
+    plans: dict[str, list[Callable[..., None]]] = field(default_factory=dict, init=False, compare=False,
                                                               repr=False)
 
     @property
@@ -243,10 +243,10 @@ def ids_tensor(ids: Any) -> torch.Tensor:
     return torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
 
 
-def _plans(pool, lay: Layout, op: str) -> list[Callable[[Any, Any], None]]:
+def _plans(pool, lay: Layout, op: str) -> list[Callable[..., None]]:
     """``lay``'s launches of a store or load, bound once: int8, the temporal state and the first conv window
     in one launch; lossless, one copy per field; any further conv window, one copy each. A store flags
-    non-finite values in ``pool.flags``."""
+    non-finite values in ``pool.flags`` (host memory on a GPU, which the kernels write through its mapping)."""
     plans = lay.plans.get(op)
     if plans is not None:
         return plans
@@ -270,14 +270,14 @@ def _plans(pool, lay: Layout, op: str) -> list[Callable[[Any, Any], None]]:
     return plans
 
 
-def kernels_store(pool, lay: Layout, rows: Any, slots: Any) -> None:
+def kernels_store(pool, lay: Layout, rows: Any, slots: Any, mark: int) -> None:
     """The launches of a store (all checked before; ``_plans``), ``rows`` and ``slots`` as
-    ``CallArgs.to_device`` gives them; the flags of ``slots`` armed before."""
+    ``CallArgs.to_device`` gives them; ``mark``: the store's (``FiniteFlags.arm``)."""
     if lay.host is not None and lay.host.store(rows, slots):
         return  # on the CPU, all finite: numpy did it (a NaN or an inf: the twins below, which flag it)
     rows, slots = ids_tensor(rows), ids_tensor(slots)
     for plan in _plans(pool, lay, "store"):
-        plan(rows, slots)
+        plan(rows, slots, mark)
 
 
 def kernels_load(pool, lay: Layout, slots: Any, rows: Any) -> None:

@@ -10,7 +10,7 @@ operations (abs, max, the fp32 divisions, round half to even, the casts) at ~1 u
 where this path does not apply: a non-CPU pool, the Triton backend, or a dtype numpy lacks (bf16,
 fp8). A move whose states hold a NaN or an inf also takes the torch path (``store`` returns False):
 the int8 cast of a NaN is not defined, so only the torch twin says what lands in T1, and the
-finiteness flags are cleared there. Ids are checked before (``t1_args``); nothing is checked here.
+finiteness flags are marked there. Ids are checked before (``t1_args``); nothing is checked here.
 """
 
 from __future__ import annotations
