@@ -63,9 +63,8 @@ class FiniteFlags:
         flags are final."""
         self.forget(slots)
         if self._cpu:
-            landed, flags, expect = self._landed, self._flags_np, self._expect
-            for s in sorted(set(slots)):
-                landed[s] = bool(flags[s] != expect[s])
+            u = sorted(set(slots))
+            self._landed.update(zip(u, (self._flags_np[u] != self._expect[u]).tolist()))
             return
         if event is None:
             event = dev.new_event(self.device)
