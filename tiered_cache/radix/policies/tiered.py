@@ -22,28 +22,28 @@ the one that moved on counts. Counting it as passed (freq 0: the rule until 9204
 system prompts first in bench_policy's chat sessions (24 of the 200 one-child victims at 2 sessions/s,
 8 GiB, each resumed 2 or more times) and kept ours behind Marconi there in every draw.
 
-``power`` says how fast the chance of reuse falls with age. At 1 (hyperbolic) a node twice as costly
-per byte outlives one of half its age, which keeps the long context of a session that has ended over
-the newest turn of one still running; where sessions end (agents' tool loops, chats) reuse falls
-faster. In bench_policy at 1, ours lost to Marconi's recency order on its SWE-agent sessions (0.975 of
-its FLOPs saved at 0.5 sessions/s, 8 GiB); at 2 it was ahead there but lost on the Mooncake trace
-(0.91 at 64 GiB), where cost per byte matters more. The default, 1.5, was picked on that benchmark's
-grid from 1, 1.5, 2 and 4 (1.25 and 8 tried at a few points), against the Marconi of then (alpha tuned
-by replaying windows on a second cache, over 0, 1, 2, 4): the only one not behind it at any point. It
-is fitted to those traces, and another trace may want another power. Against Marconi as tuned now
-(``tuning``: online, on ghost caches, over 0 to 8 from 1) it is behind at 3 of 10 points (0.987-0.998
-of its FLOPs saved). Tuning the power online with the same tuner (over 1 to 4, or 0 to 4) did not close
-that (0.987 at the worst point either way): a window's best power is not the next one's while the
-sessions ramp up, and the requests before the first tuning run on the initial power. Nor did tuning
-its form with that tuner over a grid holding Marconi's own utility (normalised recency + alpha x the
-tier-aware cost per byte, over nodes with at most one child: on one tier exactly Marconi at that alpha)
-at each of Marconi's alphas beside powers 1, 1.5 and 2 (9c21202, reverted): the worst point fell to
-0.954 (SWE at 2/s, 8 GiB, where both tuned to alpha 2 from different caches), Mooncake at 64 GiB from
-1.30 to 1.03. A window's replay on a copy of the live cache ranked the forms unlike the live cache over
-the next window (SWE at 2/s, 24 GiB: the power 1.5 1.1 % ahead of alpha 0.5 on the ghosts, 1.4 %
-behind in the live cache), and on Marconi's traces its tuned path (alpha 1, then the window's best)
-beat every fixed setting of either form at two of the points where ours is behind
-(benchmarks/results/README.md, policy section).
+``power`` says how fast the chance of reuse falls with age. At 1 (hyperbolic) a node twice as costly per
+byte outlives one of half its age, which keeps the long context of a session that has ended over the
+newest turn of one still running; where sessions end (agents' tool loops, chats) reuse falls faster. In
+bench_policy at 1, ours lost to Marconi's recency order on its SWE-agent sessions (0.975 of its FLOPs
+saved at 0.5 sessions/s, 8 GiB); at 2 it was ahead there but lost on the Mooncake trace (0.91 at 64
+GiB), where cost per byte matters more. The default, 1.5, was picked on that benchmark's grid from 1,
+1.5, 2 and 4 (1.25 and 8 tried at a few points), against the Marconi of then (alpha tuned by replaying
+windows on a second cache, over 0, 1, 2, 4): the only one not behind it at any point. It is fitted to
+those traces, and another trace may want another power. Against Marconi as tuned now (``tuning``:
+online, on ghost caches, over 0 to 8 from 1) it was behind at 3 of 10 points (0.987-0.998 of its FLOPs
+saved), at 2 since the one-child rule above (SWE-agent sessions: 0.987, 0.997). Tuning the power online
+with the same tuner (over 1 to 4, or 0 to 4) did not close that (0.987 at the worst point either way): a
+window's best power is not the next one's while the sessions ramp up, and the requests before the first
+tuning run on the initial power. Nor did tuning its form with that tuner over a grid holding Marconi's
+own utility (normalised recency + alpha x the tier-aware cost per byte, over nodes with at most one
+child: on one tier exactly Marconi at that alpha) at each of Marconi's alphas beside powers 1, 1.5 and 2
+(9c21202, reverted): the worst point fell to 0.954 (SWE at 2/s, 8 GiB, where both tuned to alpha 2 from
+different caches), Mooncake at 64 GiB from 1.30 to 1.03. A window's replay on a copy of the live cache
+ranked the forms unlike the live cache over the next window (SWE at 2/s, 24 GiB: the power 1.5 1.1 %
+ahead of alpha 0.5 on the ghosts, 1.4 % behind in the live cache), and on Marconi's traces its tuned
+path (alpha 1, then the window's best) beat every fixed setting of either form at two of the points
+where ours is behind (benchmarks/results/README.md, policy section).
 """
 
 from __future__ import annotations
