@@ -129,12 +129,19 @@ def test_bound_launches_ordinarily_under_a_launch_hook_or_the_interpreter(compil
         b((n,), ids[:n], n)
     assert [e[0] for e in k.log] == ["ordinary"] * 2
     monkeypatch.setattr(launch, "_hooks_set", lambda: False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    k = FakeKernel(accept={5})
+    for env in ("TRITON_INTERPRET", "TIERED_CACHE_ORDINARY_LAUNCHES"):  # the interpreter, or asked for
+        monkeypatch.setenv(env, "1")
+        k = FakeKernel(accept={5})
+        b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
+        for n in (2, 3):
+            b((n,), ids[:n], n)
+        assert [e[0] for e in k.log] == ["ordinary"] * 2
+        monkeypatch.delenv(env)
+    k = FakeKernel(accept={5})  # neither: bound from the second call of a class on
     b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
-    for n in (2, 3):
+    for n in (2, 2):
         b((n,), ids[:n], n)
-    assert [e[0] for e in k.log] == ["ordinary"] * 2
+    assert [e[0] for e in k.log] == ["ordinary", "fast"]
 
 
 def test_spec_class_separates_what_triton_specializes_on():

@@ -16,8 +16,10 @@ without the constexprs (Triton versions differ: 3.3 and later pass them to the l
 given the wrong count raises ``TypeError`` before it launches, and the other list is tried.
 
 Ordinary launches throughout (nothing bound) under the interpreter (``TRITON_INTERPRET=1``: what the CPU
-tests run), when a launch hook is set (a profiler wants every launch), or where the compiled launcher takes
-neither list. ``stats`` counts both kinds, so a benchmark can say which ran.
+tests run), with ``TIERED_CACHE_ORDINARY_LAUNCHES=1`` (the switch back to Triton's own launches, should a
+Triton version's launcher take an argument list and misread it: the bound path has run in the CPU tests only,
+against a stand-in kernel, not yet on a GPU), when a launch hook is set (a profiler wants every launch), or
+where the compiled launcher takes neither list. ``stats`` counts both kinds, so a benchmark can say which ran.
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ class Bound:
         # varying ints the kernel does not specialize on (``do_not_specialize``): their class is their range
         self.plain = tuple(v in plain for v in vary)
         self._classes: dict[tuple, Any] = {}
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        self._off = interpret or not hasattr(kernel, "warmup")  # no compiled kernel to bind
+        ordinary = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TIERED_CACHE_ORDINARY_LAUNCHES") == "1"
+        self._off = ordinary or not hasattr(kernel, "warmup")  # no compiled kernel to bind (or asked not to)
         self._stream: Any = None  # the driver's current-stream and current-device getters, once bound
         self._device: Any = None
 
