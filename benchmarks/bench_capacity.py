@@ -355,7 +355,8 @@ def run_trace(args: argparse.Namespace) -> str:
             "0.9 x ceiling_hybrid_hit_rate (an upper bound at the grid's resolution); null: no grid point reaches "
             f"it. The hit_rate_* and bytes_to_90pct_* metrics use the split of every other benchmark ("
             f"workload_common.split_budget: kv_fraction {args.kv_fraction} of the GPU cache share and of the host "
-            f"to KV); *_any_split: the smallest over host KV shares {sorted(set(args.host_kv_fractions))} "
+            f"to KV); *_any_split: the smallest over host KV shares "
+            f"{sorted(set(args.host_kv_fractions) | {args.kv_fraction})} "
             "(each configuration at the share that suits it; host_kv_fraction_at_90pct_*_any_split names it); "
             "the rows hold every share",
             "modes": f"the grid in {args.mode} mode; model (capacity_model.TreeModel: the tree's flows on flags and "
