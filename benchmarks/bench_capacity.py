@@ -281,6 +281,38 @@ def bytes_to(rows: list[dict], cfg: str, target: float) -> Optional[float]:
     return min(got) if got else None
 
 
+def bytes_below(rows: list[dict], cfg: str, target: float, at: Optional[float]) -> Optional[float]:
+    """A lower bound of ``cfg``'s crossing, ``at`` (``bytes_to``'s) its upper one: per host KV share in
+    ``rows``, the largest GPU + host bytes under ``at`` of a point that misses ``target``; the smallest of
+    those over the shares (the crossing is the smallest share's). None where some share has no point under
+    ``at`` that misses (the grid starts at or past its crossing: ``at`` bounds it from above only)."""
+    if at is None:
+        return None
+    lows = []
+    for f in {r["host_kv_fraction"] for r in rows if r["config"] == cfg}:
+        got = [(r["gpu_gib"] + r["host_gib"]) * GiB for r in rows if r["config"] == cfg and r["host_kv_fraction"] == f
+               and r["hit_rate"] < target and (r["gpu_gib"] + r["host_gib"]) * GiB < at]
+        if not got:
+            return None
+        lows.append(max(got))
+    return min(lows) if lows else None
+
+
+def crossing_ratio(metrics: dict, rows: list[dict], num: str, den: str, target: float, suffix: str = "") -> None:
+    """``bytes_ratio_<num>_vs_<den>_at_90pct<suffix>`` from the configurations' ``bytes_to_90pct_*`` (tags
+    ``num`` / ``den``), and its bounds ``_lo`` / ``_hi`` from the brackets (``bytes_below``): all None unless
+    both crossings are bracketed by the grid (a ratio of two upper bounds alone is bounded neither way)."""
+    key = f"bytes_ratio_{num}_vs_{den}_at_90pct{suffix}"
+    a, b = metrics[f"bytes_to_90pct_{num}{suffix}"], metrics[f"bytes_to_90pct_{den}{suffix}"]
+    tag = {v: k for k, v in cs.TAGS.items()}
+    a_lo, b_lo = bytes_below(rows, tag[num], target, a), bytes_below(rows, tag[den], target, b)
+    metrics[f"bytes_below_90pct_{num}{suffix}"], metrics[f"bytes_below_90pct_{den}{suffix}"] = a_lo, b_lo
+    ok = a_lo is not None and b_lo is not None
+    metrics[key] = _ratio_or_none(a, b) if ok else None
+    metrics[f"{key}_lo"] = _ratio_or_none(a_lo, b) if ok else None
+    metrics[f"{key}_hi"] = _ratio_or_none(a, b_lo) if ok else None
+
+
 def run_trace(args: argparse.Namespace) -> str:
     t_start = time.perf_counter()
     raw = load_trace(args.trace, limit=args.limit)
@@ -312,16 +344,15 @@ def run_trace(args: argparse.Namespace) -> str:
         metrics[f"hit_rate_{cs.TAGS[cfg]}_{g:g}g_{h:g}g"] = v
     for cfg in cs.SIM_CONFIGS:
         metrics[f"bytes_to_90pct_{cs.TAGS[cfg]}"] = bytes_to(rows, cfg, target)
-    metrics["bytes_ratio_2b_vs_4_at_90pct"] = _ratio_or_none(metrics["bytes_to_90pct_2b"], metrics["bytes_to_90pct_4"])
-    metrics["bytes_ratio_2_vs_3_at_90pct"] = _ratio_or_none(metrics["bytes_to_90pct_2"], metrics["bytes_to_90pct_3"])
+    crossing_ratio(metrics, rows, "2b", "4", target)
+    crossing_ratio(metrics, rows, "2", "3", target)
     for cfg in HOST_CONFIGS:  # each configuration at its best host split (what a user would tune)
         tag = cs.TAGS[cfg]
         metrics[f"bytes_to_90pct_{tag}_any_split"] = b = bytes_to(every, cfg, target)
         at = [r["host_kv_fraction"] for r in every if r["config"] == cfg and r["hit_rate"] >= target
               and (r["gpu_gib"] + r["host_gib"]) * GiB == b]
         metrics[f"host_kv_fraction_at_90pct_{tag}_any_split"] = min(at) if at else None
-    metrics["bytes_ratio_2b_vs_4_at_90pct_any_split"] = _ratio_or_none(metrics["bytes_to_90pct_2b_any_split"],
-                                                                       metrics["bytes_to_90pct_4_any_split"])
+    crossing_ratio(metrics, every, "2b", "4", target, "_any_split")
     for (cfg, g, h), v in hit.items():
         if cfg == "int8_t1" and ("gpu_only", g, 0.0) in hit:
             metrics[f"hit_rate_3_vs_2_{g:g}g"] = _ratio(v, hit[("gpu_only", g, 0.0)])
@@ -353,7 +384,9 @@ def run_trace(args: argparse.Namespace) -> str:
             "reaches only with a state at every shared block boundary",
             "bytes_to_90pct": "smallest GPU + host bytes of a grid point where the config's hit rate >= "
             "0.9 x ceiling_hybrid_hit_rate (an upper bound at the grid's resolution); null: no grid point reaches "
-            f"it. The hit_rate_* and bytes_to_90pct_* metrics use the split of every other benchmark ("
+            "it; bytes_below_90pct_*: the largest bytes under it of a point that misses (the crossing lies between); "
+            "bytes_ratio_*: null unless both crossings are bracketed so, with bounds _lo / _hi from the brackets. "
+            f"The hit_rate_* and bytes_to_90pct_* metrics use the split of every other benchmark ("
             f"workload_common.split_budget: kv_fraction {args.kv_fraction} of the GPU cache share and of the host "
             f"to KV); *_any_split: the smallest over host KV shares "
             f"{sorted(set(args.host_kv_fractions) | {args.kv_fraction})} "

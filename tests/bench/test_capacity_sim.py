@@ -254,6 +254,35 @@ def test_bytes_to_reads_the_grid():
     assert bc.bytes_to(rows, "x", 0.7) is None
 
 
+def _row(cfg, gpu, host, hit, share=None):
+    return {"config": cfg, "gpu_gib": gpu, "host_gib": host, "hit_rate": hit, "host_kv_fraction": share}
+
+
+def test_a_bytes_ratio_needs_both_crossings_bracketed_by_the_grid():
+    """``bytes_ratio_*`` is the ratio of the grid's upper bounds only where a point under each crossing misses
+    the target; its bounds come from those points. A grid that starts past a crossing (one point: both
+    configurations reach the target there, ratio 1 by construction) gives no ratio."""
+    rows = [_row("gpu_only_host", 16, h, hit) for h, hit in ((32, 0.1), (48, 0.3), (64, 0.6))]
+    rows += [_row("int8_t1_t2", 16, h, hit) for h, hit in ((16, 0.2), (32, 0.55), (48, 0.7), (64, 0.8))]
+    m = {"bytes_to_90pct_2b": bc.bytes_to(rows, "gpu_only_host", 0.5),
+         "bytes_to_90pct_4": bc.bytes_to(rows, "int8_t1_t2", 0.5)}
+    bc.crossing_ratio(m, rows, "2b", "4", 0.5)
+    assert m["bytes_below_90pct_2b"] == 64 * GiB and m["bytes_below_90pct_4"] == 32 * GiB
+    assert m["bytes_ratio_2b_vs_4_at_90pct"] == 80 / 48
+    assert (m["bytes_ratio_2b_vs_4_at_90pct_lo"], m["bytes_ratio_2b_vs_4_at_90pct_hi"]) == (64 / 48, 80 / 32)
+    one = [_row("gpu_only_host", 32, 1024, 0.9), _row("int8_t1_t2", 32, 1024, 0.9)]
+    m = {"bytes_to_90pct_2b": 1056 * GiB, "bytes_to_90pct_4": 1056 * GiB}
+    bc.crossing_ratio(m, one, "2b", "4", 0.5)
+    assert m["bytes_ratio_2b_vs_4_at_90pct"] is None and m["bytes_ratio_2b_vs_4_at_90pct_hi"] is None
+    # over several host KV shares: every share must miss under the smallest crossing (share 0.8 here)
+    shares = [_row("int8_t1_t2", 16, h, hit, f) for f, pts in ((0.5, ((32, 0.2), (64, 0.4))),
+                                                                (0.8, ((32, 0.3), (48, 0.6))))
+              for h, hit in pts]
+    assert bc.bytes_below(shares, "int8_t1_t2", 0.5, bc.bytes_to(shares, "int8_t1_t2", 0.5)) == 48 * GiB
+    shares.append(_row("int8_t1_t2", 16, 64, 0.7, 0.9))  # a share with no point under the crossing: no bound
+    assert bc.bytes_below(shares, "int8_t1_t2", 0.5, 64 * GiB) is None
+
+
 def test_trace_grid_writes_every_metric(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
@@ -275,7 +304,10 @@ def test_trace_grid_writes_every_metric(tmp_path):
     for tag in ("2", "2b", "3", "4"):
         assert m[f"model_same_hits_as_full_{tag}"] == 1.0 and m[f"fast_same_hits_as_full_{tag}"] == 1.0
     b2b, b4 = m["bytes_to_90pct_2b"], m["bytes_to_90pct_4"]
-    assert m["bytes_ratio_2b_vs_4_at_90pct"] == (b2b / b4 if b2b is not None and b4 is not None else None)
+    bracketed = m["bytes_below_90pct_2b"] is not None and m["bytes_below_90pct_4"] is not None
+    r = m["bytes_ratio_2b_vs_4_at_90pct"]
+    assert r == (b2b / b4 if bracketed else None)
+    assert r is None or m["bytes_ratio_2b_vs_4_at_90pct_lo"] <= r <= m["bytes_ratio_2b_vs_4_at_90pct_hi"]
     assert m["wall_s_1e6_requests_4_1g_4g"] > 0 and m["cpu_s_1e6_requests_4_1g_4g"] > 0
     assert "ceiling" in rec["info"] and "10^6 requests" in rec["info"] and os.path.exists(path[:-5] + ".md")
     assert not any(r.get("million") for r in rec["rows"])  # the timed run is in the metrics, not a grid row
