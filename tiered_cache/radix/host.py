@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from tiered_cache.errors import InvalidArgumentError
+from tiered_cache.errors import IntegrityError, InvalidArgumentError
 from tiered_cache.radix.frees import Frees
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import HostTierConfig
@@ -156,6 +156,36 @@ class HostTier:
         if self.agree is not None and ops:
             self.agree.settle(ops)  # every rank waited here: a checksum failed anywhere fails everywhere
         return self.apply_ops(lambda op: op in ops)
+
+    def settle_loads(self, path: list, prev: int, pending: bool) -> bool:
+        """Before an insert: settle the loads its caller may have computed on. ``path``: the insert's
+        (``RadixTree.probe``'s); ``pending``: a node on it is still being loaded into. Also settled: a load
+        ending (its lock) at a node of the caller's first ``prev`` tokens, even one bringing only the state.
+        A load of those that failed its checksum: ``IntegrityError`` (the load applied, its garbage dropped,
+        nothing else changed): the caller's KV and state past it were computed on garbage, so nothing may be
+        cached; it releases the request (``cache_finished_req(req, is_insert=False)``) and recomputes (the
+        ``LoadBack`` contract). -> whether it settled."""
+        mine: list = []
+        loads = [op for op in self.ops if op.kind == "load"] if self.ops else None
+        if loads:  # the ends of the caller's prefix's nodes, by node
+            ends, n = {}, 0
+            for y in path:
+                n += len(y.akey)
+                if n > prev:
+                    break
+                ends[id(y)] = n
+            mine = [(op, ends[id(op.lock)]) for op in loads if id(op.lock) in ends]
+        if not (pending or mine):
+            return False
+        self.settle("load")
+        bad = [end for op, end in mine if not op.handle.ok]
+        if bad:
+            raise IntegrityError(
+                f"prev_prefix_len {prev}: the caller's prefix reads a load back (init_load_back, req.load_back) "
+                f"of the tokens up to {bad[0]} that failed its checksum: the KV or state it brought was garbage "
+                "and is dropped, and nothing computed on it is cached; release the request "
+                "(cache_finished_req(req, is_insert=False)) and recompute")
+        return True
 
     def drain(self) -> None:
         """For ``reset``: wait for everything in flight (T3 fetches too); loads end not ok; the tree

@@ -31,7 +31,10 @@ from tiered_cache.validate import choice_arg, int_arg
 class LoadBack:
     """What ``init_load_back`` started (``req.load_back``). Before using the loaded KV, wait on its
     layers (``wait_layer``); once ``done`` (after ``check_hicache_events``), ``ok`` False means a
-    checksum failed: the loaded prefix is garbage, the request must release its lock and recompute."""
+    checksum failed: the loaded prefix is garbage, the request must release its lock and recompute
+    (``cache_finished_req(req, is_insert=False)``). An insert that comes while the load is still in flight
+    settles it first; when it failed, the insert raises ``IntegrityError`` and caches nothing (all the request
+    computed on it is garbage too: ``HostTier.settle_loads``)."""
 
     device_indices: torch.Tensor
     last_node: TreeNode

@@ -129,6 +129,12 @@ class MambaRule:
         p = x.payload
         if p.mamba_value is not None:
             seen.add("t1", [int(p.mamba_value)], "T1 slot")
+            u = p.t1_unverified  # set until its store's NaN/inf flag is read, then dropped if it was not finite
+            assert u is None or (u == p.t1_slot and self.flags.owner.get(u) is x), (
+                f"{x}: its state's NaN/inf flag is awaited for slot {u}, it holds {p.t1_slot} (owner "
+                f"{self.flags.owner.get(u) if u is not None else None})")
+            assert u is not None or not self.ckpt.flags_pending(p.t1_slot), (
+                f"{x}: its state counts as finite but its store's NaN/inf flag was never read (slot {p.t1_slot})")
             if x.mamba_lock_ref:
                 seen.state_pr += 1
             else:
@@ -154,6 +160,8 @@ class MambaRule:
         assert not (t1 & scratch), "a T1 slot is both cached and a scratch slot"
         assert alloc == t1 | scratch, (f"T1 slots neither free, cached nor in flight: {sorted(alloc - t1 - scratch)}; "
                                        f"free but held: {sorted((t1 | scratch) - alloc)}")
+        unread = [i for i in range(self.ckpt.capacity) if i not in alloc and self.ckpt.flags_pending(i)]
+        assert not unread, f"free T1 slots with a store's NaN/inf flag still awaited: {unread[:8]}"
         if self.tree.host_on:
             seen.host.append((self.tree.sinks["state_host"], seen.sets["state_host"], set()))
 
@@ -290,6 +298,8 @@ class MambaRule:
         valid at that position alone). New KV is taken only together with a state (a leaf is never a
         tombstone). With no T1 room even after evicting states, nothing is cached:
         ``prefix_len == cached_len == prev_prefix_len`` and the caller keeps ``value[prev_prefix_len:]``.
+        A load back under the first ``prev_prefix_len`` tokens still in flight is settled first; one that failed its
+        checksum: ``IntegrityError``, nothing cached (``HostTier.settle_loads``).
         """
         tree = self.tree
         toks, salt, prev, aligned = insert_args(params, tree.page_size, tree.device, ("value",), as_array=True)
@@ -302,9 +312,8 @@ class MambaRule:
         # the caller's pages, checked once: duplicates and new leaves use them without another check
         pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
         row = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
-        if pending:  # the caller computed on KV a load is writing: its ticket is done, or nearly
-            self.host.settle("load")
-            path, end_node, _, _ = tree.probe(toks, salt, aligned, prev, "the prefix whose load succeeded")
+        if self.host.settle_loads(path, prev, pending):  # the caller computed on what a load brings: done, or nearly
+            path, end_node, _, _ = tree.probe(toks, salt, aligned, prev)
         if (slot is not None and params.chunked and not self.admission.keeps_every_chunk and aligned == n
                 and not self.admission.admit(n, is_branch_point(path, end_node, toks, aligned, tree.page_size))):
             slot = None  # not admitted: inserted as a chunk without a state (nothing new is cached)

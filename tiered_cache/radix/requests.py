@@ -25,7 +25,8 @@ _FIELDS = ("token_ids", "kv_indices", "mamba_pool_idx", "last_node", "cache_prot
 def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
     """A request finished: cache its tokens (``is_insert``), free the KV ids and the T0 state slot it
     still owns, release its lock. Everything it frees or releases is checked before the insert: when
-    it raises, the request still owns all it owned and the tree is unchanged."""
+    it raises, the request still owns all it owned and the tree is unchanged (but for a load back the insert
+    settled: ``IntegrityError`` when the request's own load failed, then release it with ``is_insert=False``)."""
     if not isinstance(is_insert, bool):
         raise InvalidTypeError("is_insert", "a bool", is_insert)
     toks, kv, prev = req_fields(cache, req)

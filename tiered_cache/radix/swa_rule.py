@@ -216,7 +216,7 @@ class SWARule:
         ev = int_arg("swa_evicted_seqlen", params.swa_evicted_seqlen, lo=0)
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
-        pending = tree.probe(toks, salt, aligned, prev)[3]
+        path, _, _, pending = tree.probe(toks, salt, aligned, prev)
         e = min(-(-ev // ps) * ps, aligned)  # SWA ids before e are gone
         value, swa = params.value, params.swa_value  # tensors: insert_args checked them
         assert value is not None and swa is not None
@@ -225,8 +225,7 @@ class SWARule:
             lo = max(prev, e)
             if lo < aligned and bool((self.swa.translate(swa[lo:aligned][::ps]) < 0).any()):
                 raise InvalidArgumentError("swa_value", "SWA ids the caller owns", swa[lo:lo + 16].tolist())
-        if pending:
-            self.host.settle("load")
+        self.host.settle_loads(path, prev, pending)  # IntegrityError: the caller's prefix reads a failed load
         res = self._insert_walk(toks, salt, value, swa, aligned, prev, e)
         self.host.after_insert(res.last_device_node)
         return res

@@ -126,12 +126,11 @@ class RadixTree:
             node = node.parent
         return torch.cat(vals[::-1]) if vals else self.empty
 
-    def probe(self, toks: list[int], salt: Optional[str], aligned: int, prev: int,
-              what: str = "the cached prefix length"):
+    def probe(self, toks: list[int], salt: Optional[str], aligned: int, prev: int):
         """Read-only insert walk. -> (path, the node ending exactly at ``aligned`` or None, device-matched tokens,
         whether a load is in flight on the path). Tokens a load is writing count as on the device (the caller got
         their ids from ``init_load_back``); a node on the host only, or dead, ends the device part: insert gives
-        it the caller's ids. An insert's ``prev_prefix_len`` past that part (``what``) is an error."""
+        it the caller's ids. An insert's ``prev_prefix_len`` past that part is an error."""
         ps, node = self.page_size, self.root
         path, i, dev, on_dev, pending, total = [], 0, 0, True, False, 0
         kb = toks.tobytes() if type(toks) is array else toks  # child keys are cut from the bytes
@@ -153,7 +152,7 @@ class RadixTree:
             node = child
         end = path[-1] if path and i == aligned == total else None
         if prev > dev:
-            raise InvalidArgumentError("prev_prefix_len", f"<= {what} ({dev})", prev)
+            raise InvalidArgumentError("prev_prefix_len", f"<= the cached prefix length ({dev})", prev)
         return path, end, dev, pending
 
     def match_result(self, idx: torch.Tensor, dev: TreeNode, best: TreeNode, host_len: int, mamba_host: int,
