@@ -11,7 +11,7 @@ import torch
 
 from tests.support.radix_util import (
     alloc_kv,
-    insert_fresh,
+    demote_tail,
     insert_swa,
     make_hi_cache,
     make_swa_cache,
@@ -32,12 +32,7 @@ def _demoted():
     and its pools' free sizes when it was new."""
     cache = make_hi_cache(page_size=2)
     fresh = _free_sizes(cache)
-    insert_fresh(cache, [1, 2])
-    insert_fresh(cache, [1, 2, 3, 4])
-    cache.check_hicache_events()
-    match(cache, [1, 2])
-    cache.evict(EvictParams(mamba_num=1))  # [3, 4]'s state to T2
-    cache.evict(EvictParams(num_tokens=2))  # [3, 4]'s KV to T2
+    demote_tail(cache)
     cache.check_invariants(request_states=torch.empty(0))
     return cache, fresh
 

@@ -10,6 +10,7 @@ from tests.support.radix_util import (
     alloc_kv,
     check_kv,
     check_state,
+    demote_tail,
     insert_fresh,
     make_hi_cache,
     match,
@@ -249,12 +250,7 @@ def test_t1_full_demotes_states_to_host_and_t2_full_drops_lru():
 @pytest.mark.parametrize("locked", [False, True])
 def test_corrupt_host_entry_is_a_miss_never_a_hit(what, locked):
     cache = make_hi_cache(page_size=2)
-    insert_fresh(cache, [1, 2])
-    insert_fresh(cache, [1, 2, 3, 4])
-    cache.check_hicache_events()
-    match(cache, [1, 2])
-    cache.evict(EvictParams(mamba_num=1))  # [3, 4]'s state to T2
-    cache.evict(EvictParams(num_tokens=2))  # [3, 4]'s KV to T2
+    demote_tail(cache)
     x = node_at(cache, [1, 2, 3, 4])
     if what == "kv":
         cache.kv_region.flip_bit(x.host_kv[0], 5, 1)

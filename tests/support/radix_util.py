@@ -207,6 +207,19 @@ def match(cache, toks: Sequence[int], salt: Optional[str] = None, **kw):
     return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks), salt), **kw))
 
 
+def demote_tail(cache: HiMambaRadixCache) -> None:
+    """On a fresh host-tier cache of pages of 2: [1, 2] on the device with its state, [3, 4] (with a state)
+    only on the host, KV and state."""
+    from tiered_cache.radix import EvictParams
+
+    insert_fresh(cache, [1, 2])
+    insert_fresh(cache, [1, 2, 3, 4])
+    cache.check_hicache_events()
+    match(cache, [1, 2])
+    cache.evict(EvictParams(mamba_num=1))  # [3, 4]'s state to T2
+    cache.evict(EvictParams(num_tokens=2))  # [3, 4]'s KV to T2
+
+
 def page(*toks: int) -> bytes:
     """The key a child is filed under for its first page ``toks`` (below the root, or at it without a salt):
     the page's int64 ids as bytes (``RadixTree.child_key``)."""
