@@ -211,6 +211,22 @@ def test_cache_finished_req_and_bad_inputs():
     assert cache.kv.allocator.num_live == 1 and cache.swa.allocator.num_live == 0
 
 
+@pytest.mark.parametrize("bad", ["split page", "repeated page"])
+def test_swa_ids_that_are_not_whole_distinct_pages_are_refused_with_nothing_changed(bad):
+    """The tree frees the SWA ids it takes through the trusted ``free_pages``, so insert checks them whole."""
+    cache = make_swa_cache(page_size=2, window=4, host=False)
+    kv, swa = cache.kv.alloc(4), cache.swa.alloc(4)
+    if bad == "split page":
+        swa = swa[[0, 2, 1, 3]]  # each page's ids split over two pages
+    else:
+        swa = torch.cat([swa[:2], swa[:2]])  # one page twice
+    live = (cache.kv.allocator.num_live, cache.swa.allocator.num_live)
+    with pytest.raises(InvalidArgumentError, match="swa_value"):
+        cache.insert(InsertParams(key=[1, 2, 3, 4], value=kv, swa_value=swa))
+    assert (cache.kv.allocator.num_live, cache.swa.allocator.num_live) == live and not cache.root.children
+    cache.check_invariants()
+
+
 # ------------------------------------------------------------------------ chunked prefill
 def _chunk_req(cache, toks):
     from tests.support.radix_util import write_kv, write_swa

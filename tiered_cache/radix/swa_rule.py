@@ -223,8 +223,14 @@ class SWARule:
         if tree.validate and prev < aligned:
             check_callers_kv(tree, value[prev:aligned])
             lo = max(prev, e)
-            if lo < aligned and bool((self.swa.translate(swa[lo:aligned][::ps]) < 0).any()):
-                raise InvalidArgumentError("swa_value", "SWA ids the caller owns", swa[lo:lo + 16].tolist())
+            if lo < aligned:  # the tree frees these through the trusted free_pages: whole, distinct, allocated
+                ids = swa[lo:aligned].cpu().numpy()
+                pages = ids[::ps] // ps
+                whole = ps == 1 or ids.tobytes() == ((pages * ps)[:, None] + tree.offsets).tobytes()
+                if not whole or len(set(pages.tolist())) != len(pages) \
+                        or bool((self.swa.translate(swa[lo:aligned][::ps]) < 0).any()):
+                    raise InvalidArgumentError("swa_value", f"SWA ids the caller owns: whole pages of {ps}, distinct, "
+                                               "allocated", swa[lo:lo + 16].tolist())
         self.host.settle_loads(path, prev, pending)  # IntegrityError: the caller's prefix reads a failed load
         res = self._insert_walk(toks, salt, value, swa, aligned, prev, e)
         self.host.after_insert(res.last_device_node)

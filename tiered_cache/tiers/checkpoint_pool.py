@@ -247,8 +247,12 @@ class Int8CheckpointPool:
             return
         rows_t, slots_t = self._args.to_device(rows, slots)
         mark = self.flags.arm(slots)
-        t1_args.kernels_store(self, lay, rows_t, slots_t, mark)
-        self.flags.sent(slots.tolist(), self._args.sent(rows.size))
+        try:
+            t1_args.kernels_store(self, lay, rows_t, slots_t, mark)
+        finally:  # even after a launch that raised: the ids' buffer is guarded, the slots' flags awaited
+            self._args.sent(rows.size)
+            # their own event, recorded after the kernels (the ring's is re-recorded when its entry is reused)
+            self.flags.sent(slots.tolist())
 
     def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
         """Hit: dequantize (or copy) checkpoints ``ckpt_slots`` into the T0 states ``active_ids``.
@@ -272,8 +276,10 @@ class Int8CheckpointPool:
         if rows.size == 0:
             return
         rows_t, slots_t = self._args.to_device(rows, slots)
-        t1_args.kernels_load(self, lay, slots_t, rows_t)
-        self._args.sent(rows.size)
+        try:
+            t1_args.kernels_load(self, lay, slots_t, rows_t)
+        finally:  # the ids' buffer stays guarded until the launches that read it ran
+            self._args.sent(rows.size)
 
     def __repr__(self) -> str:
         return (f"Int8CheckpointPool({self.codec}, {self.num_slots} slots x {self.slot_bytes} B = "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tiered_cache.errors import IntegrityError
+
 
 class HoleMap:
     """Holes among ranks ``[1, capacity)``; ``count`` of them."""
@@ -34,7 +36,8 @@ class HoleMap:
             return np.empty(0, dtype=np.int64)
         bits, lo, step, parts, got = self.bits, self.lo, max(256, 4 * k), [], 0
         while got < k:
-            assert lo < len(bits), "the hole count disagrees with the map"
+            if lo >= len(bits):  # not an assert: under python -O the loop would never end
+                raise IntegrityError(f"the hole count {self.count} disagrees with the map ({got} of {k} found)")
             found = np.flatnonzero(bits[lo:lo + step])[:k - got] + lo
             parts.append(found)
             got += len(found)
