@@ -295,7 +295,7 @@ def bytes_below(rows: list[dict], cfg: str, target: float, at: Optional[float]) 
         if not got:
             return None
         lows.append(max(got))
-    return min(lows) if lows else None
+    return min(lows)
 
 
 def crossing_ratio(metrics: dict, rows: list[dict], num: str, den: str, target: float, suffix: str = "") -> None:

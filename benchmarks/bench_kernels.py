@@ -240,7 +240,8 @@ def bench_api(dt_name: str, n: int, shape: dict[str, int], conv: tuple, device: 
         out[f"api_{op}_{p}_vs_copy"] = copy_ms / ms
         out[f"api_{op}_{p}_host_us"] = host_us_per_call(fn, 3 * k)
         bound, ordinary = launch.stats["fast"] - bound0, launch.stats["ordinary"] - ordinary0
-        out[f"api_{op}_{p}_bound_launch_share"] = bound / (bound + ordinary)  # kernels.launch.Bound's path
+        # kernels.launch.Bound's path; undefined where no launch went through Bound (a torch path)
+        out[f"api_{op}_{p}_bound_launch_share"] = bound / (bound + ordinary) if bound + ordinary else None
         ops = device_ops_per_call(fn)
         if ops is not None:
             out[f"api_{op}_{p}_device_ops_per_call"] = ops
@@ -427,7 +428,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             ops = [metrics.get(f"api_{op}_{dt}_n{n}_device_ops_per_call") for dt in args.dtypes
                    for op in ("store", "load")]
             if None not in ops:  # undefined where the profiler recorded nothing
-                named[f"api_device_ops_per_call_n{n}"] = max(o for o in ops if o is not None)
+                named[f"api_device_ops_per_call_n{n}"] = max(ops)
     named.update(capacity_metrics(shape, conv))
     metrics = {**named, **metrics}
     record = {

@@ -341,6 +341,14 @@ def main(argv=None) -> Optional[str]:
     ap.add_argument("--sizes", nargs="+", default=["1e5", "1e6"], help="cached tokens per tree (default 1e5 1e6)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
+    if args.ops < 1 or args.rounds < 1:
+        ap.error(f"--ops / --rounds: ints >= 1, got {args.ops} / {args.rounds}")
+    try:
+        bad = [t for t in args.sizes if not float(t) >= 1]
+    except ValueError:
+        bad = list(args.sizes)
+    if bad:
+        ap.error(f"--sizes: numbers of cached tokens >= 1 (e.g. 1e5), got {args.sizes}")
     sgl = load_sglang()
     if sgl is None:
         print(SKIP)

@@ -1088,6 +1088,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--repeats: an int >= 1, got {args.repeats}")
     if not args.configs and not args.eviction_policies:
         p.error("--configs: at least one configuration (or --eviction-policies)")
+    if args.eviction_policies and "lru" not in args.eviction_policies:
+        p.error(f"--eviction-policies: include lru (every ratio is against it), got {args.eviction_policies}")
     if args.answers and any(a < 1 for a in args.answers):
         p.error(f"--answers: lengths >= 1, got {args.answers}")
     if any(not b > 0 for b in args.gpu_budgets):
