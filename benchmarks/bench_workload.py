@@ -65,6 +65,8 @@ def gated_delta_impl(model) -> str:
           or getattr(mod, "torch_chunk_gated_delta_rule", None))
     if fn is None:
         return "unknown"
+    while hasattr(fn, "__tiered_cache_split__"):  # the split forward's wrapper (engine.runner.split_forward)
+        fn = fn.__tiered_cache_split__
     try:
         import inspect
 

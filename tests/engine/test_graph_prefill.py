@@ -6,6 +6,8 @@ without it."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -170,11 +172,16 @@ def test_captured_replays_match_eager_calls_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     orig, rule = _rule(), GraphChunkRule("cuda")
+    # flash-linear-attention's kernels (where installed) compute in TF32 and autotune per shape: a padded
+    # call sums in another order than the unpadded one, so only a looser bound holds there (a wrong state
+    # or a padding that leaks is off by far more)
+    impl = inspect.getclosurevars(orig).nonlocals.get("implementation", orig)
+    tol = 5e-3 if getattr(impl, "__module__", "").startswith("fla") else 1e-5
     lengths = ((60, 1), (17, 2), (130, 5), (33, 7), (100, 8), (70, 6))  # the CPU test's traps, replayed
     for t, seed in lengths:
         q, k, v, kw = _inputs(t, seed, device="cuda")
         want_o, want_s = orig(q, k, v, **kw)
         got_o, got_s = rule(orig, q, k, v, **kw)
-        torch.testing.assert_close(got_o, want_o, rtol=0, atol=1e-5)
-        torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-5)
+        for got, want in ((got_o, want_o), (got_s, want_s)):
+            torch.testing.assert_close(got, want, rtol=0, atol=tol * max(1.0, want.abs().max().item()))
     assert rule.stats["captures"] == 3 and rule.stats["replays"] == len(lengths) and rule.capture_error is None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tiered_cache.errors import InvalidArgumentError
-from tiered_cache.integrations.sglang.config import parse_backend_config
+pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")  # the package imports its backend, which needs it
+
+from tiered_cache.errors import InvalidArgumentError  # noqa: E402
+from tiered_cache.integrations.sglang.config import parse_backend_config  # noqa: E402
 
 
 def test_policy_keys():
