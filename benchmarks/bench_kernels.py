@@ -17,7 +17,9 @@ The engine's path (``--parts api``, GPU): ``store_from_active`` / ``load_to_acti
 state side with virtual ids (host lists), 1, 4, 16 and 64 states a call, ``k`` calls back to back between
 two CUDA events against as many device copies of the same bytes (``api_store_fp32_n16_vs_copy`` ...: host
 time the GPU waits for counts), the host microseconds of one call (``api_host_us_per_call_n1`` ...; per
-op and dtype ``api_store_fp32_n1_host_us`` ...), the device operations one call enqueues as CUPTI records them
+op and dtype ``api_store_fp32_n1_host_us`` ...: calls back to back, so a call running ahead of the GPU pays what
+that costs; ``..._host_us_idle``: each call after a sync, its own host work), the device operations one call
+enqueues as CUPTI records them
 (``api_device_ops_per_call_n1`` ...: kernels, copies, fills), the share of launches that took the bound path
 (``..._bound_launch_share``, ``kernels/launch.py``), device-id variants at 16 (a read-back each call), and for
 bf16 the store's other formulation. The
@@ -157,6 +159,20 @@ def host_us_per_call(fn: Callable[[], None], k: int) -> float:
     return statistics.median(out)
 
 
+def host_us_per_call_idle(fn: Callable[[], None], k: int) -> float:
+    """Median host microseconds of one call made with the GPU idle (a sync before each, outside the timer):
+    the call's own host work, without what running ahead of the GPU adds (a growing id ring, a full
+    launch queue)."""
+    out = []
+    for _ in range(k):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def device_ops_per_call(fn: Callable[[], None], k: int = 10) -> Optional[float]:
     """Device operations (kernels, copies, fills) one call enqueues, as CUPTI records them (``torch.profiler``);
     None where the profiler records nothing or cannot run (reported as undefined, not as a count)."""
@@ -239,6 +255,7 @@ def bench_api(dt_name: str, n: int, shape: dict[str, int], conv: tuple, device: 
         out[f"api_{op}_{p}_ms"] = ms
         out[f"api_{op}_{p}_vs_copy"] = copy_ms / ms
         out[f"api_{op}_{p}_host_us"] = host_us_per_call(fn, 3 * k)
+        out[f"api_{op}_{p}_host_us_idle"] = host_us_per_call_idle(fn, 3 * k)
         bound, ordinary = launch.stats["fast"] - bound0, launch.stats["ordinary"] - ordinary0
         # kernels.launch.Bound's path; undefined where no launch went through Bound (a torch path)
         out[f"api_{op}_{p}_bound_launch_share"] = bound / (bound + ordinary) if bound + ordinary else None
@@ -388,8 +405,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     def progress(what: str, got: dict[str, float]) -> None:  # a run cut short still shows what it measured
         print(f"[{time.perf_counter() - t_start:6.1f} s] {what}: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in got.items() if k.endswith(("vs_copy", "host_us", "bit_exact", "_per_call",
-                                                                 "_share"))), flush=True)
+            f"{k} {v:.3f}" for k, v in got.items() if k.endswith(("vs_copy", "host_us", "host_us_idle", "bit_exact",
+                                                                 "_per_call", "_share"))), flush=True)
 
     if "kernels" in args.parts:
         for dt in args.dtypes:
