@@ -48,8 +48,11 @@ class FiniteFlags:
         self._cpu = device.type == "cpu"
         self._landed: dict[int, bool] = {}  # CPU: the flags of stores sent but not yet polled
         # Stores whose flags are not known yet: (event after their kernels, their slots). A slot is in one
-        # entry at most (a newer store of it supersedes), and leaves it when it is freed.
+        # entry at most (a newer store of it supersedes), and leaves it when it is freed; ``_where`` maps
+        # each such slot to its entry's set, so that a store or a free costs its own slots, not a walk over
+        # every store in flight (an owner that polls rarely had each call pay for all of them).
         self._pending: list[tuple[Any, set[int]]] = []
+        self._where: dict[int, set[int]] = {}
 
     def arm(self, slots: Any) -> int:
         """Before a store into ``slots`` (a host int64 array, or a CPU tensor): the store's mark, which its
@@ -69,7 +72,10 @@ class FiniteFlags:
         if event is None:
             event = dev.new_event(self.device)
             event.record(dev.current_stream(self.device))
-        self._pending.append((event, set(slots)))
+        pend = set(slots)
+        self._pending.append((event, pend))
+        for s in pend:
+            self._where[s] = pend
 
     def poll(self, wait_for: Optional[Iterable[int]] = None) -> dict[int, bool]:
         """Slot -> whether its last store was all finite, for the stores whose flags are final (and those of
@@ -78,7 +84,7 @@ class FiniteFlags:
         if self._cpu:  # every store sent has landed
             landed, self._landed = self._landed, {}
             return landed
-        if want and not any(want & slots for _, slots in self._pending):
+        if want and not any(s in self._where for s in want):
             want = set()
         out: dict[int, bool] = {}
         keep: list[tuple[Any, set[int]]] = []
@@ -91,12 +97,14 @@ class FiniteFlags:
                 event.synchronize()  # waits for this store only
             want -= slots
             out.update((s, bool(flags[s] != expect[s])) for s in sorted(slots))
+            for s in slots:
+                del self._where[s]
         self._pending = [e for e in keep if e[1]]
         return out
 
     def pending(self, slot: int) -> bool:
         """Whether the finiteness of ``slot``'s last store is not known on the host yet."""
-        return slot in self._landed or any(slot in slots for _, slots in self._pending)
+        return slot in self._landed or slot in self._where
 
     def forget(self, slots: Iterable[int]) -> None:
         """Freed slots: their pending results are dropped (a later store of them starts afresh)."""
@@ -106,12 +114,14 @@ class FiniteFlags:
                 for s in slots:
                     landed.pop(s, None)
             return
-        drop = set(slots)
-        if drop and self._pending:
-            for _, pend in self._pending:
-                pend -= drop
-            self._pending = [e for e in self._pending if e[1]]
+        where = self._where
+        if where:
+            for s in slots:
+                pend = where.pop(s, None)
+                if pend is not None:
+                    pend.discard(s)  # an entry left empty is dropped by the next poll
 
     def clear(self) -> None:
         self._pending.clear()
+        self._where.clear()
         self._landed.clear()
