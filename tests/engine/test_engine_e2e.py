@@ -633,25 +633,60 @@ def test_stress_command_smoke(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-def skip_if_fla(model) -> None:
-    """Exact equality holds for transformers' fp32 torch gated-delta implementation, which the GPU run
-    (scripts/gpu_run.sh) uses. With flash-linear-attention installed, transformers 5.17 runs its Triton
-    kernels, whose dot products are TF32: there a lossless cached run drifted 1.7e-2 from the no-cache
-    run (both deterministic; H200, 2026-11-30), so the comparison would test fla, not the cache."""
-    from benchmarks.bench_workload import gated_delta_impl
+def _torch_gated_delta(monkeypatch) -> None:
+    """The model's gated-delta and conv functions on their fp32 torch implementations for one test. Exact
+    equality holds there; flash-linear-attention's Triton kernels (which transformers picks where fla is
+    installed, as on the GPU machine) compute in TF32, and there a lossless cached run drifted 1.7e-2 from
+    the no-cache run (both deterministic; H200, 2026-11-30): the comparison would test fla, not the cache.
+    transformers' wrappers keep the torch function as ``__wrapped__``; the split forward's wrapper (if an
+    engine installed it) is taken off too, and put back over the torch function by the next engine."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as mod
 
-    impl = gated_delta_impl(model)
-    if impl.startswith("fla"):
-        pytest.skip(f"gated delta runs {impl} (TF32): exact equality needs the fp32 torch implementation")
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        fn = getattr(mod, name)
+        fn = getattr(fn, "__tiered_cache_split__", fn)
+        monkeypatch.setattr(mod, name, getattr(fn, "__wrapped__", fn))
+
+
+@pytest.fixture
+def torch_gated_delta(monkeypatch):
+    _torch_gated_delta(monkeypatch)
+
+
+def test_torch_gated_delta_takes_every_wrapper_off(qwen_long):
+    """What the fixture ``torch_gated_delta`` of the CUDA equality tests does, checked on the CPU: after an
+    engine's split forward wrapped the functions, each is the bare torch function for the test (no
+    transformers wrapper, no split wrapper), until the next engine wraps it again."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as mod
+
+    from tiered_cache.engine.runner import split_forward
+
+    split_forward.install(qwen_long)
+    assert hasattr(mod.torch_chunk_gated_delta_rule, "__tiered_cache_split__")
+    mp = pytest.MonkeyPatch()
+    try:
+        _torch_gated_delta(mp)
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                     "causal_conv1d_update"):
+            fn = getattr(mod, name)
+            assert not hasattr(fn, "__wrapped__") and not hasattr(fn, "__tiered_cache_split__"), name
+            assert fn.__module__ == mod.__name__ and fn.__name__ == name
+    finally:
+        mp.undo()
+    assert hasattr(mod.torch_chunk_gated_delta_rule, "__tiered_cache_split__")  # put back
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True, "all"], ids=["eager", "decode-graphs", "decode-and-prefill-graphs"])
-def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs):
+def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs, torch_gated_delta):
     """Through every tier on the GPU, and (``decode_graphs``) with decode steps replayed as CUDA graphs,
-    and ("all") the prefill forwards' chunk rule too (``prefill_graphs``)."""
+    and ("all") the prefill forwards' chunk rule too (``prefill_graphs``); the gated delta on its torch
+    implementation (``torch_gated_delta``), whether or not fla is installed."""
+    from benchmarks.bench_workload import gated_delta_impl
+
     model = tiny_qwen3_next(seed=0, long_memory=True, device="cuda")
-    skip_if_fla(model)
+    assert not gated_delta_impl(model).startswith("fla"), gated_delta_impl(model)
     torch.backends.cuda.matmul.allow_tf32 = False
     base = run_workload(Engine(model, NO_CACHE), WL, record_logits=True)
     e, got = run_checked(model, EngineConfig(cache=CacheConfig(codec="lossless", **SMALL, **HOST),
