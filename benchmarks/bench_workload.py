@@ -13,6 +13,14 @@ compared with the no-cache run's (``argmax_agreement_vs_nocache``: the correctne
 states may flip near-ties). Writes ``workload-<device>.json`` / ``.md`` and one PNG chart per
 workload (``workload-<name>-<device>.png``). On a GPU, says which gated-delta implementation
 ``transformers`` runs (flash-linear-attention when it imports, else its torch fallback).
+
+Order: before any timed run, every run that will be timed (each configuration, each ``--eviction-policies``
+run) serves the same requests once, untimed, on a fresh engine of its own (the warm pass; off with
+``--no-warm-each``): the first run of a kind pays compiles and autotuning at its own shapes, which a fixed
+order left to the same configuration in every repeat (the H200's Mooncake policy replay, 2026-12-02: LRU,
+run first, 54.6 s; the same configuration as (4) of the main replay 38.3 s). The timed runs' order then
+rotates between repeats (``wc.rotated``), written into the JSON (each row's ``order``: its position in each
+repeat; ``info.workloads.<w>.repeat_orders``).
 """
 
 from __future__ import annotations
@@ -335,7 +343,7 @@ def policy_ratios(s: dict[str, dict[str, float]], configs: list[str], policies: 
                 if {f"{c}_{p}", f"{c}_lru"} & set(fell_back):
                     invalid += [f"{c}_{k}"] + ([k] if i == 0 else [])
                 elif top is not None and base is not None and top[metric] is not None and base[metric] is not None:
-                    num, den = (base[metric], top[metric]) if kind == "speedup" else (top[metric], base[metric])
+                    num, den = wc.ratio_sides(kind, top[metric], base[metric])
                     v = num / den if den else None  # undefined: JSON has no inf
                 out[f"{c}_{k}"] = v
                 if i == 0:
@@ -355,16 +363,14 @@ def undefined_ratios(results: list[dict]) -> dict[str, dict]:
         rt = r["ratios"]
         for k, (top, base, metric, kind) in RATIOS.items():
             if k in rt and rt[k] is None and k not in rt.get("invalid", []):
-                num, den = (f"{metric}_{base}", f"{metric}_{top}") if kind == "speedup" else \
-                    (f"{metric}_{top}", f"{metric}_{base}")
+                num, den = wc.ratio_sides(kind, f"{metric}_{top}", f"{metric}_{base}")
                 out[f"{r['name']}_{k}"] = {"numerator": rt.get(num), "denominator": rt.get(den)}
         for c in r.get("policies", {}).get("configs", []):  # --eviction-policies: each policy against LRU
             for p in r["policies"]["policies"]:
                 for name, (metric, kind) in POLICY_RATIOS.items():
                     k = f"{c}_{name}_{p}_vs_lru"
                     if p != "lru" and rt.get(k, 0) is None and k not in rt.get("invalid", []):
-                        num, den = (f"{metric}_{c}_lru", f"{metric}_{c}_{p}") if kind == "speedup" else \
-                            (f"{metric}_{c}_{p}", f"{metric}_{c}_lru")
+                        num, den = wc.ratio_sides(kind, f"{metric}_{c}_{p}", f"{metric}_{c}_lru")
                         out[f"{r['name']}_{k}"] = {"numerator": rt.get(num), "denominator": rt.get(den)}
     return out
 
@@ -380,8 +386,7 @@ def ratios(s: dict[str, dict[str, float]], fell_back: Collection[str] = ()) -> d
     for k, (top, base, metric, kind) in RATIOS.items():
         if top not in s or base not in s:
             continue
-        a, b = s[top][metric], s[base][metric]
-        num, den = (b, a) if kind == "speedup" else (a, b)
+        num, den = wc.ratio_sides(kind, s[top][metric], s[base][metric])
         if top in fell_back or base in fell_back:
             out[k] = None
             invalid.append(k)
@@ -604,12 +609,14 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     print(f"   budget: GPU {sec['gpu_budget_mib']} MiB, host {sec['host_budget_mib']} MiB -> "
           + "; ".join(f"{c}: {', '.join(f'{k}={v}' for k, v in t.items() if k != 'codec')}"
                       for c, t in tiers.items() if c != "no_cache"))
-    if not minfo["warm"]:
-        # First-call costs (kernel compiles and autotuning, allocator growth) paid once per model, outside
-        # every configuration's clock, at the workload's own shapes: Triton kernels autotune per shape, and
-        # a warm-up on short prompts left fla's first full-size chunk to the first configuration's clock
-        # (10 s of the no-cache run on the H200, 2026-11-30). As many requests as run at once, twice
-        # (misses, then hits through every tier), two tokens each.
+    if not minfo["warm"] and not args.warm_each:
+        # --no-warm-each: first-call costs (kernel compiles and autotuning, allocator growth) paid once per
+        # model, outside every configuration's clock, at the workload's own shapes: Triton kernels autotune
+        # per shape, and a warm-up on short prompts left fla's first full-size chunk to the first
+        # configuration's clock (10 s of the no-cache run on the H200, 2026-11-30). As many requests as run
+        # at once, twice (misses, then hits through every tier), two tokens each. Through (4) only: the
+        # first timed run of another kind still pays its own (the warm pass below, on by default, does not
+        # need this one).
         if args.trace:
             few = [wc.TraceItem(0.0, it.prompt, it.answer[:2]) for it in items[:e["max_running"]]]
             warm = lambda eng, done: wc.drive_trace(eng, few + few, done)  # noqa: E731
@@ -676,43 +683,56 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                 "graph_decoder": {c: last[c].get("graph_decoder") for c in configs},
                 "graph_prefill": {c: last[c].get("graph_prefill") for c in configs},
                 "engine_counts": {c: last[c].get("engine_counts") for c in configs}, "sweep": sweep,
-                "budget_sweep": budget_sweep}
+                "budget_sweep": budget_sweep, "orders": list(orders), "warm_pass_s": warm_s}
 
     configs = [c for c in wc.CONFIGS if c in args.configs]
-    # --eviction-policies: each of --policy-configs once per policy in every repeat, after the configurations
+    # --eviction-policies: each of --policy-configs once per policy in every repeat, beside the configurations
     pol_configs = list(dict.fromkeys(args.policy_configs)) if args.eviction_policies else []
     pol_runs = [(c, p) for c in pol_configs for p in args.eviction_policies]
+    # every timed run of a repeat by key (a configuration, or ``<config>_<policy>``): its configuration, the
+    # tiers' shared settings (a policy run: the same budgets and requests, eviction policy and admission
+    # changed) and its label
+    runs = {c: (c, cache, wc.LABELS[c]) for c in configs}
+    runs.update({f"{c}_{p}": (c, policy_cache(cache, p), f"{wc.LABELS[c]} [{p}]") for c, p in pol_runs})
+    keys = list(runs)
+
+    def timed(key: str, lab: str, progress: bool, timeline: bool = False) -> dict:
+        c, cc, _ = runs[key]
+        return run_config(model, engine_config(serve, cc, tiers[c]), drive_for(w), n_req, lab, progress, timeline)
+
+    warm_s: dict[str, float] = {}
+    if args.warm_each:  # first-call costs (module docstring), each run's own shapes, outside every clock
+        for key in keys:
+            lab = f"{label} {runs[key][2]} (warm pass)"
+            warm_s[key] = timed(key, lab, False)["wall_s"]
+            print(f"   {lab}: {warm_s[key]:.1f} s, untimed")
     reps: list[dict] = []
+    orders: list[list[str]] = []
     for rep in range(args.repeats):
         raw: dict[str, dict] = {}
         tag = f" #{rep + 1}" if args.repeats > 1 else ""
-        for cname in configs:
-            ecfg = engine_config(serve, cache, tiers[cname])
-            lab = f"{label} {wc.LABELS[cname]}{tag}"
+        orders.append(wc.rotated(keys, rep))
+        for key in orders[-1]:
+            lab = f"{label} {runs[key][2]}{tag}"
             timeline = bool(args.timeline) and rep == 0
             if args.profile and rep == 0:  # where the time goes: cProfile per configuration (a development aid)
                 import cProfile
                 import pstats
 
                 prof = cProfile.Profile()
-                raw[cname] = prof.runcall(run_config, model, ecfg, drive_for(w), n_req, lab, False, timeline)
+                raw[key] = prof.runcall(timed, key, lab, False, timeline)
                 os.makedirs(args.profile, exist_ok=True)
-                with open(os.path.join(args.profile, f"profile-{label}-{cname}.txt"), "w") as f:
+                with open(os.path.join(args.profile, f"profile-{label}-{key}.txt"), "w") as f:
                     for k in ("tottime", "cumulative"):
                         pstats.Stats(prof, stream=f).sort_stats(k).print_stats(45)
             else:
-                raw[cname] = run_config(model, ecfg, drive_for(w), n_req, lab, args.progress, timeline=timeline)
-            ran(lab, raw[cname])
+                raw[key] = timed(key, lab, args.progress, timeline)
+            ran(lab, raw[key])
             if timeline:
                 os.makedirs(args.timeline, exist_ok=True)
-                with open(os.path.join(args.timeline, f"timeline-{label}-{cname}.json"), "w") as f:
-                    json.dump(raw[cname]["timeline"], f)
-        raw_p: dict[str, dict] = {}
-        for c, pol in pol_runs:  # the same budgets and requests, eviction policy (and its admission) changed
-            raw_p[f"{c}_{pol}"] = st = run_config(model, engine_config(serve, policy_cache(cache, pol), tiers[c]),
-                                                  drive_for(w), n_req, f"{label} {wc.LABELS[c]} [{pol}]{tag}",
-                                                  args.progress)
-            ran(f"{label} {wc.LABELS[c]} [{pol}]{tag}", st)
+                with open(os.path.join(args.timeline, f"timeline-{label}-{key}.json"), "w") as f:
+                    json.dump(raw[key]["timeline"], f)
+        raw_p = {k: raw.pop(k) for k in keys if k not in configs}
         s_rep = {c: summarize(raw[c], raw.get("no_cache") if c != "no_cache" else None) for c in configs}
         s_pol = {k: summarize(st, raw.get("no_cache")) for k, st in raw_p.items()}
         fb = {c: why for c, st in {**raw, **raw_p}.items() if (why := fell_back(st))}
@@ -858,13 +878,16 @@ def chart_sweep(path: str, res: dict) -> None:
 
 
 def _row(workload: str, c: str, s: dict, fell: Optional[dict] = None, answer: Optional[int] = None,
-         label: Optional[str] = None) -> dict:
+         label: Optional[str] = None, orders: Optional[list[list[str]]] = None) -> dict:
     """One table row: configuration ``c``'s summary ``s`` (a main run's or a sweep point's; ``label``: a
     policy run's name, else the configuration's); ``valid`` is "no" where it fell back to eager calls
-    (``fell``: the fallbacks of its run)."""
+    (``fell``: the fallbacks of its run); ``order``: its place among the timed runs of each repeat
+    (``orders``: each repeat's keys in the order they ran; 1 = first), "-" for a sweep point (one run,
+    after the repeats)."""
     return {"workload": workload, "answer": "-" if answer is None else (f"{answer} (prefill-node)" if answer <= 8
                                                                         else answer),
             "config": label or wc.LABELS[c], "valid": "no (fell back)" if fell and c in fell else "yes",
+            "order": ",".join(str(o.index(c) + 1) for o in orders) if orders else "-",
             "hit_rate": s["hit_rate"], "T0_kv": s["hit_rate_t0"], "T2_kv": s["hit_rate_t2"],
             "states T1/T2/miss": f"{s['hits_t1_states']:g}/{s['hits_t2_states']:g}/{s['state_misses']:g}",
             "saved_tokens": s["prefill_tokens_saved"], "ttft_p50_ms": 1000 * (s["ttft_p50_s"] or 0),
@@ -893,12 +916,12 @@ def collect(results: list[dict]) -> tuple[dict[str, float], list[dict]]:
             for k, v in res["summary"][c].items():
                 if v is not None and (k in METRICS or k.startswith("phase_")):
                     metrics[f"{name}_{c}_{k}"] = v
-            rows.append(_row(name, c, res["summary"][c], res["fell_back"], res.get("answer")))
+            rows.append(_row(name, c, res["summary"][c], res["fell_back"], res.get("answer"), orders=res["orders"]))
         pol = res.get("policies") or {}
         for c, s in pol.get("summary", {}).items():  # --eviction-policies: <workload>_<config>_<policy>_*
             metrics.update({f"{name}_{c}_{k}": v for k, v in s.items()
                             if v is not None and (k in METRICS or k.startswith("phase_"))})
-            rows.append(_row(name, c, s, res["fell_back"], res.get("answer"), pol["labels"][c]))
+            rows.append(_row(name, c, s, res["fell_back"], res.get("answer"), pol["labels"][c], res["orders"]))
         eff = res.get("efficiency")
         if eff:
             metrics.update({f"{name}_no_cache_{k}": eff[k] for k in ("prefill_tokens_per_s", "model_flops_per_s",
@@ -935,6 +958,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
     metrics["state_bytes_per_request_native"] = float(results[0]["tier_bytes"]["state_native"])
     repeats = min(r["repeats"] for r in results)  # fewer than asked in a file written part way
     metrics["repeats"] = float(repeats)
+    metrics["warm_each"] = float(args.warm_each)
     metrics["total_s"] = time.perf_counter() - t_start
     invalid = {r["name"]: r["ratios"].get("invalid", []) for r in results if r["ratios"].get("invalid")}
     for r in results:
@@ -952,8 +976,14 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
              "tokens; TTFT from arrival (Poisson, asyncio-throttle) incl. queueing. Throughput "
              "(`throughput_vs_*`, req_per_s) is the whole run's: requests / wall time, as SGLang's bench_multiturn "
              "reports it; `*_round3plus_*` (req_per_s_r3+) is the steady window beside it. "
-             f"{repeats} repeat(s), configurations interleaved: each ratio is the median of the repeats' "
-             "with `_min` / `_max`; table rows are per-metric medians. (1)'s own efficiency: "
+             f"{repeats} repeat(s), configurations interleaved, repeat r starting at the (r mod n)-th timed run "
+             "(rows' `order`: the place in each repeat): each ratio is the median of the repeats' "
+             "with `_min` / `_max`; table rows are per-metric medians. "
+             + ("Warm pass (warm_each true): every timed run first served the same requests once, untimed, on a "
+                "fresh engine (info.workloads.<w>.warm_pass_s). " if args.warm_each else
+                "No warm pass (warm_each false, --no-warm-each): one warm-up through (4) per model; a timed run "
+                "that is the first of its kind pays its first-call costs (order effects remain). ")
+             + "(1)'s own efficiency: "
              "`<workload>_no_cache_prefill_tokens_per_s` and `_mfu` (model FLOPs from the geometry, "
              "benchmarks/bench_workload.py prefill_flops; peak "
              + (f"{peak / 1e12:.0f} TFLOP/s dense bf16). " if peak else "unknown here, MFU undefined). ")
@@ -972,7 +1002,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
     keep = ("workload", "engine", "model", "gpu_budget_mib", "host_budget_mib")
     record["info"] = {"undefined_ratios": undefined_ratios(results), "invalid_comparisons": invalid,
                       "fell_back": {r["name"]: r["fell_back"] for r in results if r["fell_back"]},
-                      "scale": args.scale, "environment": env, "repeats": repeats,
+                      "scale": args.scale, "environment": env, "repeats": repeats, "warm_each": bool(args.warm_each),
                       "gated_delta": gd, "models": model_info,
                       "decode_batch_flag": bool(args.decode_batch),
                       "state_admission": args.admission,
@@ -983,6 +1013,7 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
                       "workloads": {r["name"]: {**{k: r["section"][k] for k in keep}, "tiers": r["tiers"],
                                                 "tier_bytes": r["tier_bytes"], "longest_request": r["longest_request"],
                                                 "answer": r["answer"], "trace": r["trace"],
+                                                "repeat_orders": r["orders"], "warm_pass_s": r["warm_pass_s"],
                                                 "no_cache_efficiency": r["efficiency"],
                                                 "budget_sweep_tiers": {f"{p['gpu_mib']:g}": p["tiers"]
                                                                        for p in r["budget_sweep"]},
@@ -1034,7 +1065,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="the configurations of the --rates runs")
     p.add_argument("--repeats", type=int, default=3,
                    help="run every configuration this many times, interleaved; each ratio is the median with "
-                        "_min / _max (default 3: the headline)")
+                        "_min / _max (default 3: the headline). Repeat r starts at the (r mod n)-th of the n "
+                        "timed runs (the configurations, then the policy runs): no run is first in every repeat")
+    p.add_argument("--no-warm-each", dest="warm_each", action="store_false",
+                   help="skip the warm pass: by default every timed run (each --configs entry and each "
+                        "--eviction-policies run) first serves the same requests once, untimed, on a fresh engine, "
+                        "so that no timed run pays first-call costs (compiles, autotuning at its own shapes, "
+                        "pinned allocations) that another was spared. Halves the run time; order effects then "
+                        "remain (only a warm-up through (4) runs first)")
     p.add_argument("--answers", nargs="+", type=int, default=None, metavar="N",
                    help="run each workload with answers of these lengths instead of its file's (e.g. 64 8 256: the "
                         "first is the headline; 8 is labelled the prefill-node case); results <workload>_ans<N>_*")

@@ -120,6 +120,27 @@ def split_budget(b: TierBytes, gpu_bytes: int, host_bytes: int, max_running: int
     return {c: out[c] for c in CONFIGS}
 
 
+# ------------------------------------------------------------------------------------------ runs
+def ratio_sides(kind: str, top, base) -> tuple:
+    """(numerator, denominator) of a comparison of configuration ``top`` against its baseline ``base``
+    (values, or the names of their values): ``speedup`` is base / top (a time: less is better), ``gain``
+    top / base (a rate or share: more is better)."""
+    if kind not in ("speedup", "gain"):
+        raise ValueError(f"kind: expected 'speedup' or 'gain', got {kind!r}")
+    return (base, top) if kind == "speedup" else (top, base)
+
+
+def rotated(keys: list[str], rep: int) -> list[str]:
+    """The order of the timed runs ``keys`` in repeat ``rep`` (0-based): started at the ``rep mod n``-th, so
+    that over ``n`` repeats each run is first once. The first timed run of a kind paid first-call costs that
+    a fixed order left to the same configuration in every repeat (the warm pass pays them; the rotation
+    keeps what it misses from favouring one side)."""
+    if not keys:
+        return []
+    r = rep % len(keys)
+    return keys[r:] + keys[:r]
+
+
 # ------------------------------------------------------------------------------------------ requests
 @dataclasses.dataclass
 class ClientPlan:
