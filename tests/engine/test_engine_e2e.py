@@ -24,6 +24,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.support.torch_kernels import bare_torch_kernels  # noqa: E402
 from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.engine import tiny_qwen3_next, tiny_swa_model  # noqa: E402
 from tiered_cache.engine.config import EngineConfig  # noqa: E402
@@ -633,31 +634,10 @@ def test_stress_command_smoke(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-def _torch_gated_delta(monkeypatch) -> None:
-    """The model's gated-delta and conv functions on their fp32 torch implementations for one test. Exact
-    equality holds there; flash-linear-attention's Triton kernels (which transformers picks where fla is
-    installed, as on the GPU machine) compute in TF32, and there a lossless cached run drifted 1.7e-2 from
-    the no-cache run (both deterministic; H200, 2026-11-30): the comparison would test fla, not the cache.
-    transformers' wrappers keep the torch function as ``__wrapped__``; the split forward's wrapper (if an
-    engine installed it) is taken off too, and put back over the torch function by the next engine."""
-    import transformers.models.qwen3_next.modeling_qwen3_next as mod
-
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                 "causal_conv1d_update"):
-        fn = getattr(mod, name)
-        fn = getattr(fn, "__tiered_cache_split__", fn)
-        monkeypatch.setattr(mod, name, getattr(fn, "__wrapped__", fn))
-
-
-@pytest.fixture
-def torch_gated_delta(monkeypatch):
-    _torch_gated_delta(monkeypatch)
-
-
-def test_torch_gated_delta_takes_every_wrapper_off(qwen_long):
-    """What the fixture ``torch_gated_delta`` of the CUDA equality tests does, checked on the CPU: after an
-    engine's split forward wrapped the functions, each is the bare torch function for the test (no
-    transformers wrapper, no split wrapper), until the next engine wraps it again."""
+def test_bare_torch_kernels_takes_every_wrapper_off(qwen_long):
+    """What the CUDA equality tests below rely on (``tests/support/torch_kernels``), checked on the CPU:
+    after an engine's split forward wrapped the functions, each kernel-routed one is the bare torch
+    function for the test (no transformers wrapper, no split wrapper), and is put back after it."""
     import transformers.models.qwen3_next.modeling_qwen3_next as mod
 
     from tiered_cache.engine.runner import split_forward
@@ -666,9 +646,11 @@ def test_torch_gated_delta_takes_every_wrapper_off(qwen_long):
     assert hasattr(mod.torch_chunk_gated_delta_rule, "__tiered_cache_split__")
     mp = pytest.MonkeyPatch()
     try:
-        _torch_gated_delta(mp)
-        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                     "causal_conv1d_update"):
+        done = bare_torch_kernels(mp, qwen_long)
+        names = {d.rsplit(".", 1)[1] for d in done}
+        assert {"torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                "causal_conv1d_update"} <= names, done
+        for name in names:
             fn = getattr(mod, name)
             assert not hasattr(fn, "__wrapped__") and not hasattr(fn, "__tiered_cache_split__"), name
             assert fn.__module__ == mod.__name__ and fn.__name__ == name
@@ -679,13 +661,14 @@ def test_torch_gated_delta_takes_every_wrapper_off(qwen_long):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True, "all"], ids=["eager", "decode-graphs", "decode-and-prefill-graphs"])
-def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs, torch_gated_delta):
+def test_lossless_multi_turn_equals_no_cache_on_cuda(graphs, monkeypatch):
     """Through every tier on the GPU, and (``decode_graphs``) with decode steps replayed as CUDA graphs,
     and ("all") the prefill forwards' chunk rule too (``prefill_graphs``); the gated delta on its torch
-    implementation (``torch_gated_delta``), whether or not fla is installed."""
+    implementation (``bare_torch_kernels``), whether or not fla is installed."""
     from benchmarks.bench_workload import gated_delta_impl
 
     model = tiny_qwen3_next(seed=0, long_memory=True, device="cuda")
+    bare_torch_kernels(monkeypatch, model)
     assert not gated_delta_impl(model).startswith("fla"), gated_delta_impl(model)
     torch.backends.cuda.matmul.allow_tf32 = False
     base = run_workload(Engine(model, NO_CACHE), WL, record_logits=True)

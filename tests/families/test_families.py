@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.support.torch_kernels import bare_torch_kernels  # noqa: E402
 from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.engine import kinds as kinds_mod  # noqa: E402
 from tiered_cache.engine.config import EngineConfig  # noqa: E402
@@ -101,9 +102,11 @@ GPU_CASES = [(f, "prefill" if f in GDN else "static") for f in STATE] + [(f, "al
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family, path", GPU_CASES, ids=[f"{f}-{p}" for f, p in GPU_CASES])
-def test_lossless_on_the_gpu_equals_no_cache(family, path):
+def test_lossless_on_the_gpu_equals_no_cache(family, path, monkeypatch):
     """The same on CUDA, decoding through captured CUDA graphs (and prefill graphs for gated delta-net)
-    where the family has no sliding layers; transformers' torch kernels (no fla, no mamba_ssm)."""
+    where the family has no sliding layers; transformers' torch kernels (``bare_torch_kernels``: fla or
+    mamba_ssm, where installed, set aside for the test, its baseline included)."""
+    bare_torch_kernels(monkeypatch, model_of(family, "cuda"))
     check_lossless(family, path, "cuda")
     if path != "alone":
         dec = _last_engine[0].runner.graph_decoder
