@@ -540,11 +540,12 @@ def trace_plan(args: argparse.Namespace, vocab: int, rate: float) -> list:
 def run_workload(name: str, args: argparse.Namespace, device: torch.device, models: dict,
                  answer: Optional[int] = None, on_repeat: Optional[Callable[[dict], Any]] = None) -> dict:
     """One workload (its model, engine and budgets from ``workloads/<name>.json``) under every
-    configuration, ``--repeats`` times (the configurations interleaved within each repeat), plus the
-    ``--rates`` and ``--gpu-budgets`` sweeps (one run a point). ``answer``: its answers' length instead of
-    the file's. ``on_repeat``: called with the result so far after each repeat (``main`` writes it). With
-    ``--trace``: the trace's requests instead of the file's clients (model, engine and budgets still the
-    file's)."""
+    configuration, ``--repeats`` times (the configurations interleaved within each repeat, the order rotated
+    between repeats; before the first, each timed run's warm pass unless ``--no-warm-each``), plus the
+    ``--rates`` and ``--gpu-budgets`` sweeps (one run a point, after the repeats). ``answer``: its answers'
+    length instead of the file's. ``on_repeat``: called with the result so far after each repeat (``main``
+    writes it). With ``--trace``: the trace's requests instead of the file's clients (model, engine and
+    budgets still the file's)."""
     from tiered_cache.engine.model_specs import spec_for
 
     sec = _load(name, args, answer)
