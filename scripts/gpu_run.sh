@@ -11,7 +11,9 @@
 #   the tests keep transformers' fp32 torch gated delta. bench_workload also needs asyncio-throttle (its
 #   Poisson arrival clock), which the GPU machine cannot download: put its wheel in .whl/ beside the
 #   flash-linear-attention ones (pip download asyncio-throttle -d .whl); without it the benchmark is skipped
-#   with that message. WORKLOAD_TIMEOUT: its time limit in seconds (default 540).
+#   with that message. WORKLOAD_TIMEOUT: its time limit in seconds (default 540; bench_workload serves each
+#   configuration once untimed before timing it, about twice the time of a run without: add --no-warm-each
+#   to WORKLOAD_ARGS where it would not fit, and order effects then remain).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
