@@ -61,9 +61,12 @@ class FakeKernel:
 
 @pytest.fixture
 def compiled_mode(monkeypatch):
-    """Launches as on a GPU (no interpreter), the driver's stream 1234 on device 0."""
+    """Launches as on a GPU (no interpreter), the driver's stream ``1234 + device`` on the current device,
+    ``current[0]`` (0; a test sets another to switch devices)."""
+    current = [0]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(launch, "_driver_getters", lambda: ((lambda dev: 1234 + dev), lambda: 0))
+    monkeypatch.setattr(launch, "_driver_getters", lambda: ((lambda dev: 1234 + dev), lambda: current[0]))
+    return current
 
 
 def test_bound_binds_once_per_class_and_passes_the_arguments_in_signature_order(compiled_mode):
@@ -142,6 +145,80 @@ def test_bound_launches_ordinarily_under_a_launch_hook_or_the_interpreter(compil
     for n in (2, 2):
         b((n,), ids[:n], n)
     assert [e[0] for e in k.log] == ["ordinary", "fast"]
+
+
+def test_bound_keeps_a_compiled_kernel_per_device(compiled_mode):
+    """A kernel compiled (and loaded) on one device is never launched on another's stream: the current device
+    is part of the key, so the first call of a class on device 1 compiles there, and later ones go to device 1's
+    stream with its own kernel."""
+    k = FakeKernel(accept={5})
+    ids = torch.zeros(8, dtype=torch.int64)
+    b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
+    b((2,), ids[:2], 2)
+    b((3,), ids[:3], 3)
+    compiled_mode[0] = 1
+    b((4,), ids[:4], 4)
+    b((5,), ids[:5], 5)
+    compiled_mode[0] = 0
+    b((6,), ids[:6], 6)
+    assert [e[0] for e in k.log] == ["ordinary", "fast", "ordinary", "fast", "fast"]
+    assert [e[3] for e in k.log if e[0] == "fast"] == [1234, 1235, 1234]  # each on its device's stream
+    assert len(b._classes) == 2 and {key[0] for key in b._classes} == {0, 1}
+
+
+def test_a_hook_set_after_binding_sees_every_launch(compiled_mode, monkeypatch):
+    """The hooks are read at every call: bound launches stop while one is set (each call launches ordinarily,
+    for the profiler to see) and resume when it is removed, with the kernel bound before."""
+    hooked = [False]
+    monkeypatch.setattr(launch, "_hooks_set", lambda: hooked[0])
+    k = FakeKernel(accept={5})
+    ids = torch.zeros(8, dtype=torch.int64)
+    b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
+    for n, hook in ((2, False), (3, False), (4, True), (5, True), (6, False)):
+        hooked[0] = hook
+        b((n,), ids[:n], n)
+    assert [(e[0], e[2]) for e in k.log] == [("ordinary", (2,)), ("fast", (3, 1, 1)), ("ordinary", (4,)),
+                                             ("ordinary", (5,)), ("fast", (6, 1, 1))]
+    k = FakeKernel(accept={5})  # a hook set at the first call: nothing bound then, bound once it is gone
+    b = launch.Bound(k, [None, None, 2.0], dict(BLOCK=8), ("a_ptr", "N"))
+    for n, hook in ((2, True), (3, False), (4, False)):
+        hooked[0] = hook
+        b((n,), ids[:n], n)
+    assert [e[0] for e in k.log] == ["ordinary", "ordinary", "fast"]
+
+
+def test_hooks_set_reads_tritons_hooks_now():
+    knobs = pytest.importorskip("triton.knobs")
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps one hook, not a chain")
+
+    def hook(*args):
+        pass
+
+    assert not launch._hooks_set()
+    chain.add(hook)
+    try:
+        assert launch._hooks_set()
+    finally:
+        chain.remove(hook)
+    assert not launch._hooks_set()
+
+
+def test_launch_key_is_the_device_and_each_values_class():
+    t = torch.zeros(4, dtype=torch.int64)
+    plain = (False, False, True)
+    vals, key = launch.launch_key(3, (t, 17, 5), plain)
+    assert vals == [t.data_ptr(), 17, 5]
+    assert key == (3, launch._spec_class(t), launch._spec_class(17), launch._spec_class(5, plain=True))
+    assert launch.launch_key(4, (t, 17, 5), plain)[1] != key  # another device
+    for mark in (1, 16, 2**31 - 1):  # a plain int: its range only
+        assert launch.launch_key(3, (t, 17, mark), plain)[1] == key
+    assert launch.launch_key(3, (t, 17, 2**40), plain)[1] != key
+    spec = (False, False, False)  # specialized: 5 and 6 share a class, 1 and 16 each have their own
+    assert launch.launch_key(3, (t, 17, 5), spec)[1] == launch.launch_key(3, (t, 17, 6), spec)[1]
+    assert len({launch.launch_key(3, (t, 17, v), spec)[1] for v in (5, 1, 16)}) == 3
+    assert launch.launch_key(3, (t[1:], 17, 5), plain)[1] != key  # a pointer off 16-byte alignment
 
 
 def test_spec_class_separates_what_triton_specializes_on():

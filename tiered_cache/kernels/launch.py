@@ -7,19 +7,21 @@ one to a few states is shorter than that on the GPU, and its arguments are the s
 the id pointers and the state count: a ``T0`` side's views and T1's buffers never move.
 
 ``Bound`` takes the fixed arguments once and the varying ones per call. The first call of each
-*specialization class* of the varying values (``_spec_class``: what Triton would specialize on) goes
-through the ordinary launch, which compiles or finds the kernel; later calls of that class hand the
-compiled kernel's launcher the stored argument list with the varying values put in (tensors as their
-pointers). The class is at least as fine as Triton's own key, so a compiled kernel is only reused for
-values it was compiled for. The stored list holds the kernel's parameters in signature order, with or
-without the constexprs (Triton versions differ: 3.3 and later pass them to the launcher); a launcher
-given the wrong count raises ``TypeError`` before it launches, and the other list is tried.
+*specialization class* of the varying values on the current device (``launch_key``: the device, and
+``_spec_class`` of each value, what Triton would specialize on) goes through the ordinary launch, which
+compiles or finds the kernel; later calls of that class hand the compiled kernel's launcher the stored
+argument list with the varying values put in (tensors as their pointers). The class is at least as fine as
+Triton's own key, so a compiled kernel is only reused for values it was compiled for, on the device it was
+loaded on. The stored list holds the kernel's parameters in signature order, with or without the constexprs
+(Triton versions differ: 3.3 and later pass them to the launcher); a launcher given the wrong count raises
+``TypeError`` before it launches, and the other list is tried.
 
 Ordinary launches throughout (nothing bound) under the interpreter (``TRITON_INTERPRET=1``: what the CPU
 tests run), with ``TIERED_CACHE_ORDINARY_LAUNCHES=1`` (the switch back to Triton's own launches, should a
 Triton version's launcher take an argument list and misread it: the bound path has run in the CPU tests only,
-against a stand-in kernel, not yet on a GPU), when a launch hook is set (a profiler wants every launch), or
-where the compiled launcher takes neither list. ``stats`` counts both kinds, so a benchmark can say which ran.
+against a stand-in kernel, not yet on a GPU), or where the compiled launcher takes neither list; and each call
+made while a launch hook is set (a profiler wants every launch: the hooks are read at every call, so one set
+after binding is seen). ``stats`` counts both kinds, so a benchmark can say which ran.
 """
 
 from __future__ import annotations
@@ -38,26 +40,49 @@ stats: collections.Counter[str] = collections.Counter()
 _ORDINARY = object()  # a class whose launches stay ordinary (no compiled kernel to bind, or it refused)
 
 
-def _spec_class(v: Any) -> Any:
+def _spec_class(v: Any, plain: bool = False) -> Any:
     """What Triton's specialization can depend on, for a varying argument: for an int its range class, 1,
-    and divisibility by 16; for a tensor its dtype and 16-byte alignment (the value passed is the pointer)."""
+    and divisibility by 16 (``plain``, an int the kernel declares ``do_not_specialize``: its range class
+    alone); for a tensor its dtype and 16-byte alignment (the value passed is the pointer)."""
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
+    if plain:
+        return -2**31 <= v < 2**31
     return (v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63)
 
 
-def _hooks_set() -> bool:
-    """Whether a launch hook is set (a profiler's): Triton 3.4 and later keep them in ``knobs``, 3.9 as
-    chains of hooks, empty when none is set; earlier ones on ``CompiledKernel``."""
-    try:
-        from triton import knobs
-    except ImportError:
-        from triton.compiler import CompiledKernel
+def launch_key(device: Any, values: Sequence[Any], plain: Sequence[bool]) -> tuple[list[Any], tuple]:
+    """The launcher's values of a call (tensors as their pointers) and the key of its compiled kernel: the
+    current device (each has its own compiled kernel, loaded in its context, and its own streams) and each
+    value's ``_spec_class``."""
+    vals = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+    return vals, (device, *(_spec_class(v, p) for v, p in zip(values, plain)))
 
-        hooks = [getattr(CompiledKernel, "launch_enter_hook", None), getattr(CompiledKernel, "launch_exit_hook", None)]
-    else:
-        hooks = [knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook]
-    return any(h is not None and (not hasattr(h, "calls") or h.calls) for h in hooks)
+
+_HOOK_HOLDER: Any = None  # where this Triton keeps its launch hooks, found on first use
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is set (a profiler's), read at every bound launch: a hook set after a kernel
+    was bound still sees every launch. Triton 3.4 and later keep them in ``knobs.runtime``, 3.9 as chains
+    of hooks, empty when none is set; earlier ones on ``CompiledKernel``."""
+    global _HOOK_HOLDER
+    holder = _HOOK_HOLDER
+    if holder is None:
+        try:
+            from triton import knobs
+        except ImportError:
+            from triton.compiler import CompiledKernel
+
+            holder = CompiledKernel
+        else:
+            holder = knobs.runtime
+        _HOOK_HOLDER = holder
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        h = getattr(holder, name, None)
+        if h is not None and (not hasattr(h, "calls") or h.calls):
+            return True
+    return False
 
 
 _NAMES: dict[Any, list[str]] = {}
@@ -94,7 +119,8 @@ class Bound:
 
     ``args``: the positional arguments (any value at the varying positions: it is never used);
     ``meta``: keyword arguments, constexprs and launch options (``num_warps``) alike; ``plain``: the varying
-    ints the kernel declares ``do_not_specialize`` (a per-call counter would otherwise split into classes)."""
+    ints the kernel declares ``do_not_specialize`` (a per-call counter would otherwise split into classes).
+    Compiled kernels are kept per ``launch_key`` (the current device and the values' classes)."""
 
     def __init__(self, kernel: Any, args: Sequence[Any], meta: dict[str, Any], vary: Sequence[str],
                  plain: Sequence[str] = ()) -> None:
@@ -106,7 +132,7 @@ class Bound:
         self._classes: dict[tuple, Any] = {}
         ordinary = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TIERED_CACHE_ORDINARY_LAUNCHES") == "1"
         self._off = ordinary or not hasattr(kernel, "warmup")  # no compiled kernel to bind (or asked not to)
-        self._stream: Any = None  # the driver's current-stream and current-device getters, once bound
+        self._stream: Any = None  # the driver's current-stream and current-device getters, on the first call
         self._device: Any = None
 
     def _filled(self, values: Sequence[Any]) -> list[Any]:
@@ -115,37 +141,28 @@ class Bound:
             args[i] = v
         return args
 
+    def _ordinary(self, grid: tuple[int, ...], values: Sequence[Any]) -> Any:
+        stats["ordinary"] += 1
+        return self.kernel[grid](*self._filled(values), **self.meta)
+
     def __call__(self, grid: tuple[int, ...], *values: Any) -> None:
-        if self._off:
-            stats["ordinary"] += 1
-            self.kernel[grid](*self._filled(values), **self.meta)
+        if self._off or _hooks_set():  # a hook wants Triton's own launch (and its metadata), each time
+            self._ordinary(grid, values)
             return
-        vals: list[Any] = []
-        cls: list[tuple] = []
-        for v, plain in zip(values, self.plain):  # the launcher's values and their classes (``_spec_class``)
-            if isinstance(v, torch.Tensor):
-                p = v.data_ptr()
-                vals.append(p)
-                cls.append((v.dtype, p % 16 == 0))
-            elif plain:
-                vals.append(v)
-                cls.append(-2**31 <= v < 2**31)
-            else:
-                vals.append(v)
-                cls.append((v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63))
-        key = tuple(cls)
+        if self._device is None:
+            self._stream, self._device = _driver_getters()
+        device = self._device()
+        vals, key = launch_key(device, values, self.plain)
         fast = self._classes.get(key)
         if fast is None or fast is _ORDINARY:
-            stats["ordinary"] += 1
-            compiled = self.kernel[grid](*self._filled(values), **self.meta)
+            compiled = self._ordinary(grid, values)
             if fast is None:
                 self._classes[key] = self._bind(compiled)
             return
-        stats["fast"] += 1
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        stream = self._stream(self._device())
+        stream = self._stream(device)
         while True:
             template, idx = fast.lists[0]
             a = list(template)
@@ -156,21 +173,19 @@ class Bound:
             except (TypeError, ValueError):  # raised while parsing the arguments, before any launch
                 if len(fast.lists) == 1:  # neither list: ordinary launches from now on (this one too)
                     self._classes[key] = _ORDINARY
-                    stats["fast"] -= 1
-                    stats["ordinary"] += 1
-                    self.kernel[grid](*self._filled(values), **self.meta)
+                    self._ordinary(grid, values)
                     return
                 fast.lists.pop(0)
                 continue
+            stats["fast"] += 1
             if len(fast.lists) > 1:
                 del fast.lists[1:]  # this launcher's list
             return
 
     def _bind(self, compiled: Any) -> Any:
         """The compiled kernel of one class with its argument lists, or ``_ORDINARY``."""
-        if compiled is None or not hasattr(compiled, "run") or _hooks_set():
+        if compiled is None or not hasattr(compiled, "run"):
             return _ORDINARY
-        self._stream, self._device = _driver_getters()
         sig = inspect.signature(self.kernel.fn).parameters
         full: list[Any] = []
         for pos, name in enumerate(self.names):
