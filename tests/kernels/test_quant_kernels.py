@@ -192,6 +192,37 @@ def test_a_store_writes_its_mark_into_int64_flags(poison, formulation):
     assert torch.equal(fin, want) and torch.equal(fin_ref, want) and torch.equal(bits(dst), bits(dst_ref))
 
 
+@pytest.mark.parametrize("flag_dtype,mark", [(torch.uint8, 256), (torch.uint8, -1), (torch.uint8, 2**40),
+                                             (torch.int64, 2**63), (torch.uint8, True), (torch.uint8, 3.0)])
+def test_a_mark_the_flags_cannot_hold_is_refused_before_anything_is_written(poison, flag_dtype, mark):
+    """uint8 flags hold marks 0 to 255: a wider one would be truncated (256 -> 0, another store's mark) by the
+    kernel and overflow in the twin; the public store and copy and both twins refuse it, naming ``mark``,
+    with nothing written. The largest mark the flags hold is written as it is."""
+    src = rand_states(state_shape(2, 5, 2, 16, 32, 1), torch.float32, seed=4, k_axis=-1)
+    src[0, 2, 1, 3, 5] = float("nan")
+    conv = torch.randn(2, 5, 6, 3, generator=torch.Generator().manual_seed(1))
+    conv[1, 2, 2, 0] = float("inf")
+    rows, slots = torch.tensor([2, 0, 4]), torch.tensor([3, 5, 1])
+    q, s = poisoned_codes(poison, 2, 8, 2, 16, 32, torch.float32)
+    dst = poison((2, 8, 6, 3))
+    fin = torch.arange(8, dtype=flag_dtype) + 1
+    before = [t.clone() for t in (q, s, dst, fin)]
+    calls = [lambda m: quant.quantize_store(src, rows, q, s, slots, backend="triton", finite=fin, mark=m),
+             lambda m: quantize_store_reference(src, rows, q, s, slots, finite=fin, mark=m),
+             lambda m: quant.copy_rows(conv, rows, dst, slots, backend="triton", finite=fin, mark=m),
+             lambda m: copy_rows_reference(conv, rows, dst, slots, finite=fin, mark=m)]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError) as e:
+            call(mark)
+        assert e.value.arg == "mark"
+        assert all(torch.equal(bits(t), bits(b)) for t, b in zip((q, s, dst), before)) and torch.equal(fin, before[3])
+    top = int(torch.iinfo(flag_dtype).max)
+    for call in calls:
+        fin.copy_(before[3])
+        call(top)
+        assert fin[3] == top and torch.equal(fin[[0, 1, 2, 4, 5, 6, 7]], before[3][[0, 1, 2, 4, 5, 6, 7]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("value_axis", [1, 2])
 @pytest.mark.parametrize("bad", [None, "temporal", "conv"])

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from tiered_cache.validate import int_arg
+
 __all__ = [
     "QMAX",
     "AMAX_EPS",
@@ -38,6 +40,7 @@ __all__ = [
     "dequantize_load_reference",
     "copy_rows_reference",
     "FLAG_DTYPES",
+    "check_mark",
 ]
 
 QMAX = 127
@@ -77,6 +80,15 @@ def _canonical(t: torch.Tensor, value_axis: int) -> torch.Tensor:
     return t.transpose(3, 4) if value_axis == 2 else t
 
 
+def check_mark(mark: int, finite: Optional[torch.Tensor]) -> None:
+    """A store's ``mark`` is an int that ``finite``'s dtype holds (uint8: 0 to 255): a wider one would be
+    truncated into another store's mark (the kernels cast it), so it is refused before anything is written.
+    Any ``mark`` goes without flags (it is not used)."""
+    if finite is not None:
+        info = torch.iinfo(finite.dtype)
+        int_arg("mark", mark, lo=info.min, hi=info.max)
+
+
 def _clear_nonfinite(finite: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, mark: int = 0) -> None:
     """``finite[dst[i]] = mark`` unless ``all(isfinite(values[:, i]))``, for ``values [L, n, ...]``, on the
     device (no sync)."""
@@ -92,8 +104,10 @@ def quantize_store_reference(src: torch.Tensor, src_rows: torch.Tensor, qdata: t
     """Twin of ``quant.quantize_store``: quantize ``src[:, src_rows]`` into ``qdata/scale[:, dst_slots]``.
 
     ``src [L, R, H, a, b]``, ``qdata [L, S, H, d_v, d_k]`` int8, ``scale [L, S, H, 1, d_k]`` (src dtype);
-    ``finite [S]``: set to ``mark`` for a slot whose state holds a NaN or an inf (see the module docstring).
+    ``finite [S]``: set to ``mark`` for a slot whose state holds a NaN or an inf (see the module docstring);
+    a ``mark`` the flags' dtype does not hold raises ``InvalidArgumentError`` (``check_mark``), nothing written.
     """
+    check_mark(mark, finite)
     state = _canonical(src, value_axis)[:, src_rows.long()]
     q, s = quantize_reference(state)
     slots = dst_slots.long()
@@ -114,7 +128,9 @@ def dequantize_load_reference(qdata: torch.Tensor, scale: torch.Tensor, src_slot
 def copy_rows_reference(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
                         dst_rows: torch.Tensor, finite: Optional[torch.Tensor] = None, mark: int = 0) -> None:
     """Twin of ``quant.copy_rows``: ``dst[:, dst_rows] = src[:, src_rows]`` for ``[L, rows, ...]`` tensors;
-    ``finite [dst rows]`` is set to ``mark`` for a destination row that received a NaN or an inf."""
+    ``finite [dst rows]`` is set to ``mark`` for a destination row that received a NaN or an inf (a ``mark``
+    the flags' dtype does not hold: ``check_mark``)."""
+    check_mark(mark, finite)
     vals = src[:, src_rows.long()]
     dst[:, dst_rows.long()] = vals
     if finite is not None:

@@ -36,6 +36,7 @@ import triton.language as tl
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.kernels import launch, use_triton
 from tiered_cache.kernels._ref_quant import (
+    check_mark,
     copy_rows_reference,
     dequantize_load_reference,
     min_scale,
@@ -491,9 +492,11 @@ def quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tenso
 
     ``check_ids`` reads the ids back to range-check them (a sync on CUDA); callers that checked
     them already pass ``False``. ``finite`` (integers ``[S]``): ``finite[dst_slots[i]]`` is set to ``mark``
-    when state ``i`` holds a NaN or an inf, and left as it is otherwise (see ``_ref_quant``).
+    when state ``i`` holds a NaN or an inf, and left as it is otherwise (see ``_ref_quant``); a ``mark`` the
+    flags' dtype does not hold (uint8: 0 to 255) is refused (``check_mark``).
     """
     state = validate_quantize_store(src, src_rows, qdata, scale, dst_slots, value_axis, check_ids, finite)
+    check_mark(mark, finite)
     StorePlan(src, state, qdata, scale, value_axis, backend, finite)(src_rows, dst_slots, mark)
 
 
@@ -643,9 +646,11 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
 
     For conv windows (and lossless states): ``[L, rows, *inner]`` with the inner dims contiguous.
     Bytes per call: ``2 * L * n * inner_bytes``. ``finite`` (integers, one per ``dst`` row): set to ``mark``
-    for a row that received a NaN or an inf (float dtypes of ``FLAG_DTYPES``; other dtypes are not checked).
+    for a row that received a NaN or an inf (float dtypes of ``FLAG_DTYPES``; other dtypes are not checked);
+    a ``mark`` the flags' dtype does not hold is refused (``check_mark``).
     """
     validate_copy_rows(src, src_rows, dst, dst_rows, check_ids, finite=finite)
+    check_mark(mark, finite)
     CopyPlan(src, dst, backend, finite)(src_rows, dst_rows, mark)
 
 
