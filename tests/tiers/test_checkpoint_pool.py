@@ -199,8 +199,8 @@ def test_through_a_unified_pool_with_virtual_ids(backend, ids_as):
 
 def test_a_sides_layout_is_checked_once_and_serves_every_call(poison):
     """The layout of a T0 side is made on the first call and reused (the same object), per side: a second
-    pool's side gets its own; plain views are never cached (a caller makes them per call). The cached
-    path moves the same bytes: the round trip equals the reference's into poisoned states."""
+    pool's side gets its own. The cached path moves the same bytes: the round trip equals the reference's
+    into poisoned states."""
     from tiered_cache.tiers.t1_args import is_state_side
 
     spec = make_spec(value_axis=2)
@@ -226,8 +226,57 @@ def test_a_sides_layout_is_checked_once_and_serves_every_call(poison):
         assert torch.equal(temporal[:, rows], want[0]) and torch.equal(conv[:, rows], want[1])
         layouts.append(first)
     assert layouts[0] is not layouts[1] and layouts[0].temporal.data_ptr() != layouts[1].temporal.data_ptr()
-    views = make_views(spec, 2)
-    assert pool._args.layout(views) is not pool._args.layout(views)
+
+
+def test_plain_views_layout_and_plans_are_made_once_per_memory_and_geometry(poison, monkeypatch):
+    """Plain views made anew for every call (as a caller does) over the same memory share one checked
+    ``Layout`` and its bound launches; views of other memory, or the same memory seen another way, get their
+    own, and every call moves the right bytes (the round trip equals the reference's into poisoned states).
+    Views that fail the checks are never kept; the last ``VIEW_LAYOUTS`` are."""
+    from tiered_cache.tiers import t1_args
+
+    made = []
+    make = t1_args.make_layout
+    monkeypatch.setattr(t1_args, "make_layout", lambda pool, side: made.append(side) or make(pool, side))
+    spec = make_spec(value_axis=2)
+    pool = Int8CheckpointPool(spec, 6, "cpu", backend="triton")
+    a, b = make_views(spec, 4, seed=1), make_views(spec, 4, seed=2)
+
+    def fresh(v):  # new view objects of the same memory, as a caller builds them per call
+        return ActiveViews(v.temporal.view(v.temporal.shape), tuple(c.view(c.shape) for c in v.convs))
+
+    def round_trip(views, rows, slots):
+        want = expected_load(views, rows, spec), views.convs[0][:, rows].clone()
+        pool.store_from_active(fresh(views), rows, slots)
+        views.temporal[:, rows] = poison.value(spec.temporal_dtype)
+        views.convs[0][:, rows] = poison.value(spec.conv_dtype)
+        pool.load_to_active(slots, fresh(views), rows)
+        assert torch.equal(views.temporal[:, rows], want[0]) and torch.equal(views.convs[0][:, rows], want[1])
+
+    slots = pool.alloc_ids(2)[1]
+    round_trip(a, [1, 3], slots)
+    lay = pool._args.layout(fresh(a))
+    plans = dict(lay.plans)
+    assert len(made) == 1 and set(plans) == {"store", "load"}
+    round_trip(a, [2, 0], slots)
+    assert len(made) == 1 and pool._args.layout(fresh(a)) is lay and lay.plans == plans  # the same plan objects
+    round_trip(b, [0, 2], slots)  # other memory: its own layout
+    assert len(made) == 2 and pool._args.layout(fresh(b)) is not lay
+    narrow = ActiveViews(a.temporal[:, :2], tuple(c[:, :2] for c in a.convs))  # same address, two rows
+    assert pool._args.layout(narrow).rows == 2 and len(made) == 3
+    with pytest.raises(InvalidArgumentError):
+        pool.store_from_active(ActiveViews(a.temporal[..., :8], a.convs), [0], slots[:1])
+    with pytest.raises(InvalidArgumentError):
+        pool.store_from_active(ActiveViews(a.temporal[..., :8], a.convs), [0], slots[:1])
+    assert len(made) == 5  # refused views are checked every time, never kept
+    others = [make_views(spec, 4, seed=10 + i) for i in range(t1_args.VIEW_LAYOUTS)]
+    for v in others:
+        pool._args.layout(v)
+    assert len(pool._args._views) == t1_args.VIEW_LAYOUTS
+    pool._args.layout(fresh(others[-1]))
+    n = len(made)
+    pool._args.layout(fresh(a))  # the least recently used: dropped, made again
+    assert len(made) == n + 1
 
 
 # ------------------------------------------------------------------------------ bad input

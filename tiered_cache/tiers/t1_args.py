@@ -5,6 +5,11 @@ cost as much host time as the copy of 16 states took on the GPU.
 - A T0 ``StateSide``'s views are fixed for its life (they alias its buffer), so they are taken and
   checked once per side (``Layout``): against the spec, against T1's fields and against every kernel's
   shape rules. Before, each call rebuilt the layer byte offsets and re-checked every view.
+- Plain views (``ActiveViews`` or a temporal tensor, made by the caller, often anew each call) are taken
+  and checked once per memory and geometry (``views_key``: each view's address, dtype, device, shape and
+  strides), for the last ``VIEW_LAYOUTS`` such views: their launch plans are bound once too. A cached
+  ``Layout`` holds its views, so their memory stays allocated and no other tensor can take their address
+  while it is cached: a view with the same key reads and writes the same bytes the same way.
 - Ids are checked on the host with numpy (range, allocated, distinct), virtual ids translated on the
   side's host table, and rows and slots sent to the GPU as one page-locked array in one non-blocking
   copy: no device sync, and the kernels follow it on the stream without a gap.
@@ -15,6 +20,7 @@ Every check runs before the first launch: a bad argument raises and nothing is w
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -154,13 +160,37 @@ def make_layout(pool, side: Any) -> Layout:
     return Layout(temporal, state, convs, what, host_moves(pool, temporal, state, convs))
 
 
+VIEW_LAYOUTS = 8  # the plain views' layouts a pool keeps, least recently used dropped first
+
+
+def views_key(side: Any) -> Optional[tuple]:
+    """What a ``Layout`` of plain views depends on: each view's address, dtype, device, shape and strides
+    (None for an absent temporal view); None where ``side`` is not plain views (``make_layout`` says why)."""
+    if isinstance(side, torch.Tensor):
+        views: tuple = (side,)
+    elif isinstance(side, ActiveViews) and isinstance(side.convs, (tuple, list)):
+        views = (side.temporal, *side.convs)
+    else:
+        return None
+    key = []
+    for t in views:
+        if t is None:
+            key.append(None)
+        elif isinstance(t, torch.Tensor):
+            key.append((t.data_ptr(), t.dtype, t.device, t.shape, t.stride()))
+        else:
+            return None
+    return tuple(key)
+
+
 class CallArgs:
     """The per-call checks of one pool, with each T0 side's ``Layout`` cached (the side is held, so its
-    id is never reused while cached)."""
+    id is never reused while cached), and those of the last ``VIEW_LAYOUTS`` plain views (``views_key``)."""
 
     def __init__(self, pool) -> None:
         self.pool = pool
         self._layouts: dict[int, tuple[Any, Layout]] = {}
+        self._views: OrderedDict[tuple, Layout] = OrderedDict()
         self._ring = launch.IdRing(pool.device) if pool.device.type == "cuda" else None
 
     def layout(self, side: Any) -> Layout:
@@ -171,7 +201,17 @@ class CallArgs:
             lay = make_layout(self.pool, side)
             self._layouts[id(side)] = (side, lay)
             return lay
-        return make_layout(self.pool, side)  # plain views: made by the caller per call, not cached
+        key = views_key(side)
+        if key is None:
+            return make_layout(self.pool, side)  # raises: not plain views
+        lay = self._views.get(key)
+        if lay is not None:
+            self._views.move_to_end(key)
+            return lay
+        lay = self._views[key] = make_layout(self.pool, side)  # checked before it is kept
+        if len(self._views) > VIEW_LAYOUTS:
+            self._views.popitem(last=False)
+        return lay
 
     def slots(self, name: str, ids: Any, unique: bool) -> np.ndarray:
         pool = self.pool
