@@ -11,6 +11,7 @@ and learns from ``cache_finished_req``.
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -300,6 +301,45 @@ def test_clearing_the_policy_resets_its_tuner():
     assert p.tuner._pending is None and p.tuner.base is None and not p.tuner.recent
 
 
+def test_clearing_does_not_wait_for_a_running_replay_and_drops_it():
+    """``reset`` (a clear of the live cache) while a background replay runs returns without waiting for it:
+    the replay is told to stop at its next ghost request and its result is never taken, and the tuner starts
+    afresh (a new warm-up, a new window, replayed and taken as usual)."""
+    release, entered = threading.Event(), threading.Event()
+    made = []
+
+    def make(alpha):  # a replay's policies wait for ``release``: the replay is running while reset is called
+        made.append(alpha)
+        if threading.current_thread().name == "alpha-tuner" and not release.is_set():
+            entered.set()
+            release.wait(60)
+        return _marconi(alpha)
+
+    p = MarconiPolicy(_costs(), tuner=AlphaTuner(make, 30, 4, grid=(0.0, 2.0), window=3, background=True))
+    trace = _reused_short_vs_one_shot_long(random.Random(6), 14)
+    p.observe(trace[0], 0)
+    p.counts["kv"] += 1
+    for seq in trace[1:4]:
+        p.observe(seq, 9)
+    assert entered.wait(60)  # the replay of the first window is running, held in its first policy
+    thread = p.tuner._pending[0]
+    clearing = threading.Thread(target=p.clear)
+    clearing.start()
+    clearing.join(60)  # a guard against a hang, not a timing: with the replay held, a join would never end
+    done = not clearing.is_alive()
+    release.set()
+    thread.join(60)
+    assert done and not thread.is_alive()
+    assert made.count(0.0) == 1 and 2.0 not in made[1:]  # it stopped at its first ghost request once released
+    assert p.tuner._pending is None and p.tuner.base is None and not p.tuner.history and p.tunings == 0
+    p.observe(trace[4], 0)  # afresh: a warm-up, then two windows, the first taken when the second fills
+    p.counts["kv"] += 1
+    for seq in trace[5:11]:
+        p.observe(seq, 9)
+    assert len(p.tuner.history) == 1 and p.tuner.error is None
+    p.tuner._pending[0].join()
+
+
 def test_tuner_bad_arguments():
     with pytest.raises(InvalidArgumentError, match="grid"):
         AlphaTuner(_marconi, 10, 2, grid=(-1.0,))
@@ -311,6 +351,9 @@ def test_tuner_bad_arguments():
         AlphaTuner(_marconi, 0, 2)
     with pytest.raises(InvalidArgumentError, match="states"):
         AlphaTuner(_marconi, 1, 0)
+    for flag in (1, "yes", None):  # a bool only (``validate.bool_arg``)
+        with pytest.raises(InvalidTypeError, match="background"):
+            AlphaTuner(_marconi, 10, 2, background=flag)
 
 
 def test_only_marconi_takes_a_tuner():

@@ -31,8 +31,10 @@ requests and takes the result at a fixed point, when the next window has filled,
 the replay is still running: the weight then changes one window late, but at the same request whatever
 the timing, so tensor-parallel ranks (each tunes its own tree from the same requests) stay identical.
 A background replay that fails stops the tuning (``error`` holds why, logged; the weight stays), rather
-than raise into a serving thread. Replays are Python and share the GIL with the serving thread: they
-slow its host work while they run, in small slices, where inline they would stop it.
+than raise into a serving thread. Clearing the live cache (``reset``) does not wait for a running replay:
+it tells the replay to stop at its next ghost request and drops it, result unseen (the replay reads only
+its own ghosts, which nothing else touches from then on). Replays are Python and share the GIL with the
+serving thread: they slow its host work while they run, in small slices, where inline they would stop it.
 """
 
 from __future__ import annotations
@@ -46,10 +48,14 @@ from typing import Any, Optional
 
 from tiered_cache.errors import InvalidArgumentError
 from tiered_cache.radix.policies.ghost import GhostCache
-from tiered_cache.validate import int_arg
+from tiered_cache.validate import bool_arg, int_arg
 
 ALPHA_GRID = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
 _log = logging.getLogger(__name__)
+
+
+class _Cancelled(Exception):
+    """A background replay dropped by ``reset``: it stops where it is, its result is not wanted."""
 
 
 class AlphaTuner:
@@ -61,25 +67,25 @@ class AlphaTuner:
                  window: int = 500, background: bool = False) -> None:
         if not grid or any(not isinstance(a, (int, float)) or isinstance(a, bool) or a < 0 for a in grid):
             raise InvalidArgumentError("grid", "a non-empty sequence of values >= 0", grid)
-        if not isinstance(background, bool):
-            raise InvalidArgumentError("background", "a bool", background)
         self.make, self.grid = make, sorted({float(a) for a in grid})
         self.window = int_arg("window", window, lo=1)
         self.kv_tokens = int_arg("kv_tokens", kv_tokens, lo=1)
         self.states = int_arg("states", states, lo=1)
-        self.background = background
+        self.background = bool_arg("background", background)
         self.base: Optional[GhostCache] = None  # made at the first request, under the live value
         self.recent: list[array] = []
         self.history: list[dict[float, float]] = []  # each tuning's score per value
         self.seconds = 0.0  # spent replaying
         self.held = 0  # the most device KV tokens the live tree held in this window
-        self._pending: Optional[tuple[threading.Thread, dict]] = None  # a background replay and its result
+        # a background replay, its result, and the event that cancels it
+        self._pending: Optional[tuple[threading.Thread, dict, threading.Event]] = None
         self.error: Optional[Exception] = None  # why a background replay failed (tuning stopped)
 
     def reset(self) -> None:
-        """The live cache was cleared: forget its model (a replay still running is waited for, dropped)."""
+        """The live cache was cleared: forget its model. A replay still running is cancelled and dropped,
+        not waited for (it stops at its next ghost request; a clear never stalls behind a window's replay)."""
         if self._pending is not None:
-            self._pending[0].join()
+            self._pending[2].set()
         self._pending, self.base, self.recent, self.held = None, None, [], 0
 
     def observe(self, tokens: Sequence[int], kv_held: int, evicting: bool, live: float) -> Optional[float]:
@@ -100,7 +106,7 @@ class AlphaTuner:
             return None
         best = None
         if self._pending is not None:  # the fixed point: the replay of the window before is taken now
-            thread, done = self._pending
+            thread, done, _ = self._pending
             thread.join()
             self._pending = None
             if "error" in done:
@@ -114,27 +120,36 @@ class AlphaTuner:
         if not self.background:
             return self._take(*self._replay(base, recent, held, live))
 
-        def run(out: dict) -> None:
+        def run(out: dict, cancel: threading.Event) -> None:
             try:
-                out["result"] = self._replay(base, recent, held, live)
+                out["result"] = self._replay(base, recent, held, live, cancel)
+            except _Cancelled:  # reset dropped it: nobody reads ``out``
+                pass
             except Exception as e:  # seen by the serving thread at the next fixed point
                 out["error"] = e
 
         out: dict = {}
-        thread = threading.Thread(target=run, args=(out,), name="alpha-tuner", daemon=True)
-        self._pending = (thread, out)
+        cancel = threading.Event()
+        thread = threading.Thread(target=run, args=(out, cancel), name="alpha-tuner", daemon=True)
+        self._pending = (thread, out, cancel)
         thread.start()
         return best
 
-    def _replay(self, base: GhostCache, recent: list[array], cap: int,
-                live: float) -> tuple[dict[float, float], GhostCache, float]:
+    def _replay(self, base: GhostCache, recent: list[array], cap: int, live: float,
+                cancel: Optional[threading.Event] = None) -> tuple[dict[float, float], GhostCache, float]:
         """Each value of the grid (and ``live``) replays ``recent`` on a copy of ``base`` of ``cap`` KV
-        tokens -> (scores, the copy that ran under ``live``, seconds). Reads nothing the requests change."""
+        tokens -> (scores, the copy that ran under ``live``, seconds). Reads nothing the requests change.
+        ``cancel``, once set, stops it (``_Cancelled``) before its next ghost request."""
         t, costs = time.perf_counter(), base.policy.costs
         scores, ends = {}, {}
         for a in sorted({*self.grid, live}):
             g = base.copy(self.make(a), kv_tokens=cap)
-            scores[a] = float(sum(costs.saved(0, g.request(x)) for x in recent))
+            total = 0
+            for x in recent:
+                if cancel is not None and cancel.is_set():
+                    raise _Cancelled
+                total += costs.saved(0, g.request(x))
+            scores[a] = float(total)
             ends[a] = g
         return scores, ends[live], time.perf_counter() - t
 
