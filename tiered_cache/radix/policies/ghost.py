@@ -36,7 +36,8 @@ _ids = itertools.count()
 
 
 def descendants(root: Any) -> list:
-    """Every node below ``root`` (anything whose ``children`` is a dict of nodes), depth first."""
+    """Every node below ``root`` (anything whose ``children`` is a dict of nodes), depth first, each after
+    its parent."""
     out, stack = [], list(root.children.values())
     while stack:
         x = stack.pop()
@@ -186,14 +187,11 @@ class GhostCache:
         g = GhostCache(policy, self.kv_cap if kv_tokens is None else kv_tokens, self.st_cap)
         g.kv, g.st = self.kv, self.st
         twin: dict[Any, GhostNode] = {self.root: g.root}
-        stack = list(self.root.children.values())
-        while stack:
-            x = stack.pop()
+        for x in descendants(self.root):  # each node after its parent
             y = GhostNode(twin[x.parent], x.key, x.mamba_value is not None)  # keys are never changed in place
             y.hit_count = x.hit_count
             twin[x] = y
             y.parent.children[y.key[0]] = y  # type: ignore[union-attr]
-            stack.extend(x.children.values())
         policy.adopt(self.policy, twin)
         return g
 

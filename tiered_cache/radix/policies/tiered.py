@@ -71,18 +71,22 @@ class TieredPolicy(ScoredPolicy):
             return c.copy_s(f.span(x) * c.kv_bytes)
         return c.recompute_s(f.anchor(x), f.prefix(x))
 
+    def freq(self, x: Any) -> int:
+        """The resumptions expected of ``x`` (the module docstring's one-child rule): its matches plus one for
+        a leaf or a branch point; one less than its matches for a node with exactly one child."""
+        f = self.facts
+        return max(0, f.hits(x) - 1) if f.children(x) == 1 else f.hits(x) + 1
+
     def priority(self, resource: str, x: Any, now: int) -> float:
         """Expected seconds saved per byte per use of the clock (``now``: the latest stamp)."""
-        f = self.facts
-        freq = max(0, f.hits(x) - 1) if f.children(x) == 1 else f.hits(x) + 1
         age = now - self.recency(resource, x) + 1
-        return freq * self.cost_s(resource, x) / self.freed_bytes(resource, x) / age ** self.power
+        return self.freq(x) * self.cost_s(resource, x) / self.freed_bytes(resource, x) / age ** self.power
 
     def choose(self, resource: str, cands: list[Any]) -> Any:
         if resource == "swa":
             return self.least_recent(resource, cands)
-        passed = [x for x in cands if self.facts.children(x) == 1 and self.facts.hits(x) <= 1]
-        if passed:  # freq 0: priority 0
+        passed = [x for x in cands if self.freq(x) == 0]
+        if passed:  # freq 0: priority 0, whatever the cost
             return self.least_recent(resource, passed)
         now = max(self.recency(resource, x) for x in cands)
         h = [self.priority(resource, x, now) for x in cands]
