@@ -172,7 +172,7 @@ def views_key(side: Any) -> Optional[tuple]:
         views = (side.temporal, *side.convs)
     else:
         return None
-    key = []
+    key: list[Optional[tuple]] = []
     for t in views:
         if t is None:
             key.append(None)
@@ -204,10 +204,10 @@ class CallArgs:
         key = views_key(side)
         if key is None:
             return make_layout(self.pool, side)  # raises: not plain views
-        lay = self._views.get(key)
-        if lay is not None:
+        kept = self._views.get(key)
+        if kept is not None:
             self._views.move_to_end(key)
-            return lay
+            return kept
         lay = self._views[key] = make_layout(self.pool, side)  # checked before it is kept
         if len(self._views) > VIEW_LAYOUTS:
             self._views.popitem(last=False)
