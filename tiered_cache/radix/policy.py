@@ -31,6 +31,11 @@ class EvictionPolicy(ABC):
     def touch(self, resource: str, node: Any) -> None:
         """``node``'s ``resource`` was used now (inserted, matched, stored)."""
 
+    def touch_all(self, resource: str, nodes: list[Any]) -> None:
+        """``touch`` of each of ``nodes``, in order (a walk's path: one call, not one per node)."""
+        for node in nodes:
+            self.touch(resource, node)
+
     @abstractmethod
     def add(self, resource: str, node: Any) -> None:
         """``node`` may now give up ``resource``."""
@@ -91,6 +96,19 @@ class LRUPolicy(EvictionPolicy):
         for r in _SHARING[base]:
             if node in self._cand[r]:
                 self._push(r, t, node)
+
+    def touch_all(self, resource: str, nodes: list[Any]) -> None:
+        """``touch`` inlined over ``nodes``: the same stamps, in order, and the same pushes (only the sharing
+        resources with candidates are looked at: a push changes no candidate set). A subclass that overrides
+        ``touch`` overrides this too."""
+        base = RECENCY[resource]
+        stamps, clock, push = self._stamp[base], self._clock, self._push
+        shared = [(r, c) for r in _SHARING[base] if (c := self._cand[r])]
+        for node in nodes:
+            t = stamps[node] = next(clock)
+            for r, cand in shared:
+                if node in cand:
+                    push(r, t, node)
 
     def add(self, resource: str, node: Any) -> None:
         cand = self._cand[resource]
