@@ -49,6 +49,8 @@ def insert_args(params: Any, page_size: int, device: Any, ids: tuple[str, ...],
 
 def check_prev_prefix_len(prev: Any, n: int, page_size: int) -> None:
     """``InsertParams.prev_prefix_len``: a whole number of pages inside the key."""
+    if type(prev) is int and 0 <= prev <= n and not prev % page_size:
+        return  # the common case, without is_int's isinstance chain
     what = f"a multiple of page_size={page_size} in [0, {n}]"
     if not is_int(prev):
         raise InvalidTypeError("prev_prefix_len", what, prev)
@@ -94,6 +96,9 @@ def _parse(key: Any, arg: str, want_list: bool) -> tuple[Optional[list[int]], ar
 def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:
     """One slot id of the T0 state side ``states`` (an int or a 1-element integer tensor on its device)
     as a tensor [1]. Slot 0 is the sink: never an active id."""
+    if type(slot) is torch.Tensor and slot.dtype is torch.int64 and slot.dim() == 1 and slot.numel() == 1 \
+            and same_device(slot, states.device):
+        return slot  # the common case (an engine's slot tensor) in one condition, as the checks below pass it
     what = f"one T0 state slot id in [1, {states.capacity}) (an int or an int64 tensor on {states.device})"
     if is_int(slot) and not isinstance(slot, torch.Tensor):
         v = int(slot)
@@ -113,7 +118,7 @@ def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mam
     """-> the slot's physical row as a host array [1] (checked: T1's trusted moves take it, with no second
     translate)."""
     v = int(slot)
-    rows = states.translate_host(np.array([v])) if 0 < v < states.capacity else None  # host table: no launch
+    rows = states.translate_host(np.array([v], dtype=np.int64)) if 0 < v < states.capacity else None  # no launch
     if rows is None or rows[0] < 0:
         raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
     return rows
@@ -145,6 +150,9 @@ def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0
 
 def check_value(arg: str, value: Any, n: int, device: Any) -> None:
     """``value``: one T0 KV id per token of an ``n``-token key, a 1-D int64 tensor on ``device``."""
+    if type(value) is torch.Tensor and value.dtype is torch.int64 and value.dim() == 1 and value.numel() == n \
+            and same_device(value, device):
+        return  # the common case in one condition; the branches below name what is wrong
     if not isinstance(value, torch.Tensor):
         raise InvalidTypeError(arg, "a 1-D int64 tensor of KV ids", desc(value))
     if value.dtype != torch.int64:

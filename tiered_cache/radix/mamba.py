@@ -14,7 +14,6 @@ reused only by a longer match that ends at a state::
 
 from __future__ import annotations
 
-from array import array
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -24,7 +23,6 @@ from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix.checks import (
     check_callers_kv,
     check_state_allocated,
-    common_len,
     insert_args,
     parse_key_array,
     state_slot,
@@ -36,6 +34,7 @@ from tiered_cache.radix.nonfinite import StateFlags
 from tiered_cache.radix.params import InsertParams, InsertResult, MatchPrefixParams, MatchResult
 from tiered_cache.radix.policies.admission import StateAdmission, is_branch_point
 from tiered_cache.radix.tree import RadixTree
+from tiered_cache.radix.walks import mamba_walk
 from tiered_cache.tiers.protocols import StateSide
 
 if TYPE_CHECKING:
@@ -203,13 +202,12 @@ class MambaRule:
             host.t3.maybe_prefetch(toks.tolist(), salt, req)
         self.flags.poll()
         while True:
-            path, values, kv_len, dev, dev_len, dev_k, best, best_len = self._walk(toks, salt, len(toks))
+            path, values, kv_len, dev, dev_len, dev_k, best, best_len = mamba_walk(tree, toks, salt, len(toks))
             # Neither state may be reported before its NaN/inf flag is read: a drop changes the walk.
             if self.flags.verify(dev) and self.flags.verify(best):
                 break
         root, touch = tree.root, tree.policy.touch
-        for x in path:
-            touch("kv", x)
+        tree.policy.touch_all("kv", path)
         branching = None
         if kv_len > best_len:
             b = kv_len // self.unit * self.unit
@@ -247,49 +245,6 @@ class MambaRule:
             return slot, check_state_allocated(self.states, slot, "req.mamba_pool_idx")
         return slot, None
 
-    def _walk(self, toks: array, salt: Optional[str], end: int):
-        """Read-only walk. -> (nodes on the path, device values of fully matched nodes, page-aligned
-        tokens whose KV matched in any tier, deepest node with a T1 state reachable on the device,
-        its depth, its #values, deepest node with a state in any tier, its depth)."""
-        tree = self.tree
-        ps = tree.page_size
-        end = end // ps * ps
-        node = root = tree.root
-        path: list[TreeNode] = []
-        values: list[torch.Tensor] = []
-        i = 0
-        dev, dev_len, dev_k = root, 0, 0
-        best, best_len = root, 0
-        on_dev = True
-        kb = toks.tobytes()  # child keys are cut from it (``RadixTree.child_key``, inlined)
-        w = 8 * ps
-        while i < end:
-            ck = kb[8 * i:8 * i + w]
-            child = node.children.get((salt, ck) if salt is not None and node is root else ck)
-            if child is None:
-                break
-            v = child.value
-            if v is None and child.host_kv is None:
-                break  # dead: matches nothing
-            ak = child.akey
-            n = len(ak)
-            path.append(child)
-            if i + n > end or toks[i:i + n] != ak:  # one compare in C; common_len only where the match ends
-                return path, values, i + common_len(ak, toks, i, end, ps), dev, dev_len, dev_k, best, best_len
-            i += n
-            node = child
-            if v is None:
-                on_dev = False
-            elif on_dev:
-                values.append(v)
-            if child.payload.mamba_value is not None:
-                best, best_len = child, i
-                if on_dev:
-                    dev, dev_len, dev_k = child, i, len(values)
-            elif child.payload.state_host is not None:
-                best, best_len = child, i
-        return path, values, i, dev, dev_len, dev_k, best, best_len
-
     # ----------------------------------------------------------------------------- insert
     def insert(self, params: InsertParams) -> InsertResult:
         """Cache ``key`` -> ``value`` with the state ``mamba_value`` at its end (ownership: ``HiMambaRadixCache``).
@@ -308,12 +263,12 @@ class MambaRule:
         slot = None if params.mamba_value is None else state_slot(self.states, "mamba_value", params.mamba_value)
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
-        path, end_node, _, pending = tree.probe(toks, salt, aligned, prev)
+        path, end_node, lead, pending = tree.probe(toks, salt, aligned, prev)
         # the caller's pages, checked once: duplicates and new leaves use them without another check
         pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
         row = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
         if self.host.settle_loads(path, prev, pending):  # the caller computed on what a load brings: done, or nearly
-            path, end_node, _, _ = tree.probe(toks, salt, aligned, prev)
+            path, end_node, lead, _ = tree.probe(toks, salt, aligned, prev)
         if (slot is not None and params.chunked and not self.admission.keeps_every_chunk and aligned == n
                 and not self.admission.admit(n, is_branch_point(path, end_node, toks, aligned, tree.page_size))):
             slot = None  # not admitted: inserted as a chunk without a state (nothing new is cached)
@@ -335,7 +290,7 @@ class MambaRule:
                 raise
         # path[-1] was locked while states were evicted for room: the probed path is the tree's still
         res = self._insert_walk(toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, slot is not None, pages,
-                                path)
+                                path, lead)
         node = res.last_device_node
         if res.mamba_stored:
             self.flags.stored(node, t1_id)  # type: ignore[arg-type]  # stored: t1 and its id were taken
@@ -345,20 +300,29 @@ class MambaRule:
         return res
 
     def _insert_walk(self, toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, offered, pages,
-                     path) -> InsertResult:
+                     path, lead) -> InsertResult:
         """``pages``: the page ids of ``value[prev:aligned]`` as ``check_callers_kv`` checked them, or None
         (``validate`` off: the duplicates go back through the checked ``free``). ``path``: ``probe``'s: each
-        node matched whole but the last, so the walk looks up no child and compares no key again."""
+        node matched whole but the last, so the walk looks up no child and compares no key again; ``lead``: its
+        (leading nodes with device KV, the token where the last node starts)."""
         tree = self.tree
         root, touch, ps = tree.root, tree.policy.touch, tree.page_size
         node, i, prefix = root, 0, None
         dups: list[tuple[int, int]] = []  # token ranges of value the tree already holds: freed at the end
         split_suffix = None
         last = len(path) - 1
-        for k, child in enumerate(path):
-            if k < last:  # matched whole by probe: only its recency changes (``insert_step`` without the call)
+        k0 = 0
+        if last > 0:  # matched whole by probe: only their recency changes (``insert_step`` without the call)
+            tree.policy.touch_all("kv", path[:last])
+            dev_n, start = lead
+            if dev_n >= last:  # all of them on the device: their duplicates are one range, no step per node
+                i, node, k0 = start, path[last - 1], last
+                if prev < i:
+                    dups.append((prev, i))
+        for k in range(k0, len(path)):
+            child = path[k]
+            if k < last:
                 m = len(child.akey)
-                touch("kv", child)
             else:
                 child, m, split_suffix = tree.insert_step(node, toks, i, aligned, salt, child)
             if child.value is None:  # on the host only (or dead): take the caller's ids for its span

@@ -5,7 +5,8 @@ A node says where its data lives; it decides nothing. Data of a span can be in s
 the node owns, because the tree changes where a node lives only when the ticket completes::
 
     akey           token ids of the span, an int64 ``array`` (``len`` a multiple of page_size, > 0 except
-                   the root; walks compare a query's array slices with it in C); ``key`` the same as a
+                   the root); ``bkey`` its bytes, which walks compare with a slice of the query's bytes (one
+                   memcmp: ~3x faster than comparing array slices, for 8 bytes a token); ``key`` the same as a
                    list, made on first read (an insert of an ``array`` key makes no Python int per token)
     value          T0 virtual KV ids of the span (LongTensor) or None: not on the device
     value_pending  T0 ids a load back is writing (owned by the load until its ticket completes)
@@ -36,7 +37,7 @@ _ids = itertools.count()
 
 class TreeNode:
     __slots__ = (
-        "id", "parent", "children", "ck", "_key", "akey", "value", "value_pending", "host_kv", "host_pending",
+        "id", "parent", "children", "ck", "_key", "akey", "bkey", "value", "value_pending", "host_kv", "host_pending",
         "payload", "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
     )
 
@@ -50,6 +51,7 @@ class TreeNode:
         self.ck: Any = None  # this node's key in parent.children (``RadixTree.child_key``)
         self._key = key
         self.akey: array = array("q", key) if akey is None else akey  # type: ignore[arg-type]  # one is given
+        self.bkey = self.akey.tobytes()
         self.value = value
         self.value_pending: Optional[torch.Tensor] = None
         self.host_kv: Optional[list[int]] = None
@@ -71,7 +73,7 @@ class TreeNode:
 
     def set_akey(self, akey: array) -> None:
         """The span's tokens are now ``akey`` (a split keeps a part): the list is made again when read."""
-        self.akey, self._key = akey, None
+        self.akey, self.bkey, self._key = akey, akey.tobytes(), None
 
     @property
     def is_root(self) -> bool:

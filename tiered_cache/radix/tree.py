@@ -13,7 +13,7 @@ to ``node.mamba_lock_ref``, which protects the node's payload. A tombstone may b
 locks where its prefix ends); a locked tombstone may become a leaf when its children go, and is
 removed when its last lock is released. Otherwise no leaf is a tombstone. Dropping a leaf removes it,
 then any parents it leaves as childless unlocked idle tombstones. Walks take the tokens as a list or an
-int64 ``array`` (compared with the nodes' ``akey`` in C, child keys cut from its bytes: no int per token).
+int64 ``array`` (its bytes compared with the nodes' ``bkey`` and child keys cut from them: no int per token).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tiered_cache.radix.hooks import KindHooks
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import MatchResult
 from tiered_cache.radix.policy import EvictionPolicy, LRUPolicy
+from tiered_cache.radix.walks import probe_bytes, probe_list
 from tiered_cache.tiers.protocols import KVSide
 
 
@@ -126,34 +127,19 @@ class RadixTree:
             node = node.parent
         return torch.cat(vals[::-1]) if vals else self.empty
 
-    def probe(self, toks: list[int], salt: Optional[str], aligned: int, prev: int):
-        """Read-only insert walk. -> (path, the node ending exactly at ``aligned`` or None, device-matched tokens,
-        whether a load is in flight on the path). Tokens a load is writing count as on the device (the caller got
-        their ids from ``init_load_back``); a node on the host only, or dead, ends the device part: insert gives
-        it the caller's ids. An insert's ``prev_prefix_len`` past that part is an error."""
-        ps, node = self.page_size, self.root
-        path, i, dev, on_dev, pending, total = [], 0, 0, True, False, 0
-        kb = toks.tobytes() if type(toks) is array else toks  # child keys are cut from the bytes
-        while i < aligned:
-            child = node.children.get(self.child_key(kb, i, node is self.root, salt))
-            if child is None:
-                break
-            key = child.akey if kb is not toks else child.key
-            n = len(key)  # a whole node: one compare in C (common_len only where the match ends inside it)
-            m = n if i + n <= aligned and toks[i:i + n] == key else common_len(key, toks, i, aligned, ps)
-            path.append(child)
-            pending = pending or child.value_pending is not None
-            on_dev = on_dev and (child.value is not None or child.value_pending is not None)
-            i += m
-            total += n
-            dev = i if on_dev else dev
-            if m < n:
-                break
-            node = child
-        end = path[-1] if path and i == aligned == total else None
+    def probe(self, toks: Any, salt: Optional[str], aligned: int, prev: int):
+        """Read-only insert walk. -> (path, the node ending exactly at ``aligned`` or None, (how many leading nodes
+        of the path hold device KV, the token where its last node starts), whether a load is in flight on the
+        path). Tokens a load is writing count as on the device (the caller got their ids from ``init_load_back``);
+        a node on the host only, or dead, ends the device part: insert gives it the caller's ids. An insert's
+        ``prev_prefix_len`` past that part is an error. ``toks``: an int64 ``array`` (walked on its bytes) or a
+        list."""
+        walk = probe_bytes if type(toks) is array else probe_list
+        path, i, dev, pending, whole, dev_n, start = walk(self, toks, salt, aligned)
+        end = path[-1] if path and i == aligned and whole else None
         if prev > dev:
             raise InvalidArgumentError("prev_prefix_len", f"<= the cached prefix length ({dev})", prev)
-        return path, end, dev, pending
+        return path, end, (dev_n, start), pending
 
     def match_result(self, idx: torch.Tensor, dev: TreeNode, best: TreeNode, host_len: int, mamba_host: int,
                      branching: Optional[int], kv_len: int, **kw: Any) -> MatchResult:

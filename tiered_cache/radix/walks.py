@@ -1,0 +1,129 @@
+"""The walks on a key's bytes: ``RadixTree.probe``'s (an insert's, any kind) and the Mamba match's.
+
+A key that comes as an int64 ``array`` (SGLang's ``Req`` holds one) is walked on byte offsets into its
+``tobytes()`` (8 bytes a token): a child key is the next page's bytes (``RadixTree.child_key``, inlined;
+the root's under the salt), and a node matches whole when its ``bkey`` equals the next ``len(bkey)``
+bytes (``bytes.startswith`` at an offset, bounded by the walk's end: one memcmp, ~3x faster than comparing
+array slices, and no slice of the query is made).
+``common_len`` runs only inside the node where a match ends. A list key (the SWA tree's) takes
+``probe_list``: the same walk on lists. ``tests/radix/test_tree_fast_checks.py`` holds the two to the
+same answers.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Optional
+
+import torch
+
+from tiered_cache.radix.checks import common_len
+from tiered_cache.radix.node import TreeNode
+
+
+def probe_bytes(tree: Any, toks: array, salt: Optional[str], aligned: int):
+    """``probe``'s walk of an array key to ``aligned`` tokens. -> (path, matched tokens, device-matched
+    tokens, whether a load is in flight on the path, whether the last node matched whole, how many leading
+    nodes of the path hold device KV (``value`` set), the token where the path's last node starts). A node on
+    the device costs one test (``value`` and ``value_pending`` are never both set: ``check_invariants``)."""
+    ps = tree.page_size
+    kb = toks.tobytes()
+    w, bend, b, dev_b, dev_n = 8 * ps, 8 * aligned, 0, -1, -1
+    path: list[TreeNode] = []
+    pending = False
+    child = tree.root.children.get(kb[:w] if salt is None else (salt, kb[:w])) if aligned else None
+    while child is not None:
+        path.append(child)
+        if child.value is None:
+            if dev_n < 0:
+                dev_n = len(path) - 1
+            if child.value_pending is not None:
+                pending = True  # being loaded: on the device for the caller
+            elif dev_b < 0:
+                dev_b = b  # neither: the device part ends where it starts
+        bk = child.bkey
+        if not kb.startswith(bk, b, bend):  # the match ends inside it (or past aligned)
+            i = b >> 3
+            j = i + common_len(child.akey, toks, i, aligned, ps)
+            return path, j, j if dev_b < 0 else dev_b >> 3, pending, False, len(path) if dev_n < 0 else dev_n, i
+        b += len(bk)
+        child = child.children.get(kb[b:b + w]) if b < bend else None
+    start = (b - len(path[-1].bkey)) >> 3 if path else 0
+    return path, b >> 3, (b if dev_b < 0 else dev_b) >> 3, pending, True, len(path) if dev_n < 0 else dev_n, start
+
+
+def probe_list(tree: Any, toks: list[int], salt: Optional[str], aligned: int):
+    """``probe_bytes`` for a list key: child keys by ``child_key``, nodes compared as lists."""
+    ps, node = tree.page_size, tree.root
+    path, i, dev, on_dev, pending, dev_n, start = [], 0, 0, True, False, -1, 0
+    while i < aligned:
+        child = node.children.get(tree.child_key(toks, i, node is tree.root, salt))
+        if child is None:
+            break
+        key = child.key
+        n = len(key)
+        m = n if i + n <= aligned and toks[i:i + n] == key else common_len(key, toks, i, aligned, ps)
+        path.append(child)
+        pending = pending or child.value_pending is not None
+        if child.value is None and dev_n < 0:
+            dev_n = len(path) - 1
+        on_dev = on_dev and (child.value is not None or child.value_pending is not None)
+        start = i
+        i += m
+        dev = i if on_dev else dev
+        if m < n:
+            return path, i, dev, pending, False, len(path) if dev_n < 0 else dev_n, start
+        node = child
+    return path, i, dev, pending, True, len(path) if dev_n < 0 else dev_n, start
+
+
+def mamba_walk(tree: Any, toks: array, salt: Optional[str], end: int):
+    """The Mamba match's read-only walk (``MambaRule.match``). -> (nodes on the path, device values of fully
+    matched nodes, page-aligned tokens whose KV matched in any tier, deepest node with a T1 state reachable on
+    the device, its depth, its #values, deepest node with a state in any tier, its depth).
+
+    A node without KV in any tier (dead) ends it."""
+    ps = tree.page_size
+    root = tree.root
+    path: list[TreeNode] = []
+    values: list[torch.Tensor] = []
+    dev, dev_b, dev_k = root, 0, 0
+    best, best_b = root, 0
+    kb = toks.tobytes()
+    w, bend, b = 8 * ps, 8 * (end // ps * ps), 0
+    child = root.children.get(kb[:w] if salt is None else (salt, kb[:w])) if bend else None
+    while child is not None:  # on the device: every node's KV is a hit
+        v = child.value
+        if v is None:
+            break
+        path.append(child)
+        bk = child.bkey
+        if not kb.startswith(bk, b, bend):
+            i = b >> 3
+            return path, values, i + common_len(child.akey, toks, i, bend >> 3, ps), dev, dev_b >> 3, dev_k, \
+                best, best_b >> 3
+        b += len(bk)
+        values.append(v)
+        p = child.payload
+        if p.mamba_value is not None:
+            best = dev = child
+            best_b = dev_b = b
+            dev_k = len(values)
+        elif p.state_host is not None:
+            best, best_b = child, b
+        child = child.children.get(kb[b:b + w]) if b < bend else None
+    while child is not None:  # past the device part: host hits only
+        if child.value is None and child.host_kv is None:
+            break  # dead: matches nothing
+        path.append(child)
+        bk = child.bkey
+        if not kb.startswith(bk, b, bend):
+            i = b >> 3
+            return path, values, i + common_len(child.akey, toks, i, bend >> 3, ps), dev, dev_b >> 3, dev_k, \
+                best, best_b >> 3
+        b += len(bk)
+        p = child.payload
+        if p.mamba_value is not None or p.state_host is not None:
+            best, best_b = child, b
+        child = child.children.get(kb[b:b + w]) if b < bend else None
+    return path, values, b >> 3, dev, dev_b >> 3, dev_k, best, best_b >> 3
