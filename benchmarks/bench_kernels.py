@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -280,6 +281,93 @@ def bench_api(dt_name: str, n: int, shape: dict[str, int], conv: tuple, device: 
     return out
 
 
+class _StubCompiled:
+    """A compiled kernel whose launcher does nothing (``--parts host``)."""
+
+    function = packed_metadata = None
+
+    def run(self, *args: object) -> None:
+        pass
+
+
+class _StubKernel:
+    """A Triton kernel as ``launch.Bound`` sees it (signature, constexprs, ``warmup``) whose ordinary launch runs
+    nothing and returns ``_StubCompiled``: the bound path's host work without the kernel (``--parts host``)."""
+
+    def __init__(self, kernel: object) -> None:
+        from triton.runtime.jit import JITFunction
+
+        self.fn = kernel.fn  # type: ignore[attr-defined]
+        self.params = JITFunction(self.fn).params
+        self.compiled = _StubCompiled()
+
+    def warmup(self) -> None:
+        pass
+
+    def __getitem__(self, grid: object) -> Callable[..., _StubCompiled]:
+        return lambda *args, **meta: self.compiled
+
+
+def bench_host(dt_name: str, n: int, conv: tuple, k: int, reps: int) -> dict[str, float]:
+    """CPU emulation of the engine's T1 path's host work (``--parts host``; never a GPU number): a real pool
+    and T0 ``UnifiedPool`` side, the Triton plans bound as on a GPU (``launch.Bound``'s bound path) with the
+    compiled launcher a no-op (``_StubKernel``), ids through an ``IdRing`` entry and the flags' event path as
+    on a GPU (CPU stand-ins: a host copy for the H2D one, null events). Median host microseconds of
+    ``store_from_active`` / ``load_to_active`` (host id lists) and the trusted ``store_rows`` / ``load_rows``,
+    ``k`` calls back to back, ``reps`` times (min / median / max of the medians); checked first: each call
+    takes one bound launch and hands it the translated rows and the slots."""
+    from tiered_cache.specs import KVSpec
+    from tiered_cache.tiers import t1_args
+    from tiered_cache.tiers.unified_pool import UnifiedPool
+
+    cpu = torch.device("cpu")
+    spec = StateSpec(36, (32, 16, 16), DTYPES[dt_name], conv_shapes=conv, conv_dtype=torch.bfloat16, value_axis=2)
+    side = UnifiedPool(KVSpec(num_layers=1, kv_heads=1, head_dim=16, dtype=torch.bfloat16), spec, low_slots=1,
+                       high_slots=2 * n, device=cpu).side("mamba")
+    vids = side.alloc(2 * n).tolist()
+    pool = Int8CheckpointPool(spec, n, cpu, backend="triton")
+    pool._args._ring = launch.IdRing(cpu)  # the GPU's id path: one ring entry a call (a host copy here)
+    pool.flags._cpu = False  # the GPU's flags path: an event a store, read at poll
+    lay = pool._args.layout(side)
+    for op in ("store", "load"):
+        for plan in t1_args._plans(pool, lay, op):
+            plan.bound.kernel, plan.bound._off = _StubKernel(plan.bound.kernel), False
+    got = pool.alloc_ids(n)
+    assert got is not None
+    slots = got[1][::-1]
+    src, dst = vids[:n], vids[n:]
+    rows_src, rows_dst = (side.translate_host(np.array(v, dtype=np.int64)) for v in (src, dst))
+    host_slots = np.array(slots, dtype=np.int64)
+    calls = {"store": lambda: pool.store_from_active(side, src, slots),
+             "load": lambda: pool.load_to_active(slots, side, dst),
+             "store_rows": lambda: pool.store_rows(side, rows_src, host_slots),
+             "load_rows": lambda: pool.load_rows(host_slots, side, rows_dst)}
+    out: dict[str, float] = {}
+    for op, fn in calls.items():
+        fast = launch.stats["fast"]
+        fn()
+        fn()  # the first call of a class is an ordinary launch (binds it); the second is bound
+        ring = pool._args._ring
+        ids, w = ring._ring[ring._i - 1].dev.tolist(), ring.width  # the entry the launch read: rows, then slots
+        rows = rows_src if op.startswith("store") else rows_dst
+        assert ids[:n] == rows.tolist() and ids[w:w + n] == slots, f"host {op}: ids"
+        assert launch.stats["fast"] - fast >= 1, f"host {op}: no bound launch"
+        runs = []
+        for _ in range(reps):
+            times = []
+            for _ in range(k):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+            runs.append(statistics.median(times))
+        p = f"host_{op}_{dt_name}_n{n}_us"
+        out.update({p: statistics.median(runs), p + "_min": min(runs), p + "_max": max(runs)})
+    for op in ("store", "load"):
+        out[f"host_{op}_{dt_name}_n{n}_vs_trusted"] = (out[f"host_{op}_{dt_name}_n{n}_us"]
+                                                       / out[f"host_{op}_rows_{dt_name}_n{n}_us"])
+    return out
+
+
 def _sweep_dtype(dt_name: str, shape: dict[str, int], device: torch.device, n: int = 16) -> dict[str, float]:
     dtype = DTYPES[dt_name]
     L, H, dv, dk = shape["layers"], shape["heads"], shape["dv"], shape["dk"]
@@ -388,11 +476,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run through the interpreter)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU: do_bench)")
-    parser.add_argument("--parts", nargs="+", choices=["kernels", "api", "sweep"], default=["kernels", "api"],
+    parser.add_argument("--parts", nargs="+", choices=["kernels", "api", "sweep", "host"], default=["kernels", "api"],
                         help="what to run: the kernels called directly, the engine's path (api, GPU only), the "
-                             "store formulations' sweep (GPU only); each prints its numbers as it finishes")
+                             "store formulations' sweep (GPU only), the engine's path's host work with the launch "
+                             "stubbed (host, CPU only, alone: kernels-host-cpu.json); each prints its numbers as it "
+                             "finishes")
     args = parser.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if "host" in args.parts:
+        if device.type == "cuda" or args.parts != ["host"]:
+            parser.error("--parts host runs alone, on CPU (on a GPU, --parts api reports api_*_host_us)")
+        return main_host(args, argv)
     if args.small:
         shape, conv, states = dict(layers=2, heads=2, dv=64, dk=64), ((16, 3),), args.states or [2, 4]
     else:
@@ -471,6 +565,44 @@ def main(argv: Optional[list[str]] = None) -> dict:
                       f"{metrics[p + '_vs_copy']:7.3f}")
     print(f"states per GiB, int8 vs fp32: {metrics['states_per_GiB_int8_vs_fp32']:.2f}x "
           f"(temporal only {metrics['states_per_GiB_int8_vs_fp32_temporal_only']:.2f}x)")
+    print(f"wrote {stem}.json and {stem}.md")
+    return record
+
+
+def main_host(args: argparse.Namespace, argv: Optional[list[str]]) -> dict:
+    """``--parts host``: ``bench_host`` for each dtype and 1, 4, 16 and 64 states (``--states``), written to
+    ``kernels-host-cpu.{json,md}``, labelled a CPU emulation with the launch stubbed."""
+    metrics: dict[str, float] = {}
+    getters = launch._driver_getters
+    launch._driver_getters = lambda: ((lambda device: 0), (lambda: 0))  # no driver: stream 0 of device 0
+    try:
+        for dt in args.dtypes:
+            for n in args.states or [1, 4, 16, 64]:
+                got = bench_host(dt, n, ((64, 3),), 400 if args.small else 2000, max(args.reps, 3))
+                metrics.update(got)
+                print(f"host {dt} n{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()
+                                                      if k.endswith(("_us", "trusted"))), flush=True)
+    finally:
+        launch._driver_getters = getters
+    record = {
+        "bench": "kernels-host", "device": "cpu (emulation: the compiled launcher stubbed, not a GPU number)",
+        "date": datetime.date.today().isoformat(), "commit": commit(),
+        "command": "python benchmarks/bench_kernels.py" + "".join(f" {a}" for a in (argv if argv is not None
+                                                                                      else sys.argv[1:])),
+        "method": bench_host.__doc__, "metrics": metrics,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / "kernels-host-cpu"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = ["# T1 host work per call (CPU emulation, launch stubbed)", "", f"- device: {record['device']}",
+             f"- date: {record['date']}", f"- commit: {record['commit']}", f"- command: `{record['command']}`", "",
+             "| call | dtype | states | median us | min | max |", "|---|---|---|---|---|---|"]
+    for key, v in metrics.items():
+        if key.endswith("_us"):
+            op, dt, n = key[5:-3].rsplit("_", 2)
+            lines.append(f"| {op} | {dt} | {n[1:]} | {v:.1f} | {metrics[key + '_min']:.1f} | "
+                         f"{metrics[key + '_max']:.1f} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem}.json and {stem}.md")
     return record
 
