@@ -316,3 +316,29 @@ def test_gpu_plans_take_the_bound_path(poison, dtype, value_axis):
     check_plans_serve_every_call(poison, "cuda", dtype, value_axis, "triton")
     torch.cuda.synchronize()
     assert launch.stats["fast"] > before  # calls after the first of a class went through the bound launcher
+
+
+def test_id_ring_never_records_a_lent_event_again(monkeypatch):
+    """A store lends its entry's event to its flags (``done(lend=True)``): when the entry is reused it records a
+    fresh one, so the lent event fires after that store's launches and is not re-recorded behind newer ones."""
+    from tiered_cache import device as dev
+
+    class CountingEvent:
+        def __init__(self) -> None:
+            self.records = 0
+
+        def record(self, stream: object = None) -> None:
+            self.records += 1
+
+        def query(self) -> bool:
+            return True
+
+    monkeypatch.setattr(dev, "new_event", lambda device: CountingEvent())
+    ring = launch.IdRing(torch.device("cpu"), width=4)
+    ring.send(np.array([1]), np.array([2]))
+    lent = ring.done(lend=True)
+    ring.send(np.array([3]), np.array([4]))  # the same entry (its event fired)
+    kept = ring.done()
+    assert len(ring._ring) == 1 and kept is not lent and lent.records == 1 and kept.records == 1
+    ring.send(np.array([5]), np.array([6]))
+    assert ring.done() is kept and kept.records == 2  # not lent: the entry records its own event again

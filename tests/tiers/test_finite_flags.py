@@ -1,13 +1,15 @@
-"""``FiniteFlags`` on the CPU: its synchronous path (flags read when a store is sent, kept in a dict until
-polled) against the generic one (flags read once a store's event fired, as on a GPU),
-which a CPU instance runs when its numpy view is taken away. Driven by the same random stores (some
-clearing flags, as a NaN does), frees and polls, the two report the same slots, in the same order, with
-the same flags, and agree on what is pending."""
+"""``FiniteFlags`` on the CPU: its synchronous path (no event) and the generic one (each store behind an event, as
+on a GPU; a CPU instance runs it when ``_cpu`` is taken away) against a model of what they promise (a dict of the
+stores sent and not yet polled, slot -> finite, a re-stored slot moved to the end). Driven by the same random
+stores (some non-finite, as a NaN makes them), frees and polls, all three report the same slots, in the same
+order, with the same flags, and agree on what is pending. On the generic path, stores whose events have not
+fired stay pending, and ``wait_for`` waits for the stores up to the wanted slots' only."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,14 +27,35 @@ def store(f: FiniteFlags, slots: list[int], bad: set[int]) -> None:
     for s in slots:
         if s in bad:
             f.flags[s] = mark
-    f.sent(slots)
+    f.sent(slots, mark)
+
+
+class Model:
+    """What the flags promise on the CPU: the stores sent and not polled, slot -> finite, in order of their last
+    store (a store's slots in slot order)."""
+
+    def __init__(self) -> None:
+        self.landed: dict[int, bool] = {}
+
+    def store(self, slots: list[int], bad: set[int]) -> None:
+        for s in sorted(set(slots)):
+            self.landed.pop(s, None)
+            self.landed[s] = s not in bad
+
+    def forget(self, slots: list[int]) -> None:
+        for s in slots:
+            self.landed.pop(s, None)
+
+    def poll(self) -> dict[int, bool]:
+        out, self.landed = self.landed, {}
+        return out
 
 
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_cpu_path_reports_as_the_generic_path(seed):
     rng = random.Random(seed)
-    fast, ref = FiniteFlags(CAP, torch.device("cpu")), FiniteFlags(CAP, torch.device("cpu"))
+    fast, ref, model = FiniteFlags(CAP, torch.device("cpu")), FiniteFlags(CAP, torch.device("cpu")), Model()
     ref._cpu = False  # the generic path: flags read behind events (NullEvents on the CPU)
     assert fast._cpu
     for _ in range(60):
@@ -42,18 +65,24 @@ def test_cpu_path_reports_as_the_generic_path(seed):
             bad = {s for s in slots if rng.random() < 0.3}
             store(fast, slots, bad)
             store(ref, slots, bad)
+            model.store(slots, bad)
         elif op < 0.7:
             gone = rng.sample(range(CAP), rng.randrange(0, 4))
             fast.forget(gone)
             ref.forget(gone)
+            model.forget(gone)
         elif op < 0.9:
             wait = None if rng.random() < 0.5 else rng.sample(range(CAP), rng.randrange(0, 3))
-            assert list(fast.poll(wait).items()) == list(ref.poll(wait).items())
+            want = list(model.poll().items())
+            assert list(fast.poll(wait).items()) == want and list(ref.poll(wait).items()) == want
         else:
             fast.clear()
             ref.clear()
-        assert [fast.pending(s) for s in range(CAP)] == [ref.pending(s) for s in range(CAP)]
-    assert list(fast.poll().items()) == list(ref.poll().items())
+            model.landed.clear()
+        want_pending = [s in model.landed for s in range(CAP)]
+        assert [fast.pending(s) for s in range(CAP)] == want_pending == [ref.pending(s) for s in range(CAP)]
+    want = list(model.poll().items())
+    assert list(fast.poll().items()) == want and list(ref.poll().items()) == want
 
 
 def test_poll_refuses_bad_wait_for_on_both_paths():
@@ -90,10 +119,10 @@ def test_a_slot_stored_again_while_in_flight_needs_no_wait_and_the_newer_mark_co
     f._cpu = False  # the GPU's path
     first, second = SlowEvent(), SlowEvent()
     m1 = f.arm(torch.tensor([2, 5]))
-    f.sent([2, 5], first)
+    f.sent([2, 5], m1, first)
     m2 = f.arm(torch.tensor([5]))
     assert m2 != m1
-    f.sent([5], second)
+    f.sent([5], m2, second)
     f.flags[5] = m1  # store 1's kernels found a NaN in slot 5, and ran before store 2's (stream order)
     if second_bad:
         f.flags[5] = m2
@@ -101,3 +130,21 @@ def test_a_slot_stored_again_while_in_flight_needs_no_wait_and_the_newer_mark_co
     first.done = second.done = True
     assert f.poll() == {2: True, 5: not second_bad}  # store 1's slot 5 superseded by store 2
     assert first.waits == second.waits == 0
+
+
+def test_poll_stops_at_a_store_in_flight_and_waits_only_up_to_the_wanted_slots():
+    f = FiniteFlags(CAP, torch.device("cpu"))
+    f._cpu = False
+    events = [SlowEvent() for _ in range(3)]
+    for slots, event in zip(([1, 2], [3], [4]), events):
+        mark = f.arm(np.array(slots))
+        f.flags[slots[-1]] = mark  # the last slot of each store non-finite
+        f.sent(np.array(slots), mark, event)
+    events[1].done = True
+    assert f.poll() == {} and all(f.pending(s) for s in (1, 2, 3, 4))  # the oldest is in flight: nothing final
+    assert f.poll(wait_for=[3]) == {1: True, 2: False, 3: False}  # waits for the first store, not the third
+    assert [e.waits for e in events] == [1, 0, 0] and f.pending(4) and not f.pending(3)
+    f.forget([4])  # freed while in flight: never reported
+    events[2].done = True
+    assert f.poll(wait_for=[4]) == {} and not f.pending(4) and events[2].waits == 0
+    assert not f.pending(-1) and not f.pending(CAP)

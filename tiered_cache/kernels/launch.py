@@ -209,7 +209,7 @@ class Bound:
 
 
 class _Entry:
-    __slots__ = ("host", "host_np", "dev", "event", "views")
+    __slots__ = ("host", "host_np", "dev", "event", "lent", "views")
 
     def __init__(self, width: int, device: torch.device) -> None:
         from tiered_cache import device as dev
@@ -218,6 +218,7 @@ class _Entry:
         self.host_np = self.host.numpy()
         self.dev = torch.empty(2 * width, dtype=torch.int64, device=device)
         self.event = dev.new_event(device)
+        self.lent = False  # the event is a caller's now (``IdRing.done``): the next use takes a fresh one
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -253,9 +254,16 @@ class IdRing:
             v = e.views[n] = (e.dev[:n], e.dev[w:w + n])
         return v
 
-    def done(self) -> Any:
-        """After the launches that read the ids of the last ``send``: records and returns its event."""
-        event = self._ring[self._i].event
-        event.record()
+    def done(self, lend: bool = False) -> Any:
+        """After the launches that read the ids of the last ``send``: records and returns its event. ``lend``:
+        the caller keeps the event (a store's flags wait on it, ``FiniteFlags``), and the entry records a fresh
+        one at its next use, so a lent event is recorded once: it fires after these launches, never later."""
+        e = self._ring[self._i]
+        if e.lent:
+            from tiered_cache import device as dev
+
+            e.event = dev.new_event(self.device)
+        e.event.record()
+        e.lent = lend
         self._i = (self._i + 1) % len(self._ring)
-        return event
+        return e.event

@@ -187,7 +187,7 @@ class Int8CheckpointPool:
         transfer still reads or writes raises ``SlotBusyError``; nothing changes."""
         host = t1_args.host_ids("ids", ids, self.device)
         self.allocator.free(host)
-        self.flags.forget(host.tolist())
+        self.flags.forget(host)
 
     def free_owned(self, ids: list[int]) -> None:
         """Trusted ``free`` of host ids an owner took from ``alloc_ids`` (``SlotAllocator.free_owned``)."""
@@ -250,9 +250,9 @@ class Int8CheckpointPool:
         try:
             t1_args.kernels_store(self, lay, rows_t, slots_t, mark)
         finally:  # even after a launch that raised: the ids' buffer is guarded, the slots' flags awaited
-            self._args.sent(rows.size)
-            # their own event, recorded after the kernels (the ring's is re-recorded when its entry is reused)
-            self.flags.sent(slots.tolist())
+            # on the ring entry's event, recorded after the kernels and lent: never recorded again (None past
+            # the ring's width: the flags record their own)
+            self.flags.sent(slots, mark, self._args.sent(rows.size, lend=True))
 
     def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
         """Hit: dequantize (or copy) checkpoints ``ckpt_slots`` into the T0 states ``active_ids``.

@@ -16,9 +16,11 @@ recorded after its kernels by the caller (``IdRing.done``) or here::
           caller waits for one of its slots (``wait_for``: a sync on that store, normally long finished)
 
 The owner must not serve a non-finite slot: one NaN spreads through its whole int8 scale group.
-On the CPU the work is synchronous: a store's flags are known when it is sent, so they are read then
-(numpy views, no event) into ``_landed``, slot -> flag in the order ``poll`` reports them; a free drops
-its slots from that dict instead of scanning every store not yet polled.
+On the CPU the work is synchronous: a store's flags are final when it is sent, so no event is recorded.
+A store or a free costs numpy work on its own slots, not Python work per slot nor a walk over the stores in
+flight: ``_open[s]`` says that slot ``s``'s last store is not reported yet; a store in flight is ``(event,
+mark, slots)``, and at poll its slots that are still open and whose last store it was (``_expect == mark``)
+are reported.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tiered_cache.validate import int_list
 
 class FiniteFlags:
     """The flags of ``capacity`` slots for a pool on ``device``: ``flags[s]`` holds the mark of the last
-    non-finite store of slot ``s`` (0: none yet); ``expect[s]`` the mark of slot ``s``'s last store."""
+    non-finite store of slot ``s`` (0: none yet); ``_expect[s]`` the mark of slot ``s``'s last store."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device
@@ -44,15 +46,12 @@ class FiniteFlags:
         self.flags.zero_()
         self._flags_np = self.flags.numpy()
         self._expect = np.zeros(capacity, dtype=np.int64)
+        self._open = np.zeros(capacity, dtype=bool)  # the slot's last store is not reported (nor freed) yet
         self._mark = 0
         self._cpu = device.type == "cpu"
-        self._landed: dict[int, bool] = {}  # CPU: the flags of stores sent but not yet polled
-        # Stores whose flags are not known yet: (event after their kernels, their slots). A slot is in one
-        # entry at most (a newer store of it supersedes), and leaves it when it is freed; ``_where`` maps
-        # each such slot to its entry's set, so that a store or a free costs its own slots, not a walk over
-        # every store in flight (an owner that polls rarely had each call pay for all of them).
-        self._pending: list[tuple[Any, set[int]]] = []
-        self._where: dict[int, set[int]] = {}
+        # Stores not yet reported, oldest first: (event after their kernels or None on the CPU, mark, slots).
+        # A slot counts in the newest of them only (``_expect``), and in none once reported or freed.
+        self._pending: list[tuple[Any, int, np.ndarray]] = []
 
     def arm(self, slots: Any) -> int:
         """Before a store into ``slots`` (a host int64 array, or a CPU tensor): the store's mark, which its
@@ -61,67 +60,50 @@ class FiniteFlags:
         self._expect[slots if isinstance(slots, np.ndarray) else slots.numpy()] = self._mark
         return self._mark
 
-    def sent(self, slots: list[int], event: Any = None) -> None:
-        """After a store's kernels: ``event`` (recorded after them; None: one is recorded now) says when its
-        flags are final."""
-        self.forget(slots)
-        if self._cpu:
-            u = sorted(set(slots))
-            self._landed.update(zip(u, (self._flags_np[u] != self._expect[u]).tolist()))
-            return
-        if event is None:
+    def sent(self, slots: Any, mark: int, event: Any = None) -> None:
+        """After the kernels of the store armed with ``mark`` into ``slots`` (a host int64 array or a list;
+        copied): ``event`` (recorded after the kernels; None: one is recorded now, none on the CPU) says when
+        its flags are final."""
+        slots = np.array(slots, dtype=np.int64)
+        self._open[slots] = True
+        if not self._cpu and event is None:
             event = dev.new_event(self.device)
             event.record(dev.current_stream(self.device))
-        pend = set(slots)
-        self._pending.append((event, pend))
-        for s in pend:
-            self._where[s] = pend
+        self._pending.append((None if self._cpu else event, mark, slots))
 
     def poll(self, wait_for: Optional[Iterable[int]] = None) -> dict[int, bool]:
         """Slot -> whether its last store was all finite, for the stores whose flags are final (and those of
-        the slots in ``wait_for``, waited for now). Each slot is reported once."""
+        the slots in ``wait_for``, waited for now). Each slot is reported once, a store's in slot order."""
         want = set() if wait_for is None else set(int_list("wait_for", wait_for))
-        if self._cpu:  # every store sent has landed
-            landed, self._landed = self._landed, {}
-            return landed
-        if want and not any(s in self._where for s in want):
-            want = set()
+        cap, open_ = self._open.size, self._open
+        want = {s for s in want if 0 <= s < cap and open_[s]}
         out: dict[int, bool] = {}
-        keep: list[tuple[Any, set[int]]] = []
         flags, expect = self._flags_np, self._expect
-        for i, (event, slots) in enumerate(self._pending):
-            if not event.query():
+        done = 0
+        for event, mark, slots in self._pending:
+            if event is not None and not event.query():
                 if not want:  # later stores were sent after this one: not done either
-                    keep.extend(self._pending[i:])
                     break
                 event.synchronize()  # waits for this store only
-            want -= slots
-            out.update((s, bool(flags[s] != expect[s])) for s in sorted(slots))
-            for s in slots:
-                del self._where[s]
-        self._pending = [e for e in keep if e[1]]
+            done += 1
+            live = slots[open_[slots] & (expect[slots] == mark)]
+            if live.size:
+                open_[live] = False
+                got = live.tolist()
+                want.difference_update(got)
+                out.update(sorted(zip(got, (flags[live] != mark).tolist())))
+        del self._pending[:done]
         return out
 
     def pending(self, slot: int) -> bool:
         """Whether the finiteness of ``slot``'s last store is not known on the host yet."""
-        return slot in self._landed or slot in self._where
+        return 0 <= slot < self._open.size and bool(self._open[slot])
 
-    def forget(self, slots: Iterable[int]) -> None:
-        """Freed slots: their pending results are dropped (a later store of them starts afresh)."""
-        if self._cpu:
-            landed = self._landed
-            if landed:
-                for s in slots:
-                    landed.pop(s, None)
-            return
-        where = self._where
-        if where:
-            for s in slots:
-                pend = where.pop(s, None)
-                if pend is not None:
-                    pend.discard(s)  # an entry left empty is dropped by the next poll
+    def forget(self, slots: Any) -> None:
+        """Freed slots (ints in range: a host int64 array or a list): their pending results are dropped (a
+        later store of them starts afresh)."""
+        self._open[slots] = False
 
     def clear(self) -> None:
         self._pending.clear()
-        self._where.clear()
-        self._landed.clear()
+        self._open[:] = False

@@ -257,11 +257,11 @@ class CallArgs:
         both = dev.host_to_device(torch.from_numpy(np.concatenate([rows, slots])), self.pool.device)
         return both[:n], both[n:]
 
-    def sent(self, n: int) -> Any:
+    def sent(self, n: int, lend: bool = False) -> Any:
         """After the launches of a move of ``n`` ids from ``to_device``: an event recorded after them, or
-        None (the CPU, or ids past the ring's width)."""
+        None (the CPU, or ids past the ring's width); ``lend``: the caller keeps it (``IdRing.done``)."""
         if self._ring is not None and n <= self._ring.width:
-            return self._ring.done()
+            return self._ring.done(lend)
         return None
 
 
