@@ -157,13 +157,14 @@ class Served:
 
 
 def serve(stack: TieredCache, prompt: Sequence[int], answer: Sequence[int], chunk: int,
-          extra_cuts: Optional[Callable[[int, int, set[int]], Iterable[int]]] = None) -> Served:
+          extra_cuts: Optional[Callable[[int, int, set[int]], Iterable[int]]] = None, cut_end: bool = True) -> Served:
     """One request through ``stack``'s tree as the reference engine drives it, minus the compute (module
     docstring): match (cow_mamba), load back of a host hit, lock, a T0 state slot and the KV (evicting),
     ``cache_unfinished_req`` at every prefill chunk end, the branch point, the prompt end and
     ``extra_cuts(reused, len(prompt), cuts)`` (more checkpoint positions, e.g. block boundaries), a
     ``check_hicache_events`` after each (every chunk is an engine step), ``cache_finished_req`` at the
-    last page written. Raises RuntimeError when T0 cannot hold the request even after evicting."""
+    last page written. ``cut_end`` False: no state at the prompt end (a prompt whose last page is partial:
+    the engine caches none there). Raises RuntimeError when T0 cannot hold the request even after evicting."""
     cache, kv = stack.tree, stack.kv
     n = len(prompt)
     req = CacheReq(token_ids=[], kv_indices=torch.empty(0, dtype=torch.int64))
@@ -193,7 +194,7 @@ def serve(stack: TieredCache, prompt: Sequence[int], answer: Sequence[int], chun
     if new is None:
         raise RuntimeError("a request's KV does not fit T0 even after evicting: raise the GPU budget")
     req.kv_indices = torch.cat([prefix, new])
-    cuts = set(range(p + chunk, n, chunk)) | {n}
+    cuts = set(range(p + chunk, n, chunk)) | ({n} if cut_end else set())
     b = m.mamba_branching_seqlen
     if b is not None and p < b < n:
         cuts.add(b)
