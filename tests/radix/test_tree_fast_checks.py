@@ -77,9 +77,11 @@ def test_probe_of_an_array_key_is_probe_of_its_list(seed):
         if a[0] == "ok" and b[0] == "ok":
             (pa, ea, da, na), (pb, eb, db, nb) = a[1], b[1]
             assert [x.id for x in pa] == [x.id for x in pb] and ea is eb and (da, na) == (db, nb), (q, salt)
-            dev_n, start = da
+            dev_n, start, whole = da
             lead = next((k for k, x in enumerate(pa) if x.value is None), len(pa))
             assert dev_n == lead and start == sum(len(x.akey) for x in pa[:-1]), (q, salt)
+            ends = start + len(pa[-1].akey) if pa else 0
+            assert whole == (not pa or (ends <= aligned and q[start:ends] == pa[-1].key)), (q, salt)
         else:
             assert a == b, (q, salt, prev)
     cache.check_invariants()
@@ -221,22 +223,24 @@ def _observed(cache):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_insert_walk_one_duplicate_range_is_the_per_node_walk(seed):
-    """``_insert_walk`` takes the nodes ahead of the last one as one duplicate range when ``probe`` says they all
-    hold device KV; forced to step node by node (``lead`` of no device node), a cache driven by the same engine
-    turns (duplicates sent again, evictions) leaves the same tree, sizes, stamps, KV tables and T1 bytes."""
+    """``_insert_walk`` takes the nodes ahead of the last one (and the last, matched whole) as one duplicate range
+    when ``probe`` says they all hold device KV; forced to step node by node (``lead`` of no device node, the last
+    not whole: ``insert_step``), a cache driven by the same engine turns (duplicates sent again, evictions) leaves
+    the same tree, sizes, stamps, KV tables and T1 bytes."""
     rng = random.Random(seed)
     fast, stepped = _build(), _build()
-    ranges = {"one": 0}
+    ranges = {"one": 0, "whole": 0}
     walk = fast.rule._insert_walk
 
     def counting(*a):
         path, lead = a[-2], a[-1]
         ranges["one"] += len(path) > 1 and lead[0] >= len(path) - 1
+        ranges["whole"] += bool(path) and lead[2] and lead[0] >= len(path)
         return walk(*a)
 
     fast.rule._insert_walk = counting
     slow = stepped.rule._insert_walk
-    stepped.rule._insert_walk = lambda *a: slow(*a[:-1], (0, 0))
+    stepped.rule._insert_walk = lambda *a: slow(*a[:-1], (0, 0, False))
     stems = [[rng.randrange(1, 40) for _ in range(rng.randrange(2, 9))] for _ in range(4)]
     for step in range(40):
         toks = rng.choice(stems) + [rng.randrange(1, 40) for _ in range(rng.randrange(0, 9))]
@@ -251,4 +255,4 @@ def test_insert_walk_one_duplicate_range_is_the_per_node_walk(seed):
             cache.check_invariants(request_states=torch.empty(0, dtype=torch.int64))
         assert got[:len(got) // 2] == got[len(got) // 2:], f"step {step}: results differ"
         assert _observed(fast) == _observed(stepped), f"step {step}: the caches differ"
-    assert ranges["one"] > 0, "the one-range path never ran"
+    assert ranges["one"] > 0 and ranges["whole"] > 0, f"the one-range path never ran (or never whole): {ranges}"

@@ -304,24 +304,24 @@ class MambaRule:
         """``pages``: the page ids of ``value[prev:aligned]`` as ``check_callers_kv`` checked them, or None
         (``validate`` off: the duplicates go back through the checked ``free``). ``path``: ``probe``'s: each
         node matched whole but the last, so the walk looks up no child and compares no key again; ``lead``: its
-        (leading nodes with device KV, the token where the last node starts)."""
+        (leading nodes with device KV, the token where the last node starts, whether the last matched whole)."""
         tree = self.tree
         root, touch, ps = tree.root, tree.policy.touch, tree.page_size
         node, i, prefix = root, 0, None
         dups: list[tuple[int, int]] = []  # token ranges of value the tree already holds: freed at the end
         split_suffix = None
-        last = len(path) - 1
+        dev_n, start, whole = lead
+        ahead = len(path) if whole else len(path) - 1  # matched whole by probe: nothing to split
         k0 = 0
-        if last > 0:  # matched whole by probe: only their recency changes (``insert_step`` without the call)
-            tree.policy.touch_all("kv", path[:last])
-            dev_n, start = lead
-            if dev_n >= last:  # all of them on the device: their duplicates are one range, no step per node
-                i, node, k0 = start, path[last - 1], last
+        if ahead > 0:  # only their recency changes (``insert_step`` without the call)
+            tree.policy.touch_all("kv", path if whole else path[:ahead])
+            if dev_n >= ahead:  # all of them on the device: their duplicates are one range, no step per node
+                i, node, k0 = start + len(path[-1].akey) if whole else start, path[ahead - 1], ahead
                 if prev < i:
                     dups.append((prev, i))
         for k in range(k0, len(path)):
             child = path[k]
-            if k < last:
+            if k < ahead:
                 m = len(child.akey)
             else:
                 child, m, split_suffix = tree.insert_step(node, toks, i, aligned, salt, child)

@@ -129,17 +129,17 @@ class RadixTree:
 
     def probe(self, toks: Any, salt: Optional[str], aligned: int, prev: int):
         """Read-only insert walk. -> (path, the node ending exactly at ``aligned`` or None, (how many leading nodes
-        of the path hold device KV, the token where its last node starts), whether a load is in flight on the
-        path). Tokens a load is writing count as on the device (the caller got their ids from ``init_load_back``);
-        a node on the host only, or dead, ends the device part: insert gives it the caller's ids. An insert's
-        ``prev_prefix_len`` past that part is an error. ``toks``: an int64 ``array`` (walked on its bytes) or a
-        list."""
+        of the path hold device KV, the token where its last node starts, whether that node matched whole),
+        whether a load is in flight on the path). Tokens a load is writing count as on the device (the caller got
+        their ids from ``init_load_back``); a node on the host only, or dead, ends the device part: insert gives it
+        the caller's ids. An insert's ``prev_prefix_len`` past that part is an error. ``toks``: an int64 ``array``
+        (walked on its bytes) or a list."""
         walk = probe_bytes if type(toks) is array else probe_list
         path, i, dev, pending, whole, dev_n, start = walk(self, toks, salt, aligned)
         end = path[-1] if path and i == aligned and whole else None
         if prev > dev:
             raise InvalidArgumentError("prev_prefix_len", f"<= the cached prefix length ({dev})", prev)
-        return path, end, (dev_n, start), pending
+        return path, end, (dev_n, start, whole), pending
 
     def match_result(self, idx: torch.Tensor, dev: TreeNode, best: TreeNode, host_len: int, mamba_host: int,
                      branching: Optional[int], kv_len: int, **kw: Any) -> MatchResult:
@@ -150,7 +150,7 @@ class RadixTree:
                 last_host = last_host.parent
         return MatchResult(device_indices=idx, last_device_node=dev, last_host_node=last_host,
                            best_match_node=best, host_hit_length=host_len, mamba_host_hit_length=mamba_host,
-                           mamba_branching_seqlen=branching, cache_protected_len=len(idx), kv_hit_length=kv_len,
+                           mamba_branching_seqlen=branching, cache_protected_len=idx.shape[0], kv_hit_length=kv_len,
                            **kw)
 
     def insert_step(self, node: TreeNode, toks: list[int], i: int, end: int, salt: Optional[str],
