@@ -354,6 +354,22 @@ def policy_ratios(s: dict[str, dict[str, float]], configs: list[str], policies: 
     return out
 
 
+def budget_policy_ratios(s: dict[str, dict[str, float]], budgets: list[float], configs: list[str],
+                         policies: list[str], fell_back: Collection[str] = ()) -> dict[str, Any]:
+    """``policy_ratios`` at each ``--policy-gpu-budgets`` point (``s``: summaries by ``gpu<MIB>_<config>_<policy>``):
+    ``gpu<MIB>_<ratio>_<policy>_vs_lru`` (the first configuration's) and ``gpu<MIB>_<config>_<ratio>_<policy>_vs_lru``,
+    the raw values as ``<metric>_gpu<MIB>_<config>_<policy>``."""
+    out: dict[str, Any] = {"invalid": []}
+    heads = {f"{name}_{p}_vs_lru" for name in POLICY_RATIOS for p in policies}
+    for mib in budgets:
+        tag = f"gpu{mib:g}"
+        pr = policy_ratios({k: v for k, v in s.items() if k.startswith(f"{tag}_")}, [f"{tag}_{c}" for c in configs],
+                           policies, fell_back)
+        out.update({f"{tag}_{k}" if k in heads else k: v for k, v in pr.items() if k != "invalid"})
+        out["invalid"] += [f"{tag}_{k}" if k in heads else k for k in pr["invalid"]]
+    return out
+
+
 def undefined_ratios(results: list[dict]) -> dict[str, dict]:
     """The ratios that have no value because their denominator is zero (left out of the metrics), by
     ``<workload>_<ratio>``, with the raw values behind them. A ratio refused because a side fell back
@@ -365,7 +381,9 @@ def undefined_ratios(results: list[dict]) -> dict[str, dict]:
             if k in rt and rt[k] is None and k not in rt.get("invalid", []):
                 num, den = wc.ratio_sides(kind, f"{metric}_{top}", f"{metric}_{base}")
                 out[f"{r['name']}_{k}"] = {"numerator": rt.get(num), "denominator": rt.get(den)}
-        for c in r.get("policies", {}).get("configs", []):  # --eviction-policies: each policy against LRU
+        pol = r.get("policies") or {}
+        budget_configs = [f"gpu{m:g}_{c}" for m in pol.get("gpu_budgets", []) for c in pol.get("configs", [])]
+        for c in pol.get("configs", []) + budget_configs:  # --eviction-policies: each policy against LRU
             for p in r["policies"]["policies"]:
                 for name, (metric, kind) in POLICY_RATIOS.items():
                     k = f"{c}_{name}_{p}_vs_lru"
@@ -670,8 +688,11 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                eff: Optional[dict]) -> dict:
         s = median_summary([r["summary"] for r in reps])
         pol = {"configs": pol_configs, "policies": list(args.eviction_policies),
+               "gpu_budgets": list(args.policy_gpu_budgets),
+               "gpu_budget_tiers": {f"{m:g}": {c: tiers_at(m)[c] for c in pol_configs}
+                                    for m in args.policy_gpu_budgets},
                "summary": median_summary([r["policy_summary"] for r in reps]) if pol_runs else {},
-               "labels": {f"{c}_{p}": f"{wc.LABELS[c]} [{p}]" for c, p in pol_runs},
+               "labels": {k: lab for k, (_, _, lab) in runs.items() if k not in configs},
                "cache_policy": {k: st.get("cache_policy") for k, st in last_p.items()},
                "tree_stats": {k: st.get("tree", {}) for k, st in last_p.items()}} if pol_runs else {}
         return {"name": label, "workload": name, "answer": int(w["max_new_tokens"]) if not args.trace else None,
@@ -690,16 +711,20 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
     # --eviction-policies: each of --policy-configs once per policy in every repeat, beside the configurations
     pol_configs = list(dict.fromkeys(args.policy_configs)) if args.eviction_policies else []
     pol_runs = [(c, p) for c in pol_configs for p in args.eviction_policies]
-    # every timed run of a repeat by key (a configuration, or ``<config>_<policy>``): its configuration, the
-    # tiers' shared settings (a policy run: the same budgets and requests, eviction policy and admission
-    # changed) and its label
-    runs = {c: (c, cache, wc.LABELS[c]) for c in configs}
-    runs.update({f"{c}_{p}": (c, policy_cache(cache, p), f"{wc.LABELS[c]} [{p}]") for c, p in pol_runs})
+    # every timed run of a repeat by key (a configuration, ``<config>_<policy>``, or ``gpu<MIB>_<config>_<policy>``
+    # at a --policy-gpu-budgets point): its tiers, the tiers' shared settings (a policy run: the same requests,
+    # eviction policy and admission changed) and its label
+    runs = {c: (tiers[c], cache, wc.LABELS[c]) for c in configs}
+    runs.update({f"{c}_{p}": (tiers[c], policy_cache(cache, p), f"{wc.LABELS[c]} [{p}]") for c, p in pol_runs})
+    for mib in args.policy_gpu_budgets:  # the policy runs again at each of these GPU budgets, alike
+        at = tiers_at(mib)
+        runs.update({f"gpu{mib:g}_{c}_{p}": (at[c], policy_cache(cache, p), f"{wc.LABELS[c]} [{p}] @ GPU {mib:g} MiB")
+                     for c, p in pol_runs})
     keys = list(runs)
 
     def timed(key: str, lab: str, progress: bool, timeline: bool = False) -> dict:
-        c, cc, _ = runs[key]
-        return run_config(model, engine_config(serve, cc, tiers[c]), drive_for(w), n_req, lab, progress, timeline)
+        tier, cc, _ = runs[key]
+        return run_config(model, engine_config(serve, cc, tier), drive_for(w), n_req, lab, progress, timeline)
 
     warm_s: dict[str, float] = {}
     if args.warm_each:  # first-call costs (module docstring), each run's own shapes, outside every clock
@@ -742,8 +767,10 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                   "left out (null, info.invalid_comparisons)")
         rt = ratios(s_rep, fb)
         if pol_runs:
-            pr = policy_ratios(s_pol, pol_configs, args.eviction_policies, fb)
-            rt = {**rt, **pr, "invalid": rt.get("invalid", []) + pr["invalid"]}
+            pr = policy_ratios({f"{c}_{p}": s_pol[f"{c}_{p}"] for c, p in pol_runs}, pol_configs,
+                               args.eviction_policies, fb)
+            pb = budget_policy_ratios(s_pol, args.policy_gpu_budgets, pol_configs, args.eviction_policies, fb)
+            rt = {**rt, **pr, **pb, "invalid": rt.get("invalid", []) + pr["invalid"] + pb["invalid"]}
         reps.append({"summary": s_rep, "policy_summary": s_pol, "ratios": rt, "fell_back": fb})
         if on_repeat is not None:  # what is measured so far, written: a run cut short keeps its repeats
             on_repeat(result(reps, raw, raw_p, [], [], None))
@@ -994,6 +1021,10 @@ def save(results: list[dict], models: dict, env: dict, args: argparse.Namespace,
                 "null where a side did not run); admission: marconi leaf + branch, tiered leaf + branch (block "
                 f"under --admission block), lru and seglen --admission ({args.admission}); info.workloads.<w>."
                 "policies.cache_policy: what each run's tree ran. " if args.eviction_policies else "")
+             + (f"--policy-gpu-budgets {' '.join(f'{m:g}' for m in args.policy_gpu_budgets)}: the policy runs again at "
+                "each GPU budget, warmed and rotated with the others (`<workload>_gpu<MIB>_<config>_<policy>_*`, "
+                "`gpu<MIB>_<ratio>_<policy>_vs_lru`; tiers in info.workloads.<w>.policies.gpu_budget_tiers). "
+                if args.policy_gpu_budgets else "")
              + (f"Refused (a side fell back to eager: null, info.invalid_comparisons): {invalid}." if invalid
                 else "No configuration fell back to eager calls: every comparison is valid."))
     bench = "workload" + (f"-{args.tag}" if args.tag else "")
@@ -1059,6 +1090,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "ttft_p50_speedup_<policy>_vs_lru (give lru among them)")
     p.add_argument("--policy-configs", nargs="+", default=["int8_t1_t2"], choices=wc.CONFIGS[1:],
                    help="the configurations of the --eviction-policies runs (the first is the headline)")
+    p.add_argument("--policy-gpu-budgets", nargs="+", type=float, default=[], metavar="MIB",
+                   help="also run the --eviction-policies runs at each of these GPU budgets (MiB, split as at the "
+                        "file's, the host budget kept), warmed and rotated with the others: metrics "
+                        "<workload>_gpu<MIB>_<config>_<policy>_*, ratios gpu<MIB>_throughput_<policy>_vs_lru etc.")
     p.add_argument("--rates", nargs="*", type=float, default=[], metavar="R",
                    help="also run each workload at these arrival rates (requests/s; 0: no gaps), with "
                         "--sweep-configs: TTFT and throughput against load (metrics <workload>_rate<R>_*)")
@@ -1135,6 +1170,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--answers: lengths >= 1, got {args.answers}")
     if any(not b > 0 for b in args.gpu_budgets):
         p.error(f"--gpu-budgets: MiB > 0, got {args.gpu_budgets}")
+    if args.policy_gpu_budgets and not args.eviction_policies:
+        p.error("--policy-gpu-budgets: only with --eviction-policies (it runs them at other budgets)")
+    if any(not b > 0 for b in args.policy_gpu_budgets):
+        p.error(f"--policy-gpu-budgets: MiB > 0, got {args.policy_gpu_budgets}")
     if any(v is not None and not v > 0 for v in (args.gpu_mib, args.host_mib)):
         p.error(f"--gpu-mib / --host-mib: MiB > 0, got {args.gpu_mib} / {args.host_mib}")
     if args.trace_start < 0 or args.trace_limit < 1 or not 0.0 < args.trace_sample <= 1.0:

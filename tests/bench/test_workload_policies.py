@@ -104,3 +104,83 @@ def test_eviction_policies_on_a_trace_with_block_admission(tmp_path, keep_thread
         assert m[f"ttft_p50_speedup_{pol}_vs_lru"] == pytest.approx(
             m["mooncake_gpu_only_lru_ttft_p50_s"] / m[f"mooncake_gpu_only_{pol}_ttft_p50_s"])
     assert m["mooncake_gpu_only_lru_prefill_tokens_saved"] > 0
+
+
+def test_budget_policy_ratios_name_each_budget_and_leave_the_main_runs_alone():
+    from benchmarks.bench_workload import budget_policy_ratios
+
+    s = {"gpu512_int8_t1_t2_lru": summary(2.0, 0.4, 0.5), "gpu512_int8_t1_t2_tiered": summary(3.0, 0.1, 0.6),
+         "gpu1024_int8_t1_t2_lru": summary(1.0, 0.2, 0.5), "gpu1024_int8_t1_t2_tiered": summary(1.0, 0.4, 0.5),
+         "int8_t1_t2_lru": summary(9.0, 9.0, 0.9), "int8_t1_t2_tiered": summary(1.0, 1.0, 0.1)}
+    r = budget_policy_ratios(s, [512.0, 1024.0], ["int8_t1_t2"], ["lru", "tiered"])
+    assert r["gpu512_throughput_tiered_vs_lru"] == r["gpu512_int8_t1_t2_throughput_tiered_vs_lru"] == 1.5
+    assert r["gpu512_ttft_p50_speedup_tiered_vs_lru"] == 4.0 and r["gpu1024_ttft_p50_speedup_tiered_vs_lru"] == 0.5
+    assert r["gpu1024_hit_rate_tiered_vs_lru"] == 1.0 and r["requests_per_s_gpu512_int8_t1_t2_tiered"] == 3.0
+    assert not any(k.startswith(("throughput", "int8_t1_t2")) or k.endswith("int8_t1_t2_lru") and "gpu" not in k
+                   for k in r)  # the main runs' ratios are policy_ratios' to give
+    fell = budget_policy_ratios(s, [512.0], ["int8_t1_t2"], ["lru", "tiered"], {"gpu512_int8_t1_t2_lru": "capture"})
+    assert fell["gpu512_throughput_tiered_vs_lru"] is None and "gpu512_throughput_tiered_vs_lru" in fell["invalid"]
+    assert "gpu512_int8_t1_t2_throughput_tiered_vs_lru" in fell["invalid"]
+    assert budget_policy_ratios(s, [], ["int8_t1_t2"], ["lru", "tiered"]) == {"invalid": []}
+
+
+def test_policy_gpu_budgets_run_each_policy_at_each_budget_warmed_and_rotated(tmp_path, keep_threads, monkeypatch):
+    from benchmarks import bench_workload as bw
+    from benchmarks import workload_common as wc
+
+    calls: list[tuple] = []
+    real = bw.run_config
+
+    def logged(model, ecfg, drive, total, label, *a, **kw):
+        st = real(model, ecfg, drive, total, label, *a, **kw)
+        c = ecfg.cache
+        calls.append((label, c.eviction_policy, c.kv_pages, c.t1_states, c.host_kv_pages))
+        return st
+
+    monkeypatch.setattr(bw, "run_config", logged)
+    argv = ["--scale", "small", "--workloads", "multi_turn", "--set", "clients=2", "rounds=2", "--repeats", "2",
+            "--configs", "--eviction-policies", "lru", "tiered", "--policy-gpu-budgets", "1", "2", "--out",
+            str(tmp_path), "--no-progress"]
+    rec = bw.main(argv)
+    m, info = rec["metrics"], rec["info"]["workloads"]["multi_turn"]
+    keys = ["int8_t1_t2_lru", "int8_t1_t2_tiered", "gpu1_int8_t1_t2_lru", "gpu1_int8_t1_t2_tiered",
+            "gpu2_int8_t1_t2_lru", "gpu2_int8_t1_t2_tiered"]
+    assert info["repeat_orders"] == [keys, keys[1:] + keys[:1]] and sorted(info["warm_pass_s"]) == sorted(keys)
+    # the warm pass first (each run once, untimed), then the timed runs; every budget's tiers are its split's
+    assert [c[0].endswith("(warm pass)") for c in calls] == [True] * 6 + [False] * 12
+    tiers = info["policies"]["gpu_budget_tiers"]
+    for mib in ("1", "2"):
+        t = tiers[mib]["int8_t1_t2"]
+        sec = wc.load_workload("multi_turn", "small", {"clients": 2, "rounds": 2})
+        assert t["kv_pages"] == bw.wc.split_budget(
+            wc.TierBytes(**info["tier_bytes"]), int(float(mib) * wc.MiB), int(sec["host_budget_mib"] * wc.MiB),
+            sec["engine"]["max_running"], -(-info["longest_request"] // sec["engine"]["page_size"]),
+            sec["engine"]["kv_fraction"])["int8_t1_t2"]["kv_pages"]
+        ran = {(c[1], c[2], c[3], c[4]) for c in calls if c[0].endswith(f"@ GPU {mib} MiB") or
+               c[0].endswith(f"@ GPU {mib} MiB (warm pass)")}
+        assert ran == {(p, t["kv_pages"], t["t1_states"], t["host_kv_pages"]) for p in ("lru", "tiered")}
+    main_t = info["tiers"]["int8_t1_t2"]
+    assert tiers["1"]["int8_t1_t2"]["kv_pages"] < tiers["2"]["int8_t1_t2"]["kv_pages"] != main_t["kv_pages"]
+    for mib in ("1", "2"):
+        for k in ("throughput", "ttft_p50_speedup", "hit_rate"):
+            key = f"gpu{mib}_{k}_tiered_vs_lru"
+            assert m[key] == m[f"multi_turn_{key}"] == m[f"multi_turn_gpu{mib}_int8_t1_t2_{k}_tiered_vs_lru"], key
+            assert m[f"{key}_min"] <= m[key] <= m[f"{key}_max"], key
+        assert m[f"multi_turn_gpu{mib}_int8_t1_t2_tiered_requests_per_s"] > 0
+        assert m[f"multi_turn_gpu{mib}_int8_t1_t2_lru_hit_rate"] == m[f"hit_rate_gpu{mib}_int8_t1_t2_lru"]
+        assert m[f"gpu{mib}_hit_rate_tiered_vs_lru"] == pytest.approx(
+            m[f"hit_rate_gpu{mib}_int8_t1_t2_tiered"] / m[f"hit_rate_gpu{mib}_int8_t1_t2_lru"])
+    assert m["throughput_tiered_vs_lru"] == m["multi_turn_int8_t1_t2_throughput_tiered_vs_lru"]  # the main budget
+    assert {r["config"] for r in rec["rows"]} >= {f"{wc.LABELS['int8_t1_t2']} [{p}] @ GPU {mib} MiB"
+                                                 for p in ("lru", "tiered") for mib in ("1", "2")}
+
+
+@pytest.mark.parametrize("extra, msg", [(["--policy-gpu-budgets", "512"], "only with --eviction-policies"),
+                                        (["--eviction-policies", "lru", "tiered", "--policy-gpu-budgets", "512", "0"],
+                                         "MiB > 0")])
+def test_policy_gpu_budgets_refused(extra, msg, capsys):
+    from benchmarks.bench_workload import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--configs", "no_cache", *extra])
+    assert msg in capsys.readouterr().err
