@@ -317,7 +317,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     notes = ("Points where a policy differs from LRU (hit rate, state hits T1 / T2 / miss): "
              + ("; ".join(f"{x['run']} GPU {x['gpu_mib']:g} host {x['host_mib']:g}: lru {x['lru']['hit_rate']:.3f}, "
                           + ", ".join(f"{p} {v['hit_rate']:.3f} ({v['state_hits_t1']}/{v['state_hits_t2']}/"
-                                      f"{v['state_misses']})" for p, v in x.items() if p in a.policies)
+                                      f"{v['state_misses']})" for p, v in x.items() if p in a.policies and p != "lru")
                           for x in d) or "none"))
     path = write_results(a.name, metrics(rows, a.policies), rows=rows, notes=notes, out_dir=a.out, info=info)
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
