@@ -25,6 +25,8 @@ from tiered_cache.radix.params import EvictParams, EvictResult
 from tiered_cache.radix.tree import RadixTree
 from tiered_cache.validate import int_arg
 
+_COUNTS = ("num_tokens", "swa_num_tokens", "mamba_num", "host_num_tokens", "host_mamba_num")
+
 
 class Eviction:
     """Evicts device KV of ``tree`` (demoting to ``host`` when it has a copy) and finds T0 room."""
@@ -36,8 +38,13 @@ class Eviction:
         """See ``RadixCacheFacade.evict``."""
         if not isinstance(params, EvictParams):
             raise InvalidTypeError("params", "an EvictParams", type(params).__name__)
-        for arg in ("num_tokens", "swa_num_tokens", "mamba_num", "host_num_tokens", "host_mamba_num"):
-            int_arg(arg, getattr(params, arg), lo=0)
+        counts = (params.num_tokens, params.swa_num_tokens, params.mamba_num, params.host_num_tokens,
+                  params.host_mamba_num)
+        # checked again (a field can be set after construction); the common case in one pass, the typed
+        # errors through int_arg
+        if not all(type(v) is int and v >= 0 for v in counts):
+            for arg, v in zip(_COUNTS, counts, strict=True):
+                int_arg(arg, v, lo=0)
         # Counted as freed wherever the cascade frees them (a host eviction for room can remove a
         # leaf with a T1 state; a T2 state eviction can remove a leaf on the device).
         freed = self.tree.freed
