@@ -34,29 +34,37 @@ from typing import Any
 
 import torch
 
+from tiered_cache import device as dev
+
 # "fast": launches through a bound compiled kernel; "ordinary": through ``kernel[grid]``.
 stats: collections.Counter[str] = collections.Counter()
 
 _ORDINARY = object()  # a class whose launches stay ordinary (no compiled kernel to bind, or it refused)
 
 
-def _spec_class(v: Any, plain: bool = False) -> Any:
-    """What Triton's specialization can depend on, for a varying argument: for an int its range class, 1,
-    and divisibility by 16 (``plain``, an int the kernel declares ``do_not_specialize``: its range class
-    alone); for a tensor its dtype and 16-byte alignment (the value passed is the pointer)."""
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
-    if plain:
-        return -2**31 <= v < 2**31
-    return (v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63)
-
-
 def launch_key(device: Any, values: Sequence[Any], plain: Sequence[bool]) -> tuple[list[Any], tuple]:
     """The launcher's values of a call (tensors as their pointers) and the key of its compiled kernel: the
     current device (each has its own compiled kernel, loaded in its context, and its own streams) and each
-    value's ``_spec_class``."""
-    vals = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
-    return vals, (device, *(_spec_class(v, p) for v, p in zip(values, plain)))
+    value's class (``_spec_class``; written out here, each pointer read once: this runs at every launch)."""
+    vals: list[Any] = []
+    key: list[Any] = [device]
+    for v, p in zip(values, plain):
+        if isinstance(v, torch.Tensor):
+            ptr = v.data_ptr()
+            vals.append(ptr)
+            key.append((v.dtype, ptr % 16 == 0))
+        else:
+            vals.append(v)
+            key.append(-2**31 <= v < 2**31 if p else (v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63))
+    return vals, tuple(key)
+
+
+def _spec_class(v: Any, plain: bool = False) -> Any:
+    """What Triton's specialization can depend on, for a varying argument: for an int its range class, 1,
+    and divisibility by 16 (``plain``, an int the kernel declares ``do_not_specialize``: its range class
+    alone); for a tensor its dtype and 16-byte alignment (the value passed is the pointer). Defined by
+    ``launch_key``, which writes it out for every value of a launch."""
+    return launch_key(None, (v,), (plain,))[1][1]
 
 
 _HOOK_HOLDER: Any = None  # where this Triton keeps its launch hooks, found on first use
@@ -159,13 +167,12 @@ class Bound:
             if fast is None:
                 self._classes[key] = self._bind(compiled)
             return
-        g0 = grid[0]
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
+        n = len(grid)
+        g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
         stream = self._stream(device)
         while True:
             template, idx = fast.lists[0]
-            a = list(template)
+            a = template.copy()
             for i, v in zip(idx, vals):
                 a[i] = v
             try:
@@ -212,8 +219,6 @@ class _Entry:
     __slots__ = ("host", "host_np", "dev", "event", "lent", "views")
 
     def __init__(self, width: int, device: torch.device) -> None:
-        from tiered_cache import device as dev
-
         self.host = dev.pinned_empty(2 * width * 8).view(torch.int64)
         self.host_np = self.host.numpy()
         self.dev = torch.empty(2 * width, dtype=torch.int64, device=device)
@@ -260,8 +265,6 @@ class IdRing:
         one at its next use, so a lent event is recorded once: it fires after these launches, never later."""
         e = self._ring[self._i]
         if e.lent:
-            from tiered_cache import device as dev
-
             e.event = dev.new_event(self.device)
         e.event.record()
         e.lent = lend

@@ -33,7 +33,7 @@ from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, SlotStat
 from tiered_cache.kernels import launch, quant
 from tiered_cache.tiers.protocols import StateSide
 from tiered_cache.tiers.t1_host import HostMoves, host_moves
-from tiered_cache.validate import _INT_TORCH, int_list
+from tiered_cache.validate import _INT_TORCH, _PLAIN_INT, int_list
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,10 @@ class Layout:
     plans: dict[str, list[Callable[..., None]]] = field(default_factory=dict, init=False, compare=False,
                                                               repr=False)
 
-    @property
-    def rows(self) -> int:
-        return (self.temporal if self.temporal is not None else self.convs[0]).shape[1]
+    rows: int = field(init=False, compare=False)  # the side's row count (what a physical row id must be below)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", (self.temporal if self.temporal is not None else self.convs[0]).shape[1])
 
 
 _SIDE_TYPES: dict[type, bool] = {}
@@ -89,9 +90,10 @@ def host_ids(name: str, ids: Any, device: torch.device) -> np.ndarray:
         if ids.device != device and ids.device.type != "cpu":
             raise InvalidArgumentError(name, f"a tensor on {device}", ids.device)
         return ids.detach().to("cpu", torch.int64).numpy()
-    vals = int_list(name, ids)  # strings, floats, bools, None, nested sequences: InvalidTypeError
+    # a list of plain ints (what an engine passes) is taken as it is; anything else through int_list's checks
+    vals = ids if type(ids) is list and set(map(type, ids)) <= _PLAIN_INT else int_list(name, ids)
     try:
-        return np.asarray(vals, dtype=np.int64)
+        return np.array(vals, dtype=np.int64)
     except OverflowError:
         raise InvalidArgumentError(name, "ids in the int64 range",
                                    [v for v in vals if not -2**63 <= v < 2**63][:16]) from None
@@ -216,31 +218,43 @@ class CallArgs:
     def slots(self, name: str, ids: Any, unique: bool) -> np.ndarray:
         pool = self.pool
         host = host_ids(name, ids, pool.device)
-        if not host.size:
+        n = host.size
+        if not n:
             return host
-        if _MIN(host) < 1 or _MAX(host) > pool.num_slots:
+        lo, hi = _bounds(ids, host)
+        if lo < 1 or hi > pool.num_slots:
             out = host[(host < 1) | (host > pool.num_slots)]
             raise InvalidArgumentError(name, f"checkpoint slot ids in [1, {pool.num_slots}]", out.tolist())
         allocated = pool.allocator._allocated[host]
-        if not _ALL(allocated):
+        if _COUNT(allocated) != n:
             raise SlotStateError(name, "allocated checkpoint slots", host[~allocated].tolist())
-        if unique and _repeats(host):
+        if unique and _repeats(ids, host):
             raise InvalidArgumentError(name, "distinct destination slots", host.tolist())
         return host
 
     def rows(self, side: Any, lay: Layout, active_ids: Any, unique: bool) -> np.ndarray:
         host = host_ids("active_ids", active_ids, self.pool.device)
+        n = host.size
+        if not n:
+            return host
         if is_state_side(side):
-            if host.size and not _ALL(host):
+            if (0 in active_ids) if _few(active_ids) else _COUNT(host) != n:
                 raise InvalidArgumentError("active_ids", "active state ids (slot 0 is the sink, never active)",
                                            host.tolist())
             try:
                 host = np.asarray(side.translate_host(host), dtype=np.int64)  # a free id maps to -1
             except InvalidArgumentError:
                 raise InvalidArgumentError("active_ids", "virtual ids of the T0 side", host.tolist()) from None
-        if host.size and (_MIN(host) < 0 or _MAX(host) >= lay.rows):
-            raise InvalidArgumentError("active_ids", f"{lay.what} (rows in [0, {lay.rows}))", host.tolist())
-        if unique and _repeats(host):
+            lo, hi = _bounds(None, host)
+            if lo < 0 or hi >= lay.rows:  # a free id's row is negative
+                raise InvalidArgumentError("active_ids", f"{lay.what} (rows in [0, {lay.rows}))", host.tolist())
+            given = None  # the rows are not the ids given
+        else:
+            lo, hi = _bounds(active_ids, host)
+            if lo < 0 or hi >= lay.rows:
+                raise InvalidArgumentError("active_ids", f"{lay.what} (rows in [0, {lay.rows}))", host.tolist())
+            given = active_ids
+        if unique and _repeats(given, host):
             raise InvalidArgumentError("active_ids", "distinct destination states", host.tolist())
         return host
 
@@ -265,17 +279,35 @@ class CallArgs:
         return None
 
 
-# ndarray.min / .max / .all without their Python wrappers (a few ids: the wrapper is most of the cost)
-_MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
+# ndarray.min / .max without their Python wrappers; count_nonzero for .all (a few ids: the wrapper, or the ufunc
+# machinery, is most of the cost, ~1 us a call)
+_MIN, _MAX, _COUNT = np.minimum.reduce, np.maximum.reduce, np.count_nonzero
+_FEW = 16  # ids given as a list of at most this many: Python's min / max / set / in on it beat numpy's ~1 us calls
 
 
-def _repeats(a: np.ndarray) -> bool:
-    if a.size < 2:
+def _few(given: Any) -> bool:
+    """Whether ``given`` (the caller's ids, checked by ``host_ids``) is a short list or tuple of ints."""
+    return type(given) in (list, tuple) and len(given) <= _FEW
+
+
+def _bounds(given: Any, host: np.ndarray) -> tuple[int, int]:
+    """The least and greatest of ``host`` (non-empty; ``given`` the caller's ids it was made from, or None)."""
+    if _few(given):
+        return min(given), max(given)
+    if host.size <= _FEW:
+        lst = host.tolist()
+        return min(lst), max(lst)
+    return _MIN(host), _MAX(host)
+
+
+def _repeats(given: Any, host: np.ndarray) -> bool:
+    """Whether ``host`` (``given`` the caller's ids it was made from) repeats an id."""
+    if host.size < 2:
         return False
-    if a.size <= 64:  # a set of a few ints is cheaper than numpy's sort
-        lst = a.tolist()
+    if host.size <= 64:  # a set of a few ints is cheaper than numpy's sort
+        lst = given if type(given) in (list, tuple) else host.tolist()
         return len(set(lst)) != len(lst)
-    return bool(np.unique(a).size != a.size)
+    return bool(np.unique(host).size != host.size)
 
 
 def ids_tensor(ids: Any) -> torch.Tensor:
