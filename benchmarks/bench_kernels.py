@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py                 # H200: 36 layers x 32 heads x 128 x 128, 16 and 64 states
     python benchmarks/bench_kernels.py --small         # CPU smoke run (Triton interpreter), tiny shapes
     python benchmarks/bench_kernels.py --parts api sweep   # H200: the engine's path and the store's formulations
+    python benchmarks/bench_kernels.py --parts host    # CPU: that path's host work, the launch stubbed (bench_host)
 
 For each state dtype (fp32, bf16) and states per call (16, 64): states sit scattered in a T0-like
 slot-major buffer (twice as many rows as states, random rows) and go to random T1 slots of an

@@ -148,3 +148,20 @@ def test_poll_stops_at_a_store_in_flight_and_waits_only_up_to_the_wanted_slots()
     events[2].done = True
     assert f.poll(wait_for=[4]) == {} and not f.pending(4) and events[2].waits == 0
     assert not f.pending(-1) and not f.pending(CAP)
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_an_owner_that_never_polls_keeps_a_bounded_list(generic):
+    """Stores again and again into the same few slots, never polled: the stores no slot counts in are dropped,
+    so the list stays within twice the capacity, and the first poll still reports each slot's last store."""
+    f = FiniteFlags(CAP, torch.device("cpu"))
+    f._cpu = not generic
+    rng = random.Random(3)
+    last: dict[int, bool] = {}
+    for _ in range(20 * CAP):
+        slots = rng.sample(range(1, 4), rng.randrange(1, 3))
+        bad = {s for s in slots if rng.random() < 0.3}
+        store(f, slots, bad)
+        last.update((s, s not in bad) for s in slots)
+        assert len(f._pending) <= 2 * CAP
+    assert f.poll() == last

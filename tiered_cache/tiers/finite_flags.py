@@ -69,7 +69,12 @@ class FiniteFlags:
         if not self._cpu and event is None:
             event = dev.new_event(self.device)
             event.record(dev.current_stream(self.device))
-        self._pending.append((None if self._cpu else event, mark, slots))
+        pending = self._pending
+        pending.append((None if self._cpu else event, mark, slots))
+        if len(pending) > 2 * self._open.size:  # never polled: drop the stores no slot counts in any more (at
+            # most one a slot is left, so this runs once per ``capacity`` stores or more)
+            open_, expect = self._open, self._expect
+            self._pending = [e for e in pending if np.count_nonzero(open_[e[2]] & (expect[e[2]] == e[1]))]
 
     def poll(self, wait_for: Optional[Iterable[int]] = None) -> dict[int, bool]:
         """Slot -> whether its last store was all finite, for the stores whose flags are final (and those of
