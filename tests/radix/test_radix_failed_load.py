@@ -22,7 +22,7 @@ from tests.support.radix_util import (
     write_swa,
 )
 from tiered_cache.errors import IntegrityError, InvalidArgumentError
-from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams
+from tiered_cache.radix import CacheReq, EvictParams, InitLoadBackParams, InsertParams, RadixKey
 
 TOKS = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -151,3 +151,57 @@ def test_swa_insert_over_a_failed_pending_load_names_the_load_and_caches_nothing
     cache.check_hicache_events()
     assert (cache.kv.available_size(), cache.swa.available_size(), cache.kv_region.available_size(),
             cache.swa_region.available_size()) == fresh
+
+
+@pytest.mark.parametrize("what", ["kv", "state"])
+@pytest.mark.parametrize("flow", ["finished", "unfinished", "insert"])
+def test_a_caller_that_ignores_a_finished_failed_load_gets_nothing_cached(what, flow):
+    """The load finished (``check_hicache_events``) with ``ok`` False and the caller inserts anyway, through either
+    request flow or a plain insert of the state slot the load filled: ``IntegrityError`` naming the load, nothing
+    cached (the failed state load's was cached, computed on garbage), and the contract's release still works."""
+    cache, fresh = _demoted()
+    req, x = _loading_request(cache, what)
+    cache.check_hicache_events()
+    assert req.load_back.done and not req.load_back.ok  # the caller does not look
+    own = req.kv_indices[4:].clone()
+    with pytest.raises(IntegrityError, match="load back") as e:
+        if flow == "finished":
+            cache.cache_finished_req(req)
+        elif flow == "unfinished":
+            cache.cache_unfinished_req(req)
+        else:
+            cache.insert(InsertParams(key=RadixKey(TOKS), value=req.kv_indices[:8], mamba_value=req.mamba_pool_idx,
+                                      prev_prefix_len=4))
+    assert not isinstance(e.value, InvalidArgumentError)
+    m = match(cache, TOKS)
+    assert len(m.device_indices) + m.host_hit_length <= 4  # [5..8] is not cached
+    assert req.last_node is x and torch.equal(req.kv_indices[4:], own) and req.mamba_pool_idx is not None
+    cache.check_invariants(request_kv=own, request_states=req.mamba_pool_idx)
+    cache.cache_finished_req(req, is_insert=False)
+    assert not cache.rule.failed_loads  # released: the slot's mark goes with it
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))
+    cache.evict(EvictParams(num_tokens=100, mamba_num=100, host_num_tokens=100, host_mamba_num=100))
+    cache.check_hicache_events()
+    assert _free_sizes(cache) == fresh
+
+
+def test_a_slot_a_failed_load_filled_serves_the_next_owner():
+    """The caller frees the failed load's slot itself (not through the cache) and the slot is taken again: the
+    next owner's insert, computed from scratch (``prev_prefix_len`` 0), is cached and the mark goes."""
+    cache, _ = _demoted()
+    req, x = _loading_request(cache, "state")
+    cache.check_hicache_events()
+    slot = req.mamba_pool_idx
+    cache.states.free(slot)  # by hand: the tree does not see it
+    assert int(slot) in cache.rule.failed_loads
+    again = cache.states.alloc(1)
+    assert int(again) == int(slot)
+    ids = alloc_kv(cache, 8)
+    write_kv(cache, ids, TOKS)
+    write_state(cache, again, TOKS)
+    res = cache.insert(InsertParams(key=RadixKey(TOKS), value=ids, mamba_value=again, prev_prefix_len=0))
+    assert res.cached_len == 8 and res.mamba_stored and not cache.rule.failed_loads
+    cache.states.free(again)
+    cache.kv.free(req.kv_indices[4:])  # the first owner's, released by hand too
+    cache.dec_lock_ref(x)
+    cache.check_invariants(request_kv=torch.empty(0, dtype=torch.int64), request_states=torch.empty(0))

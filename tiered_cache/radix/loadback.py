@@ -34,7 +34,8 @@ class LoadBack:
     checksum failed: the loaded prefix is garbage, the request must release its lock and recompute
     (``cache_finished_req(req, is_insert=False)``). An insert that comes while the load is still in flight
     settles it first; when it failed, the insert raises ``IntegrityError`` and caches nothing (all the request
-    computed on it is garbage too: ``HostTier.settle_loads``)."""
+    computed on it is garbage too: ``HostTier.settle_loads``). A caller that ignores a finished ``ok`` False gets
+    the same refusal: the failed load marks the request's T0 state slot (``MambaRule.check_failed_load``)."""
 
     device_indices: torch.Tensor
     last_node: TreeNode

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.errors import IntegrityError, InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix.checks import (
     check_callers_kv,
     check_state_allocated,
@@ -85,6 +85,9 @@ class MambaRule:
         self.host: Any = None  # HostTier
         self.t1: Any = None  # MambaStates
         self.admission = StateAdmission()  # which states a prefill chunk offers are kept (the cache sets it)
+        # T0 state slots a failed load back wrote garbage into -> (salt, bytes of the loaded prefix): a state
+        # computed on it is never cached (``check_failed_load``), whether the caller read ``LoadBack.ok`` or not
+        self.failed_loads: dict[int, tuple[Optional[str], bytes]] = {}
 
     def bind(self, host: Any, t1: Any) -> None:
         self.host, self.t1 = host, t1
@@ -92,6 +95,31 @@ class MambaRule:
     def clear(self) -> None:
         """The tree was cleared: no store's flag is awaited any more."""
         self.flags.clear()
+        self.failed_loads.clear()
+
+    def fresh_slot(self, slot: Any) -> None:
+        """The T0 state slot ``slot`` was allocated, written or released by the tree: no failed load's garbage."""
+        if self.failed_loads:
+            self.failed_loads.pop(int(slot), None)
+
+    def check_failed_load(self, slot: Optional[torch.Tensor], toks: Any, salt: Optional[str], prev: int) -> None:
+        """An insert of ``toks`` whose state ``slot`` a failed load back filled (``LoadBack.ok`` False: all computed
+        on it is garbage), its ``prev_prefix_len`` covering the loaded prefix: ``IntegrityError`` naming the load,
+        nothing changed. Any other insert with that slot shows it holds another computation: the mark goes."""
+        if slot is None or not self.failed_loads:
+            return
+        got = self.failed_loads.get(int(slot))
+        if got is None:
+            return
+        fsalt, pre = got
+        end = len(pre) >> 3
+        if fsalt == salt and prev >= end and toks.tobytes().startswith(pre):
+            raise IntegrityError(
+                f"mamba_value {int(slot)}: its state came from a load back (init_load_back, req.load_back) of the "
+                f"tokens up to {end} that failed its checksum (ok False): the KV or state it brought was garbage, "
+                "and so is all computed on it: nothing is cached; release the request (cache_finished_req(req, "
+                "is_insert=False)) and recompute")
+        del self.failed_loads[int(slot)]
 
     def on_events(self) -> None:
         """Every engine step: NaN/inf flags of earlier stores have landed; read them without waiting."""
@@ -229,6 +257,8 @@ class MambaRule:
         if dev is not best and dev is not root:
             touch("state", dev)
         host.count_hits(path, best)
+        if cow and dev is not root:
+            self.fresh_slot(dst)  # overwritten with dev's state next
         if cow and dev is not root and dst_row is not None:  # both ids checked: no second check in T1
             self.ckpt.load_rows(np.array([dev.payload.t1_slot]), self.states, dst_row)
         elif cow and dev is not root:
@@ -261,6 +291,7 @@ class MambaRule:
         n, value = len(toks), params.value  # a tensor: insert_args checked it
         assert value is not None
         slot = None if params.mamba_value is None else state_slot(self.states, "mamba_value", params.mamba_value)
+        self.check_failed_load(slot, toks, salt, prev)
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
         path, end_node, lead, pending = tree.probe(toks, salt, aligned, prev)

@@ -117,9 +117,10 @@ class MambaStates:
         the two sides share bytes (``UnifiedPool``, or a T0 with ``sides_share_bytes`` true). Over sides
         that share nothing (an engine's own pools) evicting KV frees no slot, and the tree holds no T0
         state to evict (its states are T1's): then only a free slot serves, else None."""
-        if not self.shared_t0:
-            return self.states.alloc(1)
-        return self.room.alloc_protected(self.states, 1, protect)
+        slot = self.states.alloc(1) if not self.shared_t0 else self.room.alloc_protected(self.states, 1, protect)
+        if slot is not None:
+            self.rule.fresh_slot(slot)
+        return slot
 
     def _alloc_host_state(self) -> Optional[int]:
         r = self.region
@@ -177,6 +178,7 @@ class MambaStates:
 
     def start_load(self, op: Op, prepared: tuple, best: TreeNode, req: Any) -> None:
         slot, own, scratch = prepared
+        self.rule.fresh_slot(slot)  # what it held is overwritten (a failure of this load marks it again)
         if scratch is not None:
             op.scratch, op.scratch_id = scratch[0], scratch[1][0]
             op.tickets["state"] = restore_states(self.host.engine, self.region, [best.payload.state_host], self.ckpt,
@@ -199,6 +201,9 @@ class MambaStates:
             if best.alive and best.payload.state_host is not None:
                 f.put_pages("state_host", [best.payload.state_host])
                 best.payload.state_host = None
+        # the request's state (ok False), or the KV up to it (best left dead, its KV nowhere), was garbage
+        if (not ok or best.value is None) and op.handle is not None and op.handle.state_slot is not None:
+            self.rule.failed_loads[int(op.handle.state_slot)] = self._prefix(best)
         if op.scratch is not None:
             if ok and best.alive and best.value is not None and best.payload.mamba_value is None:
                 self.rule.set_state(best, op.scratch, op.scratch_id)  # promoted: the next hit is a T1 hit, no PCIe copy
@@ -207,6 +212,15 @@ class MambaStates:
                 f.put("t1", op.scratch)
             op.scratch = None
         return ok
+
+    def _prefix(self, x: TreeNode) -> tuple[Optional[str], bytes]:
+        """-> (the salt, the tokens' bytes) of the path from the root to the end of ``x``."""
+        parts, y = [], x
+        while y.parent is not self.tree.root:
+            parts.append(y.bkey)
+            y = y.parent
+        parts.append(y.bkey)
+        return self.tree.key_salt(y.ck), b"".join(reversed(parts))
 
     def emptied(self, y: TreeNode) -> None:
         if y.payload.mamba_value is not None:

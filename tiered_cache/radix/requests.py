@@ -40,7 +40,9 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
     if keep < kv.numel():
         cache.kv.free(kv[keep:])
     if req.mamba_pool_idx is not None:
-        cache.states.free(state_slot(cache.states, "req.mamba_pool_idx", req.mamba_pool_idx))
+        slot = state_slot(cache.states, "req.mamba_pool_idx", req.mamba_pool_idx)
+        cache.states.free(slot)
+        cache.rule.fresh_slot(slot)
         req.mamba_pool_idx = None
     if req.last_node is not None:
         cache.dec_lock_ref(req.last_node)
