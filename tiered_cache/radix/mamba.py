@@ -219,12 +219,12 @@ class MambaRule:
         if not isinstance(cow, bool):
             raise InvalidTypeError("cow_mamba", "a bool", cow)
         dst: Any = None
-        dst_row = None  # its physical row, where checked here: the load then takes the trusted path
+        dst_checked = False  # validate checked it is allocated: the load then takes the trusted path
         if cow:
             if req is None or not hasattr(req, "mamba_pool_idx"):
                 raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
             if req.mamba_pool_idx is not None:
-                dst, dst_row = self.req_slot(req)
+                dst, dst_checked = self.req_slot(req)
         # Every check is done: what follows may change the tree.
         if host.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
             host.t3.maybe_prefetch(toks.tolist(), salt, req)
@@ -259,21 +259,23 @@ class MambaRule:
         host.count_hits(path, best)
         if cow and dev is not root:
             self.fresh_slot(dst)  # overwritten with dev's state next
-        if cow and dev is not root and dst_row is not None:  # both ids checked: no second check in T1
-            self.ckpt.load_rows(np.array([dev.payload.t1_slot]), self.states, dst_row)
+        if cow and dev is not root and dst_checked:  # both ids checked: no second check in T1
+            # dst's row read again now: the walk's drops (NaN states) free KV, and a side may compact on a free
+            row = self.states.translate_host(np.array([int(dst)], dtype=np.int64))
+            self.ckpt.load_rows(np.array([dev.payload.t1_slot]), self.states, row)
         elif cow and dev is not root:
             self.ckpt.load_to_active(dev.payload.mamba_value, self.states, dst)
         idx = tree.empty if dev_k == 0 else values[0] if dev_k == 1 else torch.cat(values[:dev_k])
         mamba_host = int(best is not dev and best.payload.mamba_value is None)
         return tree.match_result(idx, dev, best, best_len - dev_len, mamba_host, branching, kv_len)
 
-    def req_slot(self, req: Any) -> tuple[torch.Tensor, Optional[np.ndarray]]:
-        """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and its physical row as a
-        host array where ``validate`` checked it is allocated (else None)."""
+    def req_slot(self, req: Any) -> tuple[torch.Tensor, bool]:
+        """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and whether ``validate``
+        checked it is allocated (its row is read where it is used: a side may compact before)."""
         slot = state_slot(self.states, "req.mamba_pool_idx", req.mamba_pool_idx)
         if self.tree.validate:
-            return slot, check_state_allocated(self.states, slot, "req.mamba_pool_idx")
-        return slot, None
+            check_state_allocated(self.states, slot, "req.mamba_pool_idx")
+        return slot, self.tree.validate
 
     # ----------------------------------------------------------------------------- insert
     def insert(self, params: InsertParams) -> InsertResult:
@@ -297,7 +299,12 @@ class MambaRule:
         path, end_node, lead, pending = tree.probe(toks, salt, aligned, prev)
         # the caller's pages, checked once: duplicates and new leaves use them without another check
         pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
-        row = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
+        # the slot checked now, before anything changes; its physical row is read only at the store: the T1
+        # allocation between may evict, and a state side may compact (move rows) on any free or alloc
+        vid = None
+        if tree.validate and slot is not None:
+            check_state_allocated(self.states, slot)
+            vid = np.array([int(slot)], dtype=np.int64)
         if self.host.settle_loads(path, prev, pending):  # the caller computed on what a load brings: done, or nearly
             path, end_node, lead, _ = tree.probe(toks, salt, aligned, prev)
         if (slot is not None and params.chunked and not self.admission.keeps_every_chunk and aligned == n
@@ -312,8 +319,8 @@ class MambaRule:
                 return InsertResult(prefix_len=prev, cached_len=prev, last_device_node=None)
             t1, (t1_id,) = got
             try:
-                if row is not None:  # checked above, and a slot just allocated: the trusted store
-                    self.ckpt.store_rows(self.states, row, np.array(got[1]))
+                if vid is not None:  # checked above, and a slot just allocated: the trusted store, at today's row
+                    self.ckpt.store_rows(self.states, self.states.translate_host(vid), np.array(got[1]))
                 else:
                     self.ckpt.store_from_active(self.states, slot, t1)
             except BaseException:
