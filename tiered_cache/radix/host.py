@@ -322,14 +322,18 @@ class HostTier:
 
     def _reclaimable(self, short: list) -> bool:
         """Would evicting host KV free ``short`` pages per region? Counts host leaves, then parents
-        all of whose host children would go (what ``evict_kv`` would reach), until enough."""
+        all of whose host children would go (what ``evict_kv`` would reach), until enough: the leaves are
+        drawn from the policy one at a time (no copy of its set), a parent's host children counted once, so
+        the work is what it reads before the answer (which is the same in any order: what evicting reaches)."""
         root = self.tree.root
         got = {id(r): 0 for r, _ in short}
         want = {id(r): n for r, n in short}
-        queue = list(self.tree.policy.candidates("kv_host"))
-        seen: dict[int, int] = {}
-        while queue and any(got[k] < want[k] for k in got):
-            y = queue.pop()
+        leaves, parents = self.tree.policy.iter_candidates("kv_host"), list[TreeNode]()
+        seen: dict[int, list[int]] = {}  # parent id -> [its host children counted, how many it has]
+        while any(got[k] < want[k] for k in got):
+            y = parents.pop() if parents else next(leaves, None)
+            if y is None:
+                break
             for s in self.streams:
                 pages = s.get(y, "host")
                 if pages is not None and id(s.region) in got:
@@ -337,9 +341,13 @@ class HostTier:
             p = y.parent
             if p is root or p.host_kv is None or p.full_lock_ref or p.tickets:
                 continue
-            seen[p.id] = seen.get(p.id, 0) + 1
-            if seen[p.id] == sum(1 for c in p.children.values() if c.host_kv is not None or c.host_pending is not None):
-                queue.append(p)
+            c = seen.get(p.id)
+            if c is None:
+                c = seen[p.id] = [0, sum(1 for z in p.children.values()
+                                         if z.host_kv is not None or z.host_pending is not None)]
+            c[0] += 1
+            if c[0] == c[1]:
+                parents.append(p)
         return all(got[k] >= want[k] for k in got)
 
     def evict_kv(self, num: int) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, Optional
 
 RESOURCES = ("kv", "state", "kv_host", "state_host", "swa")
@@ -55,6 +56,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def candidates(self, resource: str) -> set[Any]:
         """The current candidate set (for ``check_invariants``)."""
+
+    def iter_candidates(self, resource: str) -> Iterator[Any]:
+        """The candidates one at a time, in no order and with no copy made where the policy can (a reader that
+        stops early pays for what it read); the caller changes no candidate set while it iterates."""
+        return iter(self.candidates(resource))
 
     @abstractmethod
     def clear(self) -> None:
@@ -141,6 +147,9 @@ class LRUPolicy(EvictionPolicy):
 
     def candidates(self, resource: str) -> set[Any]:
         return set(self._cand[resource])
+
+    def iter_candidates(self, resource: str) -> Iterator[Any]:
+        return iter(self._cand[resource])
 
     def observe(self, tokens: list[int], kv_held: int) -> None:
         """Recency learns nothing from the requests themselves."""
