@@ -70,6 +70,7 @@ def engine_counts(model, e: dict, s, policy: str, gpu_mib: float, host_mib: floa
             "state_misses": tiers_hit["miss"]}
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("run", ["multi_turn", "trace"])
 def test_replay_counts_what_the_engine_counts_serving_one_request_at_a_time(run, tmp_path):
     import torch
@@ -157,3 +158,20 @@ def test_parse_args_refuses_without_lru_and_budgets_not_above_zero(capsys):
     with pytest.raises(SystemExit):
         pb.parse_args(["--gpu-budgets", "512", "0"])
     assert "MiB > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cut_end", [True, False])
+def test_serve_caches_a_state_at_the_prompt_end_only_with_cut_end(cut_end):
+    """``capacity_sim.serve(cut_end=False)`` (a prompt whose last page is partial) leaves no state at the prompt
+    end: a later prompt that diverges right after it resumes from there only when the end was cut."""
+    from benchmarks import capacity_sim as cs
+    from tiered_cache.config import CacheConfig
+
+    cfg = CacheConfig(page_size=1, kv_pages=64, t0_states=2, t1_states=8, codec="int8", validate=False,
+                      check_memory=False, backend="torch")
+    sim = cs.Sim(cfg, cs.tiny_state(cs.real_bytes(64)), page=64, fast=True)
+    prompt = [1, 2, 3, 4, 5, 6]
+    assert cs.serve(sim.stack, prompt, [100, 101, 102], 64, cut_end=cut_end).reused == 0
+    # the turn ended at page 8 (prompt + answer - 1); a prompt diverging at page 7 can resume only at 6
+    assert cs.serve(sim.stack, prompt + [7, 8], [103], 64).reused == (6 if cut_end else 0)
+    sim.check()
