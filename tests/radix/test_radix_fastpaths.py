@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.radix_util import KV_SPEC, STATE_SPEC, full_snapshot, write_kv, write_state
+from tests.support.radix_util import KV_SPEC, STATE_SPEC, full_snapshot, insert_after_match
 from tiered_cache.config import CacheConfig
-from tiered_cache.radix import EvictParams, InsertParams, MatchPrefixParams, RadixKey
+from tiered_cache.radix import EvictParams, MatchPrefixParams, RadixKey
 from tiered_cache.stack import TieredCache
 
 PS = 2
@@ -46,20 +46,7 @@ def turn(cache, toks: list[int], dup: bool):
     if len(m.device_indices):
         phys = cache.states.translate(slot)
         loaded = (cache.states.temporal_view_all()[:, phys].clone(), cache.states.conv_view_all(0)[:, phys].clone())
-    cache.inc_lock_ref(m.last_device_node)
-    hit, aligned = len(m.device_indices), len(toks) // PS * PS
-    if dup:
-        value, prev = cache.kv.alloc(aligned), 0
-    else:
-        value, prev = torch.cat([m.device_indices, cache.kv.alloc(aligned - hit)]), hit
-    write_kv(cache, value[prev:], toks[prev:aligned])
-    write_state(cache, slot, toks[:aligned])
-    res = cache.insert(InsertParams(key=RadixKey(toks[:aligned]), value=value, mamba_value=slot, prev_prefix_len=prev))
-    if res.cached_len < aligned:
-        cache.kv.free(value[max(res.cached_len, prev):])
-    cache.dec_lock_ref(m.last_device_node)
-    cache.states.free(slot)
-    return loaded, (res.prefix_len, res.cached_len, res.mamba_exist, res.mamba_stored)
+    return loaded, insert_after_match(cache, toks, m, slot, dup)
 
 
 def observed(cache):

@@ -22,16 +22,15 @@ from tests.support.radix_util import (
     KV_SPEC,
     STATE_SPEC,
     full_snapshot,
+    insert_after_match,
     insert_fresh,
     make_cache,
     make_hi_cache,
     match,
-    write_kv,
-    write_state,
 )
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
-from tiered_cache.radix import EvictParams, InsertParams, RadixKey
+from tiered_cache.radix import EvictParams
 from tiered_cache.radix.checks import check_prev_prefix_len, check_value, state_slot
 from tiered_cache.stack import TieredCache
 
@@ -196,24 +195,9 @@ def _build():
 
 
 def _turn(cache, toks: list[int], dup: bool):
-    """An engine turn (match, lock, KV for the rest, insert, unlock); ``dup``: ``prev_prefix_len`` 0, the hit's
-    ids sent again as duplicates. -> the insert's result."""
-    slot = cache.states.alloc(1)
-    m = match(cache, toks)
-    cache.inc_lock_ref(m.last_device_node)
-    hit, aligned = len(m.device_indices), len(toks) // PS * PS
-    if dup:
-        value, prev = cache.kv.alloc(aligned), 0
-    else:
-        value, prev = torch.cat([m.device_indices, cache.kv.alloc(aligned - hit)]), hit
-    write_kv(cache, value[prev:], toks[prev:aligned])
-    write_state(cache, slot, toks[:aligned])
-    res = cache.insert(InsertParams(key=RadixKey(toks[:aligned]), value=value, mamba_value=slot, prev_prefix_len=prev))
-    if res.cached_len < aligned:
-        cache.kv.free(value[max(res.cached_len, prev):])
-    cache.dec_lock_ref(m.last_device_node)
-    cache.states.free(slot)
-    return res.prefix_len, res.cached_len, res.mamba_exist, res.mamba_stored
+    """An engine turn (match, then ``insert_after_match``; ``dup``: the hit's ids sent again as duplicates).
+    -> the insert's result."""
+    return insert_after_match(cache, toks, match(cache, toks), cache.states.alloc(1), dup)
 
 
 def _observed(cache):

@@ -202,6 +202,28 @@ def insert_fresh(cache: HiMambaRadixCache, toks: list[int], salt: Optional[str] 
     return res, slot
 
 
+def insert_after_match(cache: HiMambaRadixCache, toks: list[int], m, slot: torch.Tensor, dup: bool) -> tuple:
+    """The rest of an engine turn after match ``m`` (page size ``cache.page_size``): lock, KV for the tokens
+    past the hit, insert with the hit as ``prev_prefix_len`` (``dup``: 0, so the hit's ids come again as
+    duplicates), free what the tree did not take, unlock, free ``slot``. -> the insert's (prefix_len,
+    cached_len, mamba_exist, mamba_stored)."""
+    ps = cache.page_size
+    cache.inc_lock_ref(m.last_device_node)
+    hit, aligned = len(m.device_indices), len(toks) // ps * ps
+    if dup:
+        value, prev = cache.kv.alloc(aligned), 0
+    else:
+        value, prev = torch.cat([m.device_indices, cache.kv.alloc(aligned - hit)]), hit
+    write_kv(cache, value[prev:], toks[prev:aligned])
+    write_state(cache, slot, toks[:aligned])
+    res = cache.insert(InsertParams(key=RadixKey(toks[:aligned]), value=value, mamba_value=slot, prev_prefix_len=prev))
+    if res.cached_len < aligned:
+        cache.kv.free(value[max(res.cached_len, prev):])
+    cache.dec_lock_ref(m.last_device_node)
+    cache.states.free(slot)
+    return res.prefix_len, res.cached_len, res.mamba_exist, res.mamba_stored
+
+
 def match(cache, toks: Sequence[int], salt: Optional[str] = None, **kw):
     """``match_prefix`` of ``toks`` under ``salt``; ``kw``: the other ``MatchPrefixParams`` fields."""
     return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(toks), salt), **kw))
