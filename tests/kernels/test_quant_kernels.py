@@ -8,6 +8,7 @@ NaN), so an element the kernel forgot to write fails the comparison.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,6 +222,29 @@ def test_a_mark_the_flags_cannot_hold_is_refused_before_anything_is_written(pois
         fin.copy_(before[3])
         call(top)
         assert fin[3] == top and torch.equal(fin[[0, 1, 2, 4, 5, 6, 7]], before[3][[0, 1, 2, 4, 5, 6, 7]])
+
+
+@pytest.mark.parametrize("mark", [torch.tensor(7), np.int64(7)], ids=["tensor", "numpy"])
+def test_a_mark_given_as_a_0d_tensor_or_numpy_int_is_written_as_its_value(poison, mark):
+    """The launch takes the int ``check_mark`` returns, not the caller's object: given a 0-d tensor the kernel
+    path wrote the tensor's pointer into the flag (and a numpy int failed inside the launch) while the twin
+    wrote 7."""
+    conv = torch.randn(2, 5, 6, 3, generator=torch.Generator().manual_seed(1))
+    conv[1, 2, 2, 0] = float("inf")
+    rows, slots = torch.tensor([2, 0, 4]), torch.tensor([3, 5, 1])
+    src = rand_states(state_shape(2, 5, 2, 16, 32, 1), torch.float32, seed=4, k_axis=-1)
+    src[0, 2, 1, 3, 5] = float("nan")
+    for store in (lambda q, s, f: quant.quantize_store(src, rows, q, s, slots, backend="triton", finite=f, mark=mark),
+                  lambda q, s, f: quantize_store_reference(src, rows, q, s, slots, finite=f, mark=mark),
+                  lambda q, s, f: quant.copy_rows(conv, rows, poison((2, 8, 6, 3)), slots, backend="triton",
+                                                  finite=f, mark=mark),
+                  lambda q, s, f: copy_rows_reference(conv, rows, poison((2, 8, 6, 3)), slots, finite=f, mark=mark)):
+        q, s = poisoned_codes(poison, 2, 8, 2, 16, 32, torch.float32)
+        fin = torch.zeros(8, dtype=torch.int64)
+        store(q, s, fin)
+        want = torch.zeros(8, dtype=torch.int64)
+        want[3] = 7  # row 2 (-> slot 3) holds the NaN / the inf
+        assert torch.equal(fin, want), fin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

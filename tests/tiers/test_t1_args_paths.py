@@ -50,10 +50,12 @@ def outcome(fn, *args):
 
 
 def forms(ids: list[int]):
-    """The ids as the caller may give them: list, tuple, int64 array, tensor (when they fit int64)."""
+    """The ids as the caller may give them: list, tuple, int64 array, tensor, and lists of numpy ints and of
+    0-d tensors (``validate.int_list`` takes both; a 0-d tensor hashes by identity) when they fit int64."""
     out = [list(ids), tuple(ids)]
     if all(-2**63 <= v < 2**63 for v in ids):
-        out += [np.array(ids, dtype=np.int64), torch.tensor(ids, dtype=torch.int64)]
+        out += [np.array(ids, dtype=np.int64), torch.tensor(ids, dtype=torch.int64),
+                [np.int64(v) for v in ids], [torch.tensor(v) for v in ids]]
     return out
 
 

@@ -80,13 +80,15 @@ def _canonical(t: torch.Tensor, value_axis: int) -> torch.Tensor:
     return t.transpose(3, 4) if value_axis == 2 else t
 
 
-def check_mark(mark: int, finite: Optional[torch.Tensor]) -> None:
-    """A store's ``mark`` is an int that ``finite``'s dtype holds (uint8: 0 to 255): a wider one would be
-    truncated into another store's mark (the kernels cast it), so it is refused before anything is written.
-    Any ``mark`` goes without flags (it is not used)."""
-    if finite is not None:
-        info = torch.iinfo(finite.dtype)
-        int_arg("mark", mark, lo=info.min, hi=info.max)
+def check_mark(mark: int, finite: Optional[torch.Tensor]) -> int:
+    """A store's ``mark`` as a plain int that ``finite``'s dtype holds (uint8: 0 to 255): a wider one would be
+    truncated into another store's mark (the kernels cast it), so it is refused before anything is written;
+    a 0-d tensor or a numpy int comes back as its int (a launch given the tensor itself would pass its
+    pointer). Any ``mark`` goes without flags (it is not used: 0)."""
+    if finite is None:
+        return 0
+    info = torch.iinfo(finite.dtype)
+    return int_arg("mark", mark, lo=info.min, hi=info.max)
 
 
 def _clear_nonfinite(finite: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, mark: int = 0) -> None:
@@ -107,7 +109,7 @@ def quantize_store_reference(src: torch.Tensor, src_rows: torch.Tensor, qdata: t
     ``finite [S]``: set to ``mark`` for a slot whose state holds a NaN or an inf (see the module docstring);
     a ``mark`` the flags' dtype does not hold raises ``InvalidArgumentError`` (``check_mark``), nothing written.
     """
-    check_mark(mark, finite)
+    mark = check_mark(mark, finite)
     state = _canonical(src, value_axis)[:, src_rows.long()]
     q, s = quantize_reference(state)
     slots = dst_slots.long()
@@ -130,7 +132,7 @@ def copy_rows_reference(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Te
     """Twin of ``quant.copy_rows``: ``dst[:, dst_rows] = src[:, src_rows]`` for ``[L, rows, ...]`` tensors;
     ``finite [dst rows]`` is set to ``mark`` for a destination row that received a NaN or an inf (a ``mark``
     the flags' dtype does not hold: ``check_mark``)."""
-    check_mark(mark, finite)
+    mark = check_mark(mark, finite)
     vals = src[:, src_rows.long()]
     dst[:, dst_rows.long()] = vals
     if finite is not None:

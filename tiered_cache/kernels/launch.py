@@ -18,10 +18,10 @@ loaded on. The stored list holds the kernel's parameters in signature order, wit
 
 Ordinary launches throughout (nothing bound) under the interpreter (``TRITON_INTERPRET=1``: what the CPU
 tests run), with ``TIERED_CACHE_ORDINARY_LAUNCHES=1`` (the switch back to Triton's own launches, should a
-Triton version's launcher take an argument list and misread it: the bound path has run in the CPU tests only,
-against a stand-in kernel, not yet on a GPU), or where the compiled launcher takes neither list; and each call
-made while a launch hook is set (a profiler wants every launch: the hooks are read at every call, so one set
-after binding is seen). ``stats`` counts both kinds, so a benchmark can say which ran.
+Triton version's launcher take an argument list and misread it; on the H200 at 5339582 every launch of the
+engine's T1 path took the bound path, ``kernels-h200.json``), or where the compiled launcher takes neither
+list; and each call made while a launch hook is set (a profiler wants every launch: the hooks are read at
+every call, so one set after binding is seen). ``stats`` counts both kinds, so a benchmark can say which ran.
 """
 
 from __future__ import annotations

@@ -496,7 +496,7 @@ def quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tenso
     flags' dtype does not hold (uint8: 0 to 255) is refused (``check_mark``).
     """
     state = validate_quantize_store(src, src_rows, qdata, scale, dst_slots, value_axis, check_ids, finite)
-    check_mark(mark, finite)
+    mark = check_mark(mark, finite)
     StorePlan(src, state, qdata, scale, value_axis, backend, finite)(src_rows, dst_slots, mark)
 
 
@@ -650,7 +650,7 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     a ``mark`` the flags' dtype does not hold is refused (``check_mark``).
     """
     validate_copy_rows(src, src_rows, dst, dst_rows, check_ids, finite=finite)
-    check_mark(mark, finite)
+    mark = check_mark(mark, finite)
     CopyPlan(src, dst, backend, finite)(src_rows, dst_rows, mark)
 
 

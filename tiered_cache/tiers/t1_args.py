@@ -10,9 +10,9 @@ cost as much host time as the copy of 16 states took on the GPU.
   strides), for the last ``VIEW_LAYOUTS`` such views: their launch plans are bound once too. A cached
   ``Layout`` holds its views, so their memory stays allocated and no other tensor can take their address
   while it is cached: a view with the same key reads and writes the same bytes the same way.
-- Ids are checked on the host with numpy (range, allocated, distinct), virtual ids translated on the
-  side's host table, and rows and slots sent to the GPU as one page-locked array in one non-blocking
-  copy: no device sync, and the kernels follow it on the stream without a gap.
+- Ids are checked on the host (range, allocated, distinct: numpy, or plain Python for a short list), virtual
+  ids translated on the side's host table, and rows and slots sent to the GPU as one page-locked array in
+  one non-blocking copy: no device sync, and the kernels follow it on the stream without a gap.
 - Ids given as device tensors are read back once (the checks need their values: a sync).
 
 Every check runs before the first launch: a bad argument raises and nothing is written.
@@ -305,7 +305,9 @@ def _repeats(given: Any, host: np.ndarray) -> bool:
     if host.size < 2:
         return False
     if host.size <= 64:  # a set of a few ints is cheaper than numpy's sort
-        lst = given if type(given) in (list, tuple) else host.tolist()
+        # of the converted ids, never the caller's items: a 0-d tensor hashes by identity, so two of one
+        # value would not count as a repeat
+        lst = host.tolist()
         return len(set(lst)) != len(lst)
     return bool(np.unique(host).size != host.size)
 
