@@ -185,6 +185,28 @@ def test_a_caller_that_ignores_a_finished_failed_load_gets_nothing_cached(what, 
     assert _free_sizes(cache) == fresh
 
 
+def test_a_refused_bad_insert_keeps_the_failed_loads_mark():
+    """An insert with the failed load's slot refused for a bad argument (a key that is not the one loaded, and a
+    ``prev_prefix_len`` past what the tree holds of it) changes nothing, the slot's mark included: the caller's
+    insert that ignores ``ok`` False still gets ``IntegrityError`` (the mark was dropped before the insert's other
+    checks ran, and that insert cached the state computed on garbage)."""
+    cache, _ = _demoted()
+    req, x = _loading_request(cache, "state")
+    cache.check_hicache_events()
+    assert req.load_back.done and not req.load_back.ok
+    slot = req.mamba_pool_idx
+    bad = [99] + TOKS[1:]
+    with pytest.raises(InvalidArgumentError, match="prev_prefix_len"):
+        cache.insert(InsertParams(key=RadixKey(bad), value=req.kv_indices[:8], mamba_value=slot, prev_prefix_len=4))
+    assert int(slot) in cache.rule.failed_loads
+    with pytest.raises(IntegrityError, match="load back"):
+        cache.insert(InsertParams(key=RadixKey(TOKS), value=req.kv_indices[:8], mamba_value=slot, prev_prefix_len=4))
+    m = match(cache, TOKS)
+    assert len(m.device_indices) + m.host_hit_length <= 4  # [5..8] is not cached
+    cache.cache_finished_req(req, is_insert=False)
+    assert not cache.rule.failed_loads
+
+
 def test_a_slot_a_failed_load_filled_serves_the_next_owner():
     """The caller frees the failed load's slot itself (not through the cache) and the slot is taken again: the
     next owner's insert, computed from scratch (``prev_prefix_len`` 0), is cached and the mark goes."""

@@ -102,15 +102,14 @@ class MambaRule:
         if self.failed_loads:
             self.failed_loads.pop(int(slot), None)
 
-    def check_failed_load(self, slot: Optional[torch.Tensor], toks: Any, salt: Optional[str], prev: int) -> None:
+    def check_failed_load(self, slot: Optional[torch.Tensor], toks: Any, salt: Optional[str], prev: int) -> bool:
         """An insert of ``toks`` whose state ``slot`` a failed load back filled (``LoadBack.ok`` False: all computed
         on it is garbage), its ``prev_prefix_len`` covering the loaded prefix: ``IntegrityError`` naming the load,
-        nothing changed. Any other insert with that slot shows it holds another computation: the mark goes."""
-        if slot is None or not self.failed_loads:
-            return
-        got = self.failed_loads.get(int(slot))
-        if got is None:
-            return
+        nothing changed. Any other insert with that slot shows it holds another computation: True, the mark is
+        stale (the insert drops it once all its checks passed: a refused insert changes nothing)."""
+        got = None if slot is None or not self.failed_loads else self.failed_loads.get(int(slot))
+        if got is None or slot is None:
+            return False
         fsalt, pre = got
         end = len(pre) >> 3
         if fsalt == salt and prev >= end and toks.tobytes().startswith(pre):
@@ -119,7 +118,7 @@ class MambaRule:
                 f"tokens up to {end} that failed its checksum (ok False): the KV or state it brought was garbage, "
                 "and so is all computed on it: nothing is cached; release the request (cache_finished_req(req, "
                 "is_insert=False)) and recompute")
-        del self.failed_loads[int(slot)]
+        return True
 
     def on_events(self) -> None:
         """Every engine step: NaN/inf flags of earlier stores have landed; read them without waiting."""
@@ -293,7 +292,7 @@ class MambaRule:
         n, value = len(toks), params.value  # a tensor: insert_args checked it
         assert value is not None
         slot = None if params.mamba_value is None else state_slot(self.states, "mamba_value", params.mamba_value)
-        self.check_failed_load(slot, toks, salt, prev)
+        stale_mark = self.check_failed_load(slot, toks, salt, prev)
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
         path, end_node, lead, pending = tree.probe(toks, salt, aligned, prev)
@@ -307,6 +306,8 @@ class MambaRule:
             vid = np.array([int(slot)], dtype=np.int64)
         if self.host.settle_loads(path, prev, pending):  # the caller computed on what a load brings: done, or nearly
             path, end_node, lead, _ = tree.probe(toks, salt, aligned, prev)
+        if stale_mark:  # every check passed: the slot holds another computation than the failed load's
+            self.failed_loads.pop(int(slot), None)  # type: ignore[arg-type]
         if (slot is not None and params.chunked and not self.admission.keeps_every_chunk and aligned == n
                 and not self.admission.admit(n, is_branch_point(path, end_node, toks, aligned, tree.page_size))):
             slot = None  # not admitted: inserted as a chunk without a state (nothing new is cached)
