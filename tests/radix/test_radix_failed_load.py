@@ -12,6 +12,7 @@ import torch
 from tests.support.radix_util import (
     alloc_kv,
     demote_tail,
+    insert_fresh,
     insert_swa,
     make_hi_cache,
     make_swa_cache,
@@ -205,6 +206,40 @@ def test_a_refused_bad_insert_keeps_the_failed_loads_mark():
     assert len(m.device_indices) + m.host_hit_length <= 4  # [5..8] is not cached
     cache.cache_finished_req(req, is_insert=False)
     assert not cache.rule.failed_loads
+
+
+@pytest.mark.parametrize("release", ["free_request_state", "by_hand"])
+def test_a_slot_freed_by_the_engine_loses_the_failed_loads_mark(release):
+    """An engine that frees a request's state slot itself (the SGLang backend does) frees it through
+    ``free_request_state``: the mark goes, and the slot's next owner, resuming from a device hit of the same
+    prefix (no copy-on-write: the engine fills its slot itself) and inserting with ``prev_prefix_len`` past the
+    failed prefix, is cached. Freed behind the tree's back (``by_hand``), the mark stays and that correct insert
+    is refused: why the backend must not free the slot itself."""
+    cache, _ = _demoted()
+    req, x = _loading_request(cache, "state")
+    cache.check_hicache_events()
+    slot = req.mamba_pool_idx
+    insert_fresh(cache, TOKS[:4])  # another request recomputed [1..4]: a device hit now
+    if release == "free_request_state":
+        cache.free_request_state(slot)
+        assert int(slot) not in cache.rule.failed_loads
+    else:
+        cache.states.free(slot)
+    again = cache.states.alloc(1)
+    assert int(again) == int(slot)
+    m = match(cache, TOKS)
+    hit = len(m.device_indices)
+    assert hit == 4
+    ids = torch.cat([m.device_indices, alloc_kv(cache, 8 - hit)])
+    write_kv(cache, ids[hit:], TOKS[hit:])
+    write_state(cache, again, TOKS)
+    params = InsertParams(key=RadixKey(TOKS), value=ids, mamba_value=again, prev_prefix_len=hit)
+    if release == "by_hand":
+        with pytest.raises(IntegrityError, match="load back"):
+            cache.insert(params)
+        return
+    res = cache.insert(params)
+    assert res.cached_len == 8 and res.mamba_stored
 
 
 def test_a_slot_a_failed_load_filled_serves_the_next_owner():

@@ -48,6 +48,7 @@ from typing import Any, Optional
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix import requests as _req
+from tiered_cache.radix.checks import state_slot
 from tiered_cache.radix.facade import RadixCacheFacade, side_of
 from tiered_cache.radix.host import HostTier, check_args
 from tiered_cache.radix.mamba import MambaRule
@@ -141,6 +142,14 @@ class HiMambaRadixCache(RadixCacheFacade):
         still owns, release its lock (``requests.py``). Checks everything first: when it raises, the
         request still owns all it owned and the tree is unchanged."""
         _req.cache_finished_req(self, req, is_insert)
+
+    def free_request_state(self, slot: Any) -> None:
+        """An engine that frees a request's T0 state slot itself (not through ``cache_finished_req``): the slot
+        goes back to the state pool, and a failed load back's mark on it goes too (else the slot's next owner
+        would have its inserts refused as computed on that load: ``MambaRule.check_failed_load``)."""
+        slot = state_slot(self.states, "slot", slot)
+        self.states.free(slot)
+        self.state_tier.rule.fresh_slot(slot)  # the MambaRule (typed as the facade's ResumeRule on self.rule)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
         """A prefill chunk is done: cache what it wrote, point the request's prefix at the tree's ids,

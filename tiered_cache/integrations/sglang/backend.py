@@ -167,7 +167,7 @@ class TieredRadixCache(B.BasePrefixCache):
     def _free_state(self, req: Any) -> None:
         slot = req.kv.mamba_pool_idx
         if slot is not None:
-            self.cache.states.free(slot.reshape(1))
+            self.cache.free_request_state(slot.reshape(1))  # with any failed load's mark on it
             req.kv.mamba_pool_idx = None
 
     def _checkpoint(self, req: Any, up_to: Any) -> None:
