@@ -1102,7 +1102,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3,
                    help="run every configuration this many times, interleaved; each ratio is the median with "
                         "_min / _max (default 3: the headline). Repeat r starts at the (r mod n)-th of the n "
-                        "timed runs (the configurations, then the policy runs): no run is first in every repeat")
+                        "timed runs (the configurations, then the policy runs): with >= 2 repeats no run is first "
+                        "in every repeat (with 1, the order is fixed: the policies' in the given order)")
     p.add_argument("--no-warm-each", dest="warm_each", action="store_false",
                    help="skip the warm pass: by default every timed run (each --configs entry and each "
                         "--eviction-policies run) first serves the same requests once, untimed, on a fresh engine, "

@@ -39,8 +39,6 @@ What this does not model:
   each finishes before the next starts;
 - the model's outputs: the engine's answers are teacher-forced with the same seeded tokens, and random tokens
   here or there share nothing with any prompt, so the prompts' sharing is the same either way;
-- a prompt whose every whole page is cached (its last page partial): the engine may match all of them, here
-  the last is left to compute (the tree matches all but the prompt's last token, here its last whole page);
 - time itself: Marconi's alpha tuner never fires in runs this short (a window is 500 requests), as in the engine.
 
 Rows: one per run, GPU budget, host budget and policy; ``info.differ``: the points where a policy's hit rate or
