@@ -8,7 +8,8 @@ CPU), the strongest thing a user of SGLang runs instead. Both serve the same tur
 
 Trace: chats opened by one of 8 shared system prompts (1024 tokens), then turns of a user message and
 an answer (64-320 tokens each). A turn is cached as an engine caches it: match, lock, allocate KV for
-the new tokens, insert with the hit as ``prev_prefix_len`` (SGLang: insert, then free the duplicates
+the new tokens, insert with the hit as ``prev_prefix_len`` (ours: and the match's node as ``last_node``, where
+the walk may start, as our request flows pass ``req.last_node``; SGLang: insert, then free the duplicates
 ``value[hit:prefix_len]`` as its ``_insert_cache`` does), unlock. Both trees are grown to the target
 (10^5 and 10^6 cached tokens); before timing, every match of a check set must find the same number of
 tokens on both sides. Then ``--rounds`` interleaved rounds (the side that goes first alternates), each:
@@ -168,7 +169,7 @@ class Ours:
         value = torch.cat([m.device_indices, new])
         t1, t0 = self.t1.s, time.perf_counter()
         res = cache.insert(InsertParams(key=RadixKey(toks[:aligned]), value=value, mamba_value=slot,
-                                        prev_prefix_len=hit))
+                                        prev_prefix_len=hit, last_node=m.last_device_node))
         dt = time.perf_counter() - t0
         if res.cached_len < aligned:
             cache.kv.free(value[max(res.cached_len, hit):])

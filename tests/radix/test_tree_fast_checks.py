@@ -240,3 +240,57 @@ def test_insert_walk_one_duplicate_range_is_the_per_node_walk(seed):
         assert got[:len(got) // 2] == got[len(got) // 2:], f"step {step}: results differ"
         assert _observed(fast) == _observed(stepped), f"step {step}: the caches differ"
     assert ranges["one"] > 0 and ranges["whole"] > 0, f"the one-range path never ran (or never whole): {ranges}"
+
+
+def _count_cases(rng: random.Random):
+    good = [0, 1, 7, 10**12, np.int64(3), np.int32(0), torch.tensor(2)]
+    bad = [-1, True, False, 1.0, 2.5, "3", None, np.int64(-2), [1], torch.tensor(-1)]
+    return [rng.choice(good if rng.random() < 0.8 else bad) for _ in range(5)]
+
+
+def _by_int_arg(values):
+    """The spec: each count through ``int_arg`` (lo 0), in field order: its value, or the first error."""
+    from tiered_cache.radix.params import _EVICT_FIELDS
+    from tiered_cache.validate import int_arg
+
+    try:
+        return [int_arg(n, v, lo=0) for n, v in zip(_EVICT_FIELDS, values, strict=True)]
+    except InvalidArgumentError as e:
+        return (type(e), e.arg)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_evict_params_one_condition_is_int_arg_per_count(seed):
+    """``EvictParams`` and ``Eviction.evict`` accept plain ints >= 0 in one condition (``counts_ok``) and take
+    ``int_arg`` per count otherwise: over random counts (ints, numpy ints, 0-d tensors, negatives, bools, floats,
+    strings, None), the fields (or the error's type and argument) are ``int_arg``'s, at construction and when a
+    field was set after it; a refused evict changes nothing."""
+    from tiered_cache.radix.params import _EVICT_FIELDS
+
+    rng = random.Random(seed)
+    cache = make_cache(page_size=PS)
+    insert_fresh(cache, [1, 2, 3, 4])
+    for _ in range(200):
+        values = _count_cases(rng)
+        want = _by_int_arg(values)
+        try:
+            p = EvictParams(**dict(zip(_EVICT_FIELDS, values, strict=True)))
+            got = [getattr(p, n) for n in _EVICT_FIELDS]
+            assert [type(v) for v in got] == [int] * 5
+        except InvalidArgumentError as e:
+            got = (type(e), e.arg)
+        assert got == want, (values, got, want)
+        p = EvictParams()
+        k = rng.randrange(5)
+        setattr(p, _EVICT_FIELDS[k], values[k])  # set after construction: evict checks it
+        one = _by_int_arg([values[k] if i == k else 0 for i in range(5)])
+        before = full_snapshot(cache)
+        try:
+            cache.evict(p)
+            got = None
+        except InvalidArgumentError as e:
+            got = (type(e), e.arg)
+        assert got == (one if isinstance(one, tuple) else None), (values[k], got, one)
+        if got is not None:
+            assert full_snapshot(cache) == before
+        insert_fresh(cache, [1, 2, 3, 4])

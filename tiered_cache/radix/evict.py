@@ -21,7 +21,7 @@ from tiered_cache.radix.frees import Frees
 from tiered_cache.radix.hooks import EvictHooks
 from tiered_cache.radix.host import HostTier
 from tiered_cache.radix.node import TreeNode
-from tiered_cache.radix.params import EvictParams, EvictResult
+from tiered_cache.radix.params import EvictParams, EvictResult, counts_ok
 from tiered_cache.radix.tree import RadixTree
 from tiered_cache.validate import int_arg
 
@@ -38,13 +38,10 @@ class Eviction:
         """See ``RadixCacheFacade.evict``."""
         if not isinstance(params, EvictParams):
             raise InvalidTypeError("params", "an EvictParams", type(params).__name__)
-        counts = (params.num_tokens, params.swa_num_tokens, params.mamba_num, params.host_num_tokens,
-                  params.host_mamba_num)
-        # checked again (a field can be set after construction); the common case in one pass, the typed
-        # errors through int_arg
-        if not all(type(v) is int and v >= 0 for v in counts):
-            for arg, v in zip(_COUNTS, counts, strict=True):
-                int_arg(arg, v, lo=0)
+        # checked again (a field can be set after construction): one condition, the typed errors through int_arg
+        if not counts_ok(params):
+            for arg in _COUNTS:
+                int_arg(arg, getattr(params, arg), lo=0)
         # Counted as freed wherever the cascade frees them (a host eviction for room can remove a
         # leaf with a T1 state; a T2 state eviction can remove a leaf on the device).
         freed = self.tree.freed

@@ -14,6 +14,7 @@ reused only by a longer match that ends at a state::
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -228,8 +229,9 @@ class MambaRule:
         if host.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
             host.t3.maybe_prefetch(toks.tolist(), salt, req)
         self.flags.poll()
+        kb = toks.tobytes()
         while True:
-            path, values, kv_len, dev, dev_len, dev_k, best, best_len = mamba_walk(tree, toks, salt, len(toks))
+            path, values, kv_len, dev, dev_len, dev_k, best, best_len = mamba_walk(tree, toks, salt, len(toks), kb)
             # Neither state may be reported before its NaN/inf flag is read: a drop changes the walk.
             if self.flags.verify(dev) and self.flags.verify(best):
                 break
@@ -256,6 +258,8 @@ class MambaRule:
         if dev is not best and dev is not root:
             touch("state", dev)
         host.count_hits(path, best)
+        if dev is not root:  # the request's insert may start its walk at dev (``InsertParams.last_node``)
+            tree.remember(dev, salt, kb, dev_len)
         if cow and dev is not root:
             self.fresh_slot(dst)  # overwritten with dev's state next
         if cow and dev is not root and dst_checked:  # both ids checked: no second check in T1
@@ -292,10 +296,15 @@ class MambaRule:
         n, value = len(toks), params.value  # a tensor: insert_args checked it
         assert value is not None
         slot = None if params.mamba_value is None else state_slot(self.states, "mamba_value", params.mamba_value)
+        hint = params.last_node
+        if hint is not None and type(hint) is not TreeNode:
+            raise InvalidTypeError("last_node", "a TreeNode (match_prefix's last_device_node) or None",
+                                   type(hint).__name__)
         stale_mark = self.check_failed_load(slot, toks, salt, prev)
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
-        path, end_node, lead, pending = tree.probe(toks, salt, aligned, prev)
+        kb = toks.tobytes() if type(toks) is array else None
+        path, end_node, lead, pending = tree.probe(toks, salt, aligned, prev, kb, hint)
         # the caller's pages, checked once: duplicates and new leaves use them without another check
         pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
         # the slot checked now, before anything changes; its physical row is read only at the store: the T1
@@ -305,7 +314,7 @@ class MambaRule:
             check_state_allocated(self.states, slot)
             vid = np.array([int(slot)], dtype=np.int64)
         if self.host.settle_loads(path, prev, pending):  # the caller computed on what a load brings: done, or nearly
-            path, end_node, lead, _ = tree.probe(toks, salt, aligned, prev)
+            path, end_node, lead, _ = tree.probe(toks, salt, aligned, prev, kb, hint)
         if stale_mark:  # every check passed: the slot holds another computation than the failed load's
             self.failed_loads.pop(int(slot), None)  # type: ignore[arg-type]
         if (slot is not None and params.chunked and not self.admission.keeps_every_chunk and aligned == n
@@ -331,6 +340,8 @@ class MambaRule:
         res = self._insert_walk(toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, slot is not None, pages,
                                 path, lead)
         node = res.last_device_node
+        if kb is not None and node is not tree.root:  # the request's next insert (a chunk) may start here
+            tree.remember(node, salt, kb, res.cached_len)
         if res.mamba_stored:
             self.flags.stored(node, t1_id)  # type: ignore[arg-type]  # stored: t1 and its id were taken
         self.host.after_insert(node)

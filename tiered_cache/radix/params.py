@@ -141,6 +141,10 @@ class InsertParams:
     swa_evicted_seqlen: int = 0
     chunked: bool = False
     priority: int = 0
+    # The node this key's request holds from its match (``MatchResult.last_device_node``, SGLang's
+    # ``req.last_node``) or its last insert, or None: the Mamba tree starts its walk there when it proves the path
+    # still holds the key's first tokens (``RadixTree.hinted``), else at the root. Not in SGLang.
+    last_node: Optional[Any] = None
 
     def __post_init__(self) -> None:
         for arg in ("prev_prefix_len", "swa_evicted_seqlen"):
@@ -173,8 +177,18 @@ class EvictParams:
     host_mamba_num: int = 0  # T2 states (dropped; not in SGLang)
 
     def __post_init__(self) -> None:
+        if counts_ok(self):
+            return  # the common case in one condition: int_arg would return each as it is
         for name in _EVICT_FIELDS:
             setattr(self, name, int_arg(name, getattr(self, name), lo=0))
+
+
+def counts_ok(p: EvictParams) -> bool:
+    """Every count of ``p`` a plain int >= 0 (``int_arg``'s answer for each, without its calls): ``__post_init__``
+    and ``Eviction.evict`` (a field may be set after construction) take the typed errors' path otherwise."""
+    a, b, c, d, e = p.num_tokens, p.swa_num_tokens, p.mamba_num, p.host_num_tokens, p.host_mamba_num
+    return (type(a) is int and type(b) is int and type(c) is int and type(d) is int and type(e) is int
+            and a >= 0 and b >= 0 and c >= 0 and d >= 0 and e >= 0)
 
 
 _EVICT_FIELDS = tuple(f.name for f in dataclasses.fields(EvictParams))

@@ -35,7 +35,7 @@ def cache_finished_req(cache, req: Any, is_insert: bool = True) -> None:
     keep = prev
     if is_insert:
         res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
-                                       mamba_value=req.mamba_pool_idx, prev_prefix_len=prev))
+                                       mamba_value=req.mamba_pool_idx, prev_prefix_len=prev, last_node=req.last_node))
         keep = max(res.cached_len, prev)
     if keep < kv.numel():
         cache.kv.free(kv[keep:])
@@ -60,7 +60,8 @@ def cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
         raise InvalidTypeError("chunked", "a bool", chunked)
     toks, kv, prev = req_fields(cache, req)
     res = cache.insert(InsertParams(key=RadixKey(toks, req.extra_key), value=kv[:len(toks)],
-                                   mamba_value=req.mamba_pool_idx, prev_prefix_len=prev, chunked=chunked))
+                                   mamba_value=req.mamba_pool_idx, prev_prefix_len=prev, chunked=chunked,
+                                   last_node=req.last_node))
     if res.cached_len <= prev:
         req.prefix_indices = kv[:len(toks)]
         return

@@ -21,17 +21,26 @@ from tiered_cache.radix.checks import common_len
 from tiered_cache.radix.node import TreeNode
 
 
-def probe_bytes(tree: Any, toks: array, salt: Optional[str], aligned: int):
-    """``probe``'s walk of an array key to ``aligned`` tokens. -> (path, matched tokens, device-matched
-    tokens, whether a load is in flight on the path, whether the last node matched whole, how many leading
-    nodes of the path hold device KV (``value`` set), the token where the path's last node starts). A node on
-    the device costs one test (``value`` and ``value_pending`` are never both set: ``check_invariants``)."""
+def probe_bytes(tree: Any, toks: array, salt: Optional[str], aligned: int, kb: Optional[bytes] = None,
+                at: Optional[TreeNode] = None, at_end: int = 0):
+    """``probe``'s walk of an array key to ``aligned`` tokens (``kb``: its bytes, when the caller has them).
+    -> (path, matched tokens, device-matched tokens, whether a load is in flight on the path, whether the last
+    node matched whole, how many leading nodes of the path hold device KV (``value`` set), the token where the
+    path's last node starts). A node on the device costs one test (``value`` and ``value_pending`` are never
+    both set: ``check_invariants``). ``at``: a node the tree proved the key's first ``at_end`` tokens end at
+    (``RadixTree.hinted``): its path is read up from it (``climb``), the walk goes on below it."""
     ps = tree.page_size
-    kb = toks.tobytes()
-    w, bend, b, dev_b, dev_n = 8 * ps, 8 * aligned, 0, -1, -1
-    path: list[TreeNode] = []
-    pending = False
-    child = tree.root.children.get(kb[:w] if salt is None else (salt, kb[:w])) if aligned else None
+    kb = toks.tobytes() if kb is None else kb
+    w, bend = 8 * ps, 8 * aligned
+    if at is None:
+        b, dev_b, dev_n = 0, -1, -1
+        path: list[TreeNode] = []
+        pending = False
+        child = tree.root.children.get(kb[:w] if salt is None else (salt, kb[:w])) if aligned else None
+    else:
+        b = 8 * at_end
+        path, dev_b, dev_n, pending = climb(tree.root, at)
+        child = at.children.get(kb[b:b + w]) if b < bend else None
     while child is not None:
         path.append(child)
         if child.value is None:
@@ -50,6 +59,34 @@ def probe_bytes(tree: Any, toks: array, salt: Optional[str], aligned: int):
         child = child.children.get(kb[b:b + w]) if b < bend else None
     start = (b - len(path[-1].bkey)) >> 3 if path else 0
     return path, b >> 3, (b if dev_b < 0 else dev_b) >> 3, pending, True, len(path) if dev_n < 0 else dev_n, start
+
+
+def climb(root: TreeNode, x: TreeNode) -> tuple[list[TreeNode], int, int, bool]:
+    """The path from the root to ``x``, every node of it matched whole, and what ``probe_bytes``' walk down it
+    would have noted: (path, the byte where its first node with neither device KV nor a load starts or -1, the
+    index of its first node without device KV or -1, whether a load is in flight on it). Reading parents costs
+    no child lookup and no key compare: the caller proved the path's tokens (``RadixTree.hinted``)."""
+    path: list[TreeNode] = []
+    hole: Optional[TreeNode] = None
+    dev_r = 0
+    pending = False
+    while x is not root:
+        path.append(x)
+        if x.value is None:  # the shallowest such node is the last one seen going up
+            dev_r = len(path)
+            if x.value_pending is not None:
+                pending = True
+            else:
+                hole = x
+        x = x.parent
+    path.reverse()
+    dev_b = -1
+    if hole is not None:  # where it starts: the keys above it (rare: a host-only or dead node on the path)
+        dev_b, y = 0, hole.parent
+        while y is not root:
+            dev_b += len(y.bkey)
+            y = y.parent
+    return path, dev_b, len(path) - dev_r if dev_r else -1, pending
 
 
 def probe_list(tree: Any, toks: list[int], salt: Optional[str], aligned: int):
@@ -77,19 +114,18 @@ def probe_list(tree: Any, toks: list[int], salt: Optional[str], aligned: int):
     return path, i, dev, pending, True, len(path) if dev_n < 0 else dev_n, start
 
 
-def mamba_walk(tree: Any, toks: array, salt: Optional[str], end: int):
+def mamba_walk(tree: Any, toks: array, salt: Optional[str], end: int, kb: bytes):
     """The Mamba match's read-only walk (``MambaRule.match``). -> (nodes on the path, device values of fully
     matched nodes, page-aligned tokens whose KV matched in any tier, deepest node with a T1 state reachable on
     the device, its depth, its #values, deepest node with a state in any tier, its depth).
 
-    A node without KV in any tier (dead) ends it."""
+    A node without KV in any tier (dead) ends it. ``kb``: ``toks.tobytes()``."""
     ps = tree.page_size
     root = tree.root
     path: list[TreeNode] = []
     values: list[torch.Tensor] = []
     dev, dev_b, dev_k = root, 0, 0
     best, best_b = root, 0
-    kb = toks.tobytes()
     w, bend, b = 8 * ps, 8 * (end // ps * ps), 0
     child = root.children.get(kb[:w] if salt is None else (salt, kb[:w])) if bend else None
     while child is not None:  # on the device: every node's KV is a hit
