@@ -239,6 +239,24 @@ def test_ours_keeps_a_shared_prefix_with_one_child_left():
     assert pol.choose("state", rest) is not shared and pol.priority("state", shared, 10 ** 6) > 0
 
 
+def test_ours_ranks_a_never_resumed_one_child_state_as_a_leaf():
+    """A one-child node no request resumed (a state the admission placed inside a prompt: a block boundary,
+    the request that placed it went on to make the child) is no passed turn: it is ranked by its saving
+    per byte with the leaves, and the old cheap leaf [20] goes first; once resumed by one request it is
+    the passed turn and goes first. (Taken as passed, freq 0, every block state went before any leaf:
+    policy_budgets' Mooncake replay, whose next turns resume at such states.)"""
+    cache = _cache(eviction_policy="tiered", cost_model="marconi-7b")
+    for toks in ([20], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]):
+        insert_fresh(cache, toks)
+    x, pol = node_at(cache, [1, 2, 3, 4]), cache.tree.policy
+    assert len(x.children) == 1 and x.hit_count == 0
+    assert _first_state_victim(cache) == [20]
+    assert pol.freq(x) == 1
+    match(cache, [1, 2, 3, 4, 9])  # resumed at [1 2 3 4] once, and the request moves on
+    assert x.hit_count == 1 and pol.freq(x) == 0
+    assert _first_state_victim(cache) == [1, 2, 3, 4]
+
+
 def test_recency_power_weighs_age_against_cost():
     """Two leaves of the same hits: the old one costs more per byte. At power 1 its cost keeps it and
     the recent cheap one goes; at a high power age wins and the old one goes."""
