@@ -25,12 +25,13 @@ sessions/s, 8 GiB, each resumed 2 or more times) and kept ours behind Marconi th
 A one-child node never resumed is no earlier turn: nobody moved on from it. It is a state the admission
 placed inside a prompt (a block boundary, a chunk end; the request that placed it went on to make the
 child) or a branch point whose other branches left, and it counts as a leaf does. Counting it as passed
-too (freq 0: the rule until this change) evicted every block-admission state before any leaf: on
+too (freq 0: the rule until b2e4400) evicted every block-admission state before any leaf: on
 policy_budgets' replay of the engine's Mooncake run (a state every 64-token page, 31 T1 states at 1,024
 MiB without a host) 224 of ours' 237 victims were never-resumed one-child block states, while the leaves,
 whose turn-end states no later prompt reaches (the trace's prompts are cut at 8 blocks, so a next turn
-resumes at its previous prompt's 7th page, a one-child block state), filled T1: 1 next turn of 10
-resumed 7 pages deep, against LRU's 9, and the hit rate was 0.162 against LRU's 0.320 (0.302 after).
+resumes at its previous prompt's 7th page, a one-child block state), filled T1: of the 10 next turns
+LRU resumed 6 or 7 pages deep, ours resumed 1 (6 pages; 10, 5 to 7 deep, after), the rest at the shared
+first page, and the hit rate was 0.162 against LRU's 0.320 (0.302 after).
 
 ``power`` says how fast the chance of reuse falls with age. At 1 (hyperbolic) a node twice as costly per
 byte outlives one of half its age, which keeps the long context of a session that has ended over the
