@@ -7,6 +7,8 @@ small so each launch is a few program instances.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -469,3 +471,28 @@ def test_gpu_moves_of_every_size_through_a_side_take_the_bound_launches(poison):
     before = launch.stats["fast"]
     check_moves_of_every_size(poison, "cuda", "auto")
     assert launch.stats["fast"] > before
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_alloc_ids_tensor_is_torch_tensor_of_the_ids(seed):
+    """``alloc`` / ``alloc_ids`` make one id's tensor by ``torch.full``, more by ``torch.tensor``: either way the
+    tensor of the host ids (int64, 1-D, the pool's device, its own storage: writing it changes no other)."""
+    rng = random.Random(seed)
+    pool = Int8CheckpointPool(make_spec(), 32, "cpu")
+    held = []
+    for _ in range(40):
+        n = rng.choice([1, 1, 2, 3])
+        got = pool.alloc_ids(n) if rng.random() < 0.5 else None
+        if got is None:
+            t = pool.alloc(n)
+            if t is None:
+                pool.free_owned([i for x in held for i in x.tolist()])
+                held = []
+                continue
+            ids = t.tolist()
+        else:
+            t, ids = got
+        want = torch.tensor(ids, dtype=torch.int64)
+        assert t.dtype == want.dtype and t.shape == want.shape and t.device == pool.device and torch.equal(t, want)
+        assert all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in held)
+        held.append(t)
