@@ -1,6 +1,6 @@
 """An insert's walk started at the request's matched node (``InsertParams.last_node``, issue 22).
 
-The tree takes the hint only where it proves the path still holds (``RadixTree.hinted``: the node alive, a walk
+The tree takes the hint only where it proves the path still holds (``walks.hinted``: the node alive, a walk
 remembered its path for a key the insert's starts with, the same salt, not past the insert's pages); anything
 else walks from the root. Two caches driven by the same engine turns, one inserting with the hint and one without,
 with other requests' inserts (splits of the matched path), KV and state evictions, host demotions and host drops
@@ -18,7 +18,8 @@ import torch
 
 from tests.support.radix_util import alloc_kv, full_snapshot, insert_fresh, make_hi_cache, write_kv, write_state
 from tiered_cache.errors import InvalidTypeError, TieredCacheError
-from tiered_cache.radix import EvictParams, InsertParams, MatchPrefixParams, RadixKey
+from tiered_cache.radix import EvictParams, InsertParams, MatchPrefixParams, RadixKey, walks
+from tiered_cache.radix import tree as tree_module
 
 PS = 2
 
@@ -99,18 +100,17 @@ def _between(cache, rng_state, stems):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_hinted_insert_is_the_full_walk(seed):
+def test_hinted_insert_is_the_full_walk(seed, monkeypatch):
     rng = random.Random(seed)
     hinted, plain = _build(), _build()
     used = {"taken": 0, "refused": 0}
-    prove = hinted.tree.hinted
 
     def counting(*a):
-        end = prove(*a)
+        end = walks.hinted(*a)
         used["taken" if end else "refused"] += 1
         return end
 
-    hinted.tree.hinted = counting
+    monkeypatch.setattr(tree_module, "hinted", counting)  # the plain cache passes no hint: never asks
     stems = [[rng.randrange(1, 30) for _ in range(rng.randrange(2, 11))] for _ in range(4)]
     last: dict[int, list] = {0: [None], 1: [None]}  # earlier hints of each cache: stale or another request's
     for step in range(60):
@@ -167,25 +167,25 @@ def test_the_hint_is_taken_only_for_the_key_it_was_remembered_for():
     insert_fresh(cache, [1, 2, 3, 4, 5, 6])
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 6, 7, 8])))
     kb = RadixKey([1, 2, 3, 4, 5, 6, 7, 8]).checked()[2].tobytes()
-    assert cache.tree.hinted(m.last_device_node, kb, None, 8) == 6
-    assert cache.tree.hinted(m.last_device_node, kb, "t", 8) == 0  # another tenant's key
-    assert cache.tree.hinted(m.last_device_node, kb, None, 4) == 0  # past the insert's pages
+    assert walks.hinted(cache.tree, m.last_device_node, kb, None, 8) == 6
+    assert walks.hinted(cache.tree, m.last_device_node, kb, "t", 8) == 0  # another tenant's key
+    assert walks.hinted(cache.tree, m.last_device_node, kb, None, 4) == 0  # past the insert's pages
     other = RadixKey([1, 2, 3, 4, 5, 9, 7, 8]).checked()[2].tobytes()
-    assert cache.tree.hinted(m.last_device_node, other, None, 8) == 0  # its path is not this key's
+    assert walks.hinted(cache.tree, m.last_device_node, other, None, 8) == 0  # its path is not this key's
     node = m.last_device_node
     cache.reset()
-    assert cache.tree.hinted(node, kb, None, 8) == 0  # a node of the tree before the reset
+    assert walks.hinted(cache.tree, node, kb, None, 8) == 0  # a node of the tree before the reset
 
 
 def test_at_most_hints_paths_are_kept_the_first_going_first(monkeypatch):
     cache = _build()
-    monkeypatch.setattr(cache.tree, "HINTS", 3)
+    monkeypatch.setattr(walks, "HINTS", 3)
     ends = []
     for t in range(5):
         res, _ = insert_fresh(cache, [40 + t, 1, 2, 3])
         ends.append(res.last_device_node)
     assert list(cache.tree.seen) == ends[2:]
     kb = RadixKey([40, 1, 2, 3]).checked()[2].tobytes()
-    assert cache.tree.hinted(ends[0], kb, None, 4) == 0  # forgotten: its insert walks from the root
+    assert walks.hinted(cache.tree, ends[0], kb, None, 4) == 0  # forgotten: its insert walks from the root
     kb = RadixKey([44, 1, 2, 3]).checked()[2].tobytes()
-    assert cache.tree.hinted(ends[4], kb, None, 4) == 4
+    assert walks.hinted(cache.tree, ends[4], kb, None, 4) == 4

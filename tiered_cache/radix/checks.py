@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
+from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import InsertParams, RadixKey, checked_ids
 from tiered_cache.tiers.protocols import StateSide
 from tiered_cache.validate import _INT_TORCH, is_int
@@ -44,7 +45,19 @@ def insert_args(params: Any, page_size: int, device: Any, ids: tuple[str, ...],
     for arg in ids:
         check_value(arg, getattr(params, arg), n, device)
     check_prev_prefix_len(params.prev_prefix_len, n, page_size)
+    if params.last_node is not None and type(params.last_node) is not TreeNode:
+        raise InvalidTypeError("last_node", "a TreeNode (match_prefix's last_device_node) or None",
+                               type(params.last_node).__name__)
     return toks, salt, int(params.prev_prefix_len), n // page_size * page_size
+
+
+def req_slot(states: StateSide, validate: bool, req: Any) -> tuple[torch.Tensor, bool]:
+    """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and whether ``validate``
+    checked it is allocated (its row is read where it is used: a side may compact before)."""
+    slot = state_slot(states, "req.mamba_pool_idx", req.mamba_pool_idx)
+    if validate:
+        check_state_allocated(states, slot, "req.mamba_pool_idx")
+    return slot, validate
 
 
 def check_prev_prefix_len(prev: Any, n: int, page_size: int) -> None:

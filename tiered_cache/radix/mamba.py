@@ -14,7 +14,6 @@ reused only by a longer match that ends at a state::
 
 from __future__ import annotations
 
-from array import array
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -26,6 +25,7 @@ from tiered_cache.radix.checks import (
     check_state_allocated,
     insert_args,
     parse_key_array,
+    req_slot,
     state_slot,
 )
 from tiered_cache.radix.frees import Frees
@@ -35,7 +35,7 @@ from tiered_cache.radix.nonfinite import StateFlags
 from tiered_cache.radix.params import InsertParams, InsertResult, MatchPrefixParams, MatchResult
 from tiered_cache.radix.policies.admission import StateAdmission, is_branch_point
 from tiered_cache.radix.tree import RadixTree
-from tiered_cache.radix.walks import mamba_walk
+from tiered_cache.radix.walks import mamba_walk, remember
 from tiered_cache.tiers.protocols import StateSide
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class MambaRule:
             if req is None or not hasattr(req, "mamba_pool_idx"):
                 raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
             if req.mamba_pool_idx is not None:
-                dst, dst_checked = self.req_slot(req)
+                dst, dst_checked = req_slot(self.states, tree.validate, req)
         # Every check is done: what follows may change the tree.
         if host.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
             host.t3.maybe_prefetch(toks.tolist(), salt, req)
@@ -259,7 +259,7 @@ class MambaRule:
             touch("state", dev)
         host.count_hits(path, best)
         if dev is not root:  # the request's insert may start its walk at dev (``InsertParams.last_node``)
-            tree.remember(dev, salt, kb, dev_len)
+            remember(tree, dev, salt, kb, dev_len)
         if cow and dev is not root:
             self.fresh_slot(dst)  # overwritten with dev's state next
         if cow and dev is not root and dst_checked:  # both ids checked: no second check in T1
@@ -271,14 +271,6 @@ class MambaRule:
         idx = tree.empty if dev_k == 0 else values[0] if dev_k == 1 else torch.cat(values[:dev_k])
         mamba_host = int(best is not dev and best.payload.mamba_value is None)
         return tree.match_result(idx, dev, best, best_len - dev_len, mamba_host, branching, kv_len)
-
-    def req_slot(self, req: Any) -> tuple[torch.Tensor, bool]:
-        """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and whether ``validate``
-        checked it is allocated (its row is read where it is used: a side may compact before)."""
-        slot = state_slot(self.states, "req.mamba_pool_idx", req.mamba_pool_idx)
-        if self.tree.validate:
-            check_state_allocated(self.states, slot, "req.mamba_pool_idx")
-        return slot, self.tree.validate
 
     # ----------------------------------------------------------------------------- insert
     def insert(self, params: InsertParams) -> InsertResult:
@@ -296,14 +288,10 @@ class MambaRule:
         n, value = len(toks), params.value  # a tensor: insert_args checked it
         assert value is not None
         slot = None if params.mamba_value is None else state_slot(self.states, "mamba_value", params.mamba_value)
-        hint = params.last_node
-        if hint is not None and type(hint) is not TreeNode:
-            raise InvalidTypeError("last_node", "a TreeNode (match_prefix's last_device_node) or None",
-                                   type(hint).__name__)
         stale_mark = self.check_failed_load(slot, toks, salt, prev)
         if aligned == 0:
             return InsertResult(prefix_len=0, cached_len=0, last_device_node=tree.root)
-        kb = toks.tobytes() if type(toks) is array else None
+        kb, hint = toks.tobytes(), params.last_node  # insert_args checked it
         path, end_node, lead, pending = tree.probe(toks, salt, aligned, prev, kb, hint)
         # the caller's pages, checked once: duplicates and new leaves use them without another check
         pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
@@ -340,8 +328,8 @@ class MambaRule:
         res = self._insert_walk(toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, slot is not None, pages,
                                 path, lead)
         node = res.last_device_node
-        if kb is not None and node is not tree.root:  # the request's next insert (a chunk) may start here
-            tree.remember(node, salt, kb, res.cached_len)
+        if node is not tree.root:  # the request's next insert (a chunk) may start here
+            remember(tree, node, salt, kb, res.cached_len)
         if res.mamba_stored:
             self.flags.stored(node, t1_id)  # type: ignore[arg-type]  # stored: t1 and its id were taken
         self.host.after_insert(node)

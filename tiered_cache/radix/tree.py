@@ -33,7 +33,7 @@ from tiered_cache.radix.hooks import KindHooks
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import MatchResult
 from tiered_cache.radix.policy import EvictionPolicy, LRUPolicy
-from tiered_cache.radix.walks import probe_bytes, probe_list
+from tiered_cache.radix.walks import hinted, probe_bytes, probe_list
 from tiered_cache.tiers.protocols import KVSide
 
 
@@ -66,7 +66,7 @@ class RadixTree:
         self.epochs = 0  # clear() calls: the first has no old tree to free
         self._path_resources: tuple[str, ...] = ()
         # node -> (salt, a key's bytes, tokens): a walk found the path from the root to node's end to hold that key's
-        # first tokens (``remember``); a later insert of the same request may start its walk there (``hinted``)
+        # first tokens (``walks.remember``); a later insert of the same request may start its walk there
         self.seen: dict[TreeNode, tuple[Optional[str], bytes, int]] = {}
 
     def bind(self, rule: KindHooks) -> None:
@@ -131,32 +131,6 @@ class RadixTree:
             node = node.parent
         return torch.cat(vals[::-1]) if vals else self.empty
 
-    HINTS = 256  # paths remembered for a later insert's walk (``remember``): about an engine's running requests
-
-    def remember(self, node: TreeNode, salt: Optional[str], kb: bytes, end: int) -> None:
-        """A walk just found the path from the root to the end of ``node`` (``end`` tokens) to hold ``kb[:8 * end]``
-        under ``salt``. That stays true while ``node`` lives: keys change only in ``split``, which keeps every
-        node's end and the path's tokens, and a node is removed only childless, so ``node`` alive means its path is
-        whole (``clear`` forgets all). At most ``HINTS`` are kept, the first remembered going first (a node remembered
-        again keeps its place: no reordering per call)."""
-        seen = self.seen
-        seen[node] = (salt, kb, end)
-        if len(seen) > self.HINTS:
-            del seen[next(iter(seen))]
-
-    def hinted(self, hint: TreeNode, kb: bytes, salt: Optional[str], aligned: int) -> int:
-        """Tokens from the root to the end of ``hint`` when the tree proves they are the first of ``kb`` (a key's
-        bytes) under ``salt`` and at most ``aligned``, else 0 (the walk starts at the root): ``hint`` is alive and
-        a walk remembered its path (``remember``) for a key whose first that many tokens are ``kb``'s (one
-        compare)."""
-        got = self.seen.get(hint)
-        if got is None or not hint.alive:
-            return 0
-        hsalt, hkb, end = got
-        if hsalt != salt or end > aligned or not kb.startswith(memoryview(hkb)[:8 * end]):
-            return 0
-        return end
-
     def probe(self, toks: Any, salt: Optional[str], aligned: int, prev: int, kb: Optional[bytes] = None,
               hint: Optional[TreeNode] = None):
         """Read-only insert walk. -> (path, the node ending exactly at ``aligned`` or None, (how many leading nodes
@@ -165,11 +139,11 @@ class RadixTree:
         their ids from ``init_load_back``); a node on the host only, or dead, ends the device part: insert gives it
         the caller's ids. An insert's ``prev_prefix_len`` past that part is an error. ``toks``: an int64 ``array``
         (walked on its bytes ``kb``) or a list. ``hint``: a node the key's request's match (or insert) ended at:
-        the walk starts there when ``hinted`` proves the key's path runs through it (the same answer, fewer steps),
-        else at the root."""
+        the walk starts there when ``walks.hinted`` proves the key's path runs through it (the same answer, fewer
+        steps), else at the root."""
         if type(toks) is array:
             kb = toks.tobytes() if kb is None else kb
-            at_end = 0 if hint is None else self.hinted(hint, kb, salt, aligned)
+            at_end = 0 if hint is None else hinted(self, hint, kb, salt, aligned)
             path, i, dev, pending, whole, dev_n, start = probe_bytes(
                 self, toks, salt, aligned, kb, hint if at_end else None, at_end)
         else:

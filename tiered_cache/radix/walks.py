@@ -8,6 +8,11 @@ array slices, and no slice of the query is made).
 ``common_len`` runs only inside the node where a match ends. A list key (the SWA tree's) takes
 ``probe_list``: the same walk on lists. ``tests/radix/test_tree_fast_checks.py`` holds the two to the
 same answers.
+
+An insert that follows its request's match starts at the matched node (``InsertParams.last_node``) where
+``hinted`` proves the path (``remember``: the match saw its tokens; a live node's path never changes): the
+path is read up through the parents (``climb``), the walk goes on below. ``tests/radix/test_tree_hint.py``
+holds hinted and plain inserts to the same trees.
 """
 
 from __future__ import annotations
@@ -20,6 +25,33 @@ import torch
 from tiered_cache.radix.checks import common_len
 from tiered_cache.radix.node import TreeNode
 
+HINTS = 256  # paths remembered for a later insert's walk (``remember``): about an engine's running requests
+
+
+def remember(tree: Any, node: TreeNode, salt: Optional[str], kb: bytes, end: int) -> None:
+    """A walk just found the path from the root to the end of ``node`` (``end`` tokens) to hold ``kb[:8 * end]``
+    under ``salt`` (``tree.seen``). That stays true while ``node`` lives: keys change only in ``split``, which
+    keeps every node's end and the path's tokens, and a node is removed only childless, so ``node`` alive means
+    its path is whole (``clear`` forgets all). At most ``HINTS`` are kept, the first remembered going first (a
+    node remembered again keeps its place: no reordering per call)."""
+    seen = tree.seen
+    seen[node] = (salt, kb, end)
+    if len(seen) > HINTS:
+        del seen[next(iter(seen))]
+
+
+def hinted(tree: Any, hint: TreeNode, kb: bytes, salt: Optional[str], aligned: int) -> int:
+    """Tokens from the root to the end of ``hint`` when ``tree`` proves they are the first of ``kb`` (a key's
+    bytes) under ``salt`` and at most ``aligned``, else 0 (the walk starts at the root): ``hint`` is alive and a
+    walk remembered its path (``remember``) for a key whose first that many tokens are ``kb``'s (one compare)."""
+    got = tree.seen.get(hint)
+    if got is None or not hint.alive:
+        return 0
+    hsalt, hkb, end = got
+    if hsalt != salt or end > aligned or not kb.startswith(memoryview(hkb)[:8 * end]):
+        return 0
+    return end
+
 
 def probe_bytes(tree: Any, toks: array, salt: Optional[str], aligned: int, kb: Optional[bytes] = None,
                 at: Optional[TreeNode] = None, at_end: int = 0):
@@ -28,7 +60,7 @@ def probe_bytes(tree: Any, toks: array, salt: Optional[str], aligned: int, kb: O
     node matched whole, how many leading nodes of the path hold device KV (``value`` set), the token where the
     path's last node starts). A node on the device costs one test (``value`` and ``value_pending`` are never
     both set: ``check_invariants``). ``at``: a node the tree proved the key's first ``at_end`` tokens end at
-    (``RadixTree.hinted``): its path is read up from it (``climb``), the walk goes on below it."""
+    (``hinted``): its path is read up from it (``climb``), the walk goes on below it."""
     ps = tree.page_size
     kb = toks.tobytes() if kb is None else kb
     w, bend = 8 * ps, 8 * aligned
@@ -65,7 +97,7 @@ def climb(root: TreeNode, x: TreeNode) -> tuple[list[TreeNode], int, int, bool]:
     """The path from the root to ``x``, every node of it matched whole, and what ``probe_bytes``' walk down it
     would have noted: (path, the byte where its first node with neither device KV nor a load starts or -1, the
     index of its first node without device KV or -1, whether a load is in flight on it). Reading parents costs
-    no child lookup and no key compare: the caller proved the path's tokens (``RadixTree.hinted``)."""
+    no child lookup and no key compare: the caller proved the path's tokens (``hinted``)."""
     path: list[TreeNode] = []
     hole: Optional[TreeNode] = None
     dev_r = 0
