@@ -189,6 +189,17 @@ def test_a_failed_capture_falls_back_to_eager_steps(qwen_long, monkeypatch):
     assert_same_caches(ref, got)
 
 
+def test_the_static_view_answers_every_version_s_state_question():
+    """The decode buffers' cache view answers what each transformers version asks of a linear layer while
+    decoding: 5.17's ``has_previous_state(layer_idx)``, Qwen3.5's ``has_previous_state(layer_idx,
+    state_idx=0)`` (its GPU test failed on the H200's 5.17 for want of it) and 5.24's getters."""
+    conv, rec = {0: torch.randn(1, 4, 3)}, {0: torch.randn(1, 2, 4, 4)}
+    view = graph_decode._StaticCache(("linear_attention",), {}, {}, conv, rec, torch.zeros(1, dtype=torch.long))
+    assert view.has_previous_state(0) and view.has_previous_state(0, state_idx=0) and view.has_previous_state()
+    assert view.get_conv_state(0) is conv[0] and view.get_recurrent_state(0, state_idx=0) is rec[0]
+    assert view.layers[0].has_previous_state == {0: True} and view.layers[0].recurrent_states[0] is rec[0]
+
+
 def test_bad_input_names_the_argument(qwen_long):
     gd = GraphDecoder(qwen_long, max_batch=2, len_bucket=16, use_graphs=False)
     caches = prefilled(qwen_long, [5, 6, 7])

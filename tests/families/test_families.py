@@ -26,7 +26,16 @@ from tiered_cache.config import CacheConfig  # noqa: E402
 from tiered_cache.engine import kinds as kinds_mod  # noqa: E402
 from tiered_cache.engine.config import EngineConfig  # noqa: E402
 from tiered_cache.engine.model_specs import spec_for  # noqa: E402
-from tiered_cache.engine.models import tiny_family, tiny_qwen3_next, tiny_swa_model  # noqa: E402
+from tiered_cache.engine.models import (  # noqa: E402
+    NO_CACHE as NO_CACHE_KINDS,
+)
+from tiered_cache.engine.models import (
+    STATE_KINDS,
+    layer_kinds,
+    tiny_family,
+    tiny_qwen3_next,
+    tiny_swa_model,
+)
 from tiered_cache.engine.runner.forward import forward_chunk, new_cache  # noqa: E402
 from tiered_cache.engine.scheduler import Engine  # noqa: E402
 from tiered_cache.engine.workload import WorkloadConfig, run_workload  # noqa: E402
@@ -334,3 +343,38 @@ def test_jamba_prefill_does_not_resume_from_a_cached_state():
     forward_chunk(model, cache, ids[:24], 0)
     resumed, _ = forward_chunk(model, cache, ids[24:], 24)
     assert (resumed - whole[24:]).abs().max().item() > 0.1
+
+
+def _unfilled_linear_layer():
+    """What transformers 5.17's ``DynamicCache`` puts at an MLP or MoE layer (NemotronH): a linear layer
+    object that no forward ever fills. Under 5.24 the layer stays the ``DummyLayer`` the model expects there,
+    with 5.17's linear attributes added."""
+    from transformers import cache_utils
+
+    layer = getattr(cache_utils, "DummyLayer", cache_utils.LinearAttentionLayer)()
+    layer.conv_states, layer.recurrent_states, layer.has_previous_state = {0: None}, {0: None}, {0: False}
+    return layer
+
+
+def test_a_chunk_continues_past_layers_that_cache_nothing():
+    """forward_chunk asks for a state only of the layers whose kind holds one (found on the H200, whose
+    transformers 5.17 gives NemotronH's MLP and MoE layers an unfilled linear layer object: every second
+    chunk was refused). A real linear layer without a state is still refused."""
+    model = tiny_family("nemotron_h", seed=0, long_memory=True, device="cpu")
+    kinds = layer_kinds(model.config)
+    quiet = [i for i, k in enumerate(kinds) if k in NO_CACHE_KINDS]
+    linear = [i for i, k in enumerate(kinds) if k in STATE_KINDS]
+    assert quiet and linear
+    ids = torch.randint(3, 256, (32,), generator=torch.Generator().manual_seed(1))
+    whole, _ = forward_chunk(model, new_cache(model), ids, 0)
+    cache = new_cache(model)
+    forward_chunk(model, cache, ids[:16], 0)
+    for i in quiet:
+        cache.layers[i] = _unfilled_linear_layer()
+    resumed, _ = forward_chunk(model, cache, ids[16:], 16)
+    torch.testing.assert_close(resumed, whole[16:], rtol=1e-4, atol=1e-5)
+    cache = new_cache(model)
+    forward_chunk(model, cache, ids[:16], 0)
+    cache.layers[linear[0]].has_previous_state[0] = False
+    with pytest.raises(InvalidArgumentError, match=f"linear layer {linear[0]}"):
+        forward_chunk(model, cache, ids[16:], 16)

@@ -63,8 +63,10 @@ def forward_chunk(model, cache, input_ids: torch.Tensor, start_pos: int) -> tupl
     if seen is not None and seen != start_pos:
         raise InvalidArgumentError("start_pos", f"{seen}, the tokens the cache holds", start_pos)
     if start_pos > 0:
-        for i, layer in enumerate(cache.layers):
-            if hasattr(layer, "recurrent_states") and not all(layer.has_previous_state.values()):
+        # by the config's layer kinds: 5.17's cache gives an MLP or MoE layer (NemotronH) a linear layer
+        # object too, which no forward ever fills
+        for i, kind in enumerate(layer_kinds(model.config)):
+            if kind in STATE_KINDS and not all(cache.layers[i].has_previous_state.values()):
                 raise InvalidArgumentError("cache", f"a state in linear layer {i} to continue from", "none")
     ids = ids.to(model.device)
     pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)

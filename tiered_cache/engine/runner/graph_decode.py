@@ -123,8 +123,8 @@ class _StaticCache:
         v.scatter_(2, pos.expand(*value_states.shape[:2], 1, value_states.shape[3]), value_states.to(v.dtype))
         return k, v
 
-    # linear attention, 5.17
-    def has_previous_state(self, layer_idx: Optional[int] = None) -> bool:
+    # linear attention, 5.17 (Qwen3.5 passes state_idx too)
+    def has_previous_state(self, layer_idx: Optional[int] = None, state_idx: Optional[int] = None) -> bool:
         return True
 
     # linear attention, 5.24
