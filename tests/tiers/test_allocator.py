@@ -137,3 +137,46 @@ def test_hole_map_equals_a_sorted_set_of_holes(seed, cap):
             model = set()
         assert holes.ranks() == model and holes.count == len(model)
         assert all(r >= holes.lo for r in model)
+
+
+def _translate_spec(table, ids):
+    """``PageTable.translate_host``'s contract on an integer array: rows of in-range ids, else ``OutOfRangeError``
+    naming ``ids``."""
+    from tiered_cache.errors import OutOfRangeError
+
+    ps, end = table.page_size, table.v2p.shape[0] * table.page_size
+    flat = np.asarray(ids).ravel().tolist()
+    if any(not 0 <= int(i) < end for i in flat):
+        return OutOfRangeError, "ids"
+    ids = np.asarray(ids).astype(np.int64)
+    return (table.v2p[ids // ps] * ps + ids % ps).tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_translate_host_common_case_is_the_contract(seed):
+    """``translate_host`` takes a small int64 array in one test and one bounds pair; anything else (other dtypes,
+    empty or > 64 ids, an id out of range) the checked path: over random ids, valid or not, both give the rows
+    the contract says, or its error."""
+    from tiered_cache.errors import InvalidArgumentError
+    from tiered_cache.tiers.page_table import PageTable
+
+    rng = np.random.default_rng(seed)
+    for ps in (1, 4, 16):
+        table = PageTable(24, ps, torch.device("cpu"))
+        live = rng.choice(24, size=12, replace=False)
+        table.v2p[live] = rng.permutation(24)[:12]
+        end = 24 * ps
+        for _ in range(150):
+            n = int(rng.choice([0, 1, 2, 5, 64, 65, 100]))
+            ids = rng.integers(0, end, size=n)
+            if n and rng.random() < 0.3:
+                ids[rng.integers(n)] = rng.choice([-1, end, end + 7, -end])
+            ids = ids.astype(rng.choice([np.int64, np.int32, np.uint16])) if (ids >= 0).all() else ids
+            if rng.random() < 0.2 and n % 5 == 0 and n:
+                ids = ids.reshape(5, -1)
+            want = _translate_spec(table, ids)
+            try:
+                got = table.translate_host(ids).tolist()
+            except InvalidArgumentError as e:
+                got = (type(e), e.arg)
+            assert got == want, (ps, ids, got, want)
