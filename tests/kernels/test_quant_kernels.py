@@ -300,6 +300,41 @@ def test_reference_math_is_the_documented_one():
     assert torch.equal(dequantize_reference(q, s, torch.bfloat16), (q.float() * s.float()).to(torch.bfloat16))
 
 
+def test_the_gpu_s_division_by_127_is_correctly_rounded():
+    """The store's scale on the GPU is ``amax / 127`` without a division (``quant._div127``): with ``y =
+    RN(1/127)``, ``q0 = RN(amax * y)`` and ``q = RN(q0 + y * (amax - 127 q0))`` (fmas; the interpreter divides).
+    Here the same steps in exact arithmetic (float64 holds each product and difference exactly; the last
+    sum is rounded once, to fp32, from the Fraction) on random fp32 amaxes over the kernels' whole range and
+    the ones beside powers of two and near ties, against IEEE division. The full fp32 range from 1e-8 was
+    checked once by the same steps (about 1.3e9 values, none wrong)."""
+    from fractions import Fraction
+
+    y = quant._RCP_127.value if hasattr(quant._RCP_127, "value") else quant._RCP_127
+    assert np.float32(y) == y and abs(Fraction(y) - Fraction(1, 127)) <= abs(
+        Fraction(float(np.nextafter(np.float32(y), np.float32(1)))) - Fraction(1, 127))
+    assert abs(Fraction(y) - Fraction(1, 127)) <= abs(
+        Fraction(float(np.nextafter(np.float32(y), np.float32(0)))) - Fraction(1, 127))
+    rng = np.random.default_rng(7)
+    lo, hi = int(np.float32(1e-8).view(np.uint32)), int(np.finfo(np.float32).max.view(np.uint32))
+    bits = rng.integers(lo, hi, 20000, dtype=np.int64)
+    ties = np.array([np.float32(127 * (2 * k + 1)) * np.float32(2.0) ** e for k in range(1, 60) for e in (-30, -3, 20)])
+    pow2 = np.float32(2.0) ** np.arange(-26, 120, dtype=np.float32)
+    around = np.concatenate([pow2, np.nextafter(pow2, np.float32(0)), np.nextafter(pow2, np.float32(np.inf))])
+    amax = np.concatenate([bits.astype(np.uint32).view(np.float32), ties.astype(np.float32), around])
+    amax = amax[(amax >= np.float32(1e-8)) & np.isfinite(amax)]
+
+    def rn32(fr: Fraction) -> float:  # nearest fp32, ties to even
+        f = np.float32(float(fr))
+        near = [f, np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(-np.inf))]
+        return float(min(near, key=lambda c: (abs(Fraction(float(c)) - fr), int(np.float32(c).view(np.uint32)) & 1)))
+
+    for a in amax.tolist():
+        q0 = float(np.float32(a * y))  # the product is exact in float64, then rounded once to fp32
+        r = a - 127.0 * q0  # exact
+        assert float(np.float32(r)) == r
+        assert rn32(Fraction(q0) + Fraction(r) * Fraction(y)) == rn32(Fraction(a) / 127), a
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_copy_rows_bitwise(poison, dtype):
     L, R, S = 2, 5, 4

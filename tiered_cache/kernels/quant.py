@@ -80,6 +80,25 @@ def _round_to_dtype(x, KIND: tl.constexpr):
     return x
 
 
+# RN(1/127) in fp32, 0x1.020408p-7: the exact reciprocal's nearest float (tests/kernels check it)
+_RCP_127 = tl.constexpr(0.007874015718698502)
+
+
+@triton.jit
+def _div127(amax, FMA_DIV: tl.constexpr):
+    """``amax / 127`` correctly rounded. On the GPU without a division: with ``y = RN(1/127)`` and ``q0 =
+    RN(amax * y)``, ``q0 + y * fma(-q0, 127, amax)`` rounds to ``RN(amax / 127)`` (Markstein), checked for
+    every fp32 ``amax`` from 1e-8 (the smallest the kernels pass) to the largest finite one; ``div_rn``'s
+    range check and branch per channel cost more than the whole per-element math of a row. The
+    interpreter, which has no exact fma, divides."""
+    if FMA_DIV:
+        q0 = amax * _RCP_127
+        q = tl.fma(tl.fma(-q0, 127.0, amax), _RCP_127, q0)
+    else:
+        q = tl.math.div_rn(amax, 127.0)
+    return q
+
+
 @triton.jit
 def _codes(y, FMA_DIV: tl.constexpr):
     """``x / scale`` (``y``) -> its int8 code: clamped to +-127, then rounded half to even. Clamping first
@@ -136,7 +155,7 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
         amax = tl.maximum(amax, 1e-8)
     else:
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
-    scale = _round_to_dtype(tl.math.div_rn(amax, 127.0), KIND)
+    scale = _round_to_dtype(_div127(amax, FMA_DIV), KIND)
     if MIN_SCALE > 0.0:
         scale = tl.maximum(scale, MIN_SCALE)
     if FMA_DIV:
@@ -205,7 +224,7 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
         bad = tl.max(((amax - amax) != 0.0).to(tl.int32), axis=0)  # NaN or inf in some column
         tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=bad > 0)
     amax = tl.maximum(amax, 1e-8)
-    scale = _round_to_dtype(tl.math.div_rn(amax, 127.0), KIND)
+    scale = _round_to_dtype(_div127(amax, FMA_DIV), KIND)
     if MIN_SCALE > 0.0:
         scale = tl.maximum(scale, MIN_SCALE)
     s_dst = s_ptr + layer * c_l + slot * c_s + h * c_h + offs_k * c_k
