@@ -335,6 +335,31 @@ def test_the_gpu_s_division_by_127_is_correctly_rounded():
         assert rn32(Fraction(q0) + Fraction(r) * Fraction(y)) == rn32(Fraction(a) / 127), a
 
 
+def test_fp32_and_bf16_codes_need_no_clamp_on_the_gpu():
+    """The GPU's store skips the +-127 clamp for fp32 and bf16 states (``quant._codes``): with ``y = RN(x /
+    scale)`` correctly rounded and the scale ``amax / 127`` rounded to nearest in the state dtype (never
+    subnormal above the 1e-8 amax floor), ``|x| <= amax`` gives ``|y| <= 127 / (1 - 2**-8)``, which rounds to
+    127. Checked at the worst element (``x = amax``) for random and edge amaxes; an fp16 scale, subnormal for
+    small amaxes, does give codes past 127, which is why fp16 keeps the clamp."""
+    rng = np.random.default_rng(11)
+    lo, hi = int(np.float32(1e-8).view(np.uint32)), int(np.finfo(np.float32).max.view(np.uint32))
+    amax = rng.integers(lo, hi, 200000, dtype=np.int64).astype(np.uint32).view(np.float32)
+    amax = np.concatenate([amax, np.float32(2.0) ** np.arange(-26, 127, dtype=np.float32),
+                           np.float32(127.0) * (np.float32(1) + np.arange(1, 2000, dtype=np.float32) / 256)])
+    a64 = amax.astype(np.float64)
+    scale = (a64 / 127).astype(np.float32)  # RN(amax / 127): no float64 tie is possible (127 is odd)
+
+    def worst(s32: np.ndarray) -> float:
+        return float(np.abs(np.rint((a64 / s32.astype(np.float64)).astype(np.float32))).max())
+
+    assert worst(scale) == 127
+    assert worst(torch.from_numpy(scale).to(torch.bfloat16).to(torch.float32).numpy()) == 127
+    small = amax[amax < 1e-2]
+    s16 = torch.from_numpy((small.astype(np.float64) / 127).astype(np.float32)).to(torch.float16)
+    s16 = s16.clamp(min=2.0**-24).to(torch.float32).numpy()
+    assert float(np.abs(np.rint((small.astype(np.float64) / s16).astype(np.float32))).max()) > 127
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_copy_rows_bitwise(poison, dtype):
     L, R, S = 2, 5, 4

@@ -100,15 +100,21 @@ def _div127(amax, FMA_DIV: tl.constexpr):
 
 
 @triton.jit
-def _codes(y, FMA_DIV: tl.constexpr):
+def _codes(y, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
     """``x / scale`` (``y``) -> its int8 code: clamped to +-127, then rounded half to even. Clamping first
     gives the same codes as rounding first (both bounds are integers and rounding is monotone). On the GPU
     (``FMA_DIV``) one ``cvt.rni`` rounds and converts; the interpreter, which lacks it, adds and subtracts
-    ``1.5 * 2**23`` (exact for ``|y| < 2**22``) and converts the integral value."""
-    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    ``1.5 * 2**23`` (exact for ``|y| < 2**22``) and converts the integral value. fp32 and bf16 states skip the
+    clamp on the GPU: there ``y = RN(x / scale)`` (correctly rounded) and the scale is ``amax / 127`` rounded to
+    nearest in fp32 or bf16 (24 or 8 significant bits: never a subnormal above the 1e-8 amax floor), so
+    ``|y| <= 127 / (1 - 2**-8) = 127.498...``, which rounds to 127. An fp16 scale can be subnormal (11 bits
+    at most, fewer below 2**-14), so ``|y|`` can pass 127.5 there and keeps the clamp."""
     if FMA_DIV:
+        if KIND == 2:
+            y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         code = libdevice.float2int_rn(y).to(tl.int8)
     else:
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         code = ((y + 12582912.0) - 12582912.0).to(tl.int8)
     return code
 
@@ -169,7 +175,7 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
     else:
         # The interpreter has no exact fma (numpy): divide.
         y = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], (BLOCK_V, BLOCK_K)))
-    code = _codes(y, FMA_DIV)
+    code = _codes(y, FMA_DIV, KIND)
     q_dst = q_ptr + layer * q_l + slot * q_s + h * q_h
     q_dst = q_dst + offs_v[:, None] * q_v + offs_k[None, :] * q_k
     s_dst = s_ptr + layer * c_l + slot * c_s + h * c_h + offs_k * c_k
@@ -247,9 +253,9 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
         else:
             y = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], (SUB_V, BLOCK_K)))
         if EVEN:
-            tl.store(q_dst + offs_v[:, None] * q_v, _codes(y, FMA_DIV))
+            tl.store(q_dst + offs_v[:, None] * q_v, _codes(y, FMA_DIV, KIND))
         else:
-            tl.store(q_dst + offs_v[:, None] * q_v, _codes(y, FMA_DIV), mask=m)
+            tl.store(q_dst + offs_v[:, None] * q_v, _codes(y, FMA_DIV, KIND), mask=m)
 
 
 @triton.jit
