@@ -67,8 +67,8 @@ class PageTable:
         if type(ids) is np.ndarray and ids.dtype is _I64 and 0 < ids.size <= 64:
             # the common case (a request's slot, a prompt's pages) in one test and one bounds pair: the same rows
             # as below, any id out of range takes the path below (its error)
-            few = ids.ravel().tolist()
-            if min(few) >= 0 and max(few) < self.v2p.shape[0] * self.page_size:
+            small = ids.ravel().tolist()
+            if min(small) >= 0 and max(small) < self.v2p.shape[0] * self.page_size:
                 ps = self.page_size
                 return self.v2p[ids] if ps == 1 else self.v2p[ids // ps] * ps + ids % ps
         if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
