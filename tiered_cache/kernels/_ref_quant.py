@@ -65,7 +65,8 @@ def quantize_reference(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     floor = min_scale(state.dtype)
     if floor > 0.0:
         scale = scale.clamp(min=floor)
-    # torch.round rounds half to even, like the kernel's fp32 magic-number trick.
+    # torch.round rounds half to even, as the kernel does (cvt.rni on the GPU, the fp32 add-subtract trick in the
+    # interpreter); the clamp is a no-op but for fp16 scales (quant._codes).
     q = torch.round(x / scale.to(torch.float32)).clamp(-QMAX, QMAX).to(torch.int8)
     return q, scale
 

@@ -19,11 +19,10 @@ so the amax over the value axis is one in-register reduction and every byte is r
 Portability notes (Triton interpreter on CPU, see docs/platform.md): rounding half-to-even is one
 ``cvt.rni`` on the GPU and, in the interpreter, which has no libdevice, the fp32 trick
 ``(y + 1.5*2**23) - 1.5*2**23`` (exact for ``|y| < 2**22``; ``|y| <= 127`` here, clamped first); fp32 ->
-bf16 rounding is done on the bits because the interpreter truncates; values are clamped before the
-float -> int8 cast, which wraps otherwise. Triton's ``/`` on
-fp32 is the approximate ``div.full.f32`` on NVIDIA GPUs, and the int8 codes must be bit-exact with
-IEEE ``x / scale``: the scale uses ``div_rn``, and ``x / scale`` is ``div_rn`` in the interpreter and
-a correctly rounded reciprocal-multiply-and-correct on the GPU (see the store kernel).
+bf16 rounding is done on the bits because the interpreter truncates; there values are clamped before the
+float -> int8 cast, which wraps otherwise. Triton's ``/`` on fp32 is the approximate ``div.full.f32`` on NVIDIA GPUs, and the int8 codes must be bit-exact with
+IEEE ``x / scale``: the scale's ``amax / 127`` and ``x / scale`` are ``div_rn`` in the interpreter and
+correctly rounded multiply-and-correct steps on the GPU (``_div127``, the store kernel).
 """
 
 from __future__ import annotations
@@ -101,8 +100,9 @@ def _div127(amax, FMA_DIV: tl.constexpr):
 
 @triton.jit
 def _codes(y, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
-    """``x / scale`` (``y``) -> its int8 code: clamped to +-127, then rounded half to even. Clamping first
-    gives the same codes as rounding first (both bounds are integers and rounding is monotone). On the GPU
+    """``x / scale`` (``y``) -> its int8 code: rounded half to even within +-127 (clamped where it could
+    pass them, see below; clamping first gives the same codes as rounding first: both bounds are integers
+    and rounding is monotone). On the GPU
     (``FMA_DIV``) one ``cvt.rni`` rounds and converts; the interpreter, which lacks it, adds and subtracts
     ``1.5 * 2**23`` (exact for ``|y| < 2**22``) and converts the integral value. fp32 and bf16 states skip the
     clamp on the GPU: there ``y = RN(x / scale)`` (correctly rounded) and the scale is ``amax / 127`` rounded to
