@@ -20,9 +20,10 @@ Portability notes (Triton interpreter on CPU, see docs/platform.md): rounding ha
 ``cvt.rni`` on the GPU and, in the interpreter, which has no libdevice, the fp32 trick
 ``(y + 1.5*2**23) - 1.5*2**23`` (exact for ``|y| < 2**22``; ``|y| <= 127`` here, clamped first); fp32 ->
 bf16 rounding is done on the bits because the interpreter truncates; there values are clamped before the
-float -> int8 cast, which wraps otherwise. Triton's ``/`` on fp32 is the approximate ``div.full.f32`` on NVIDIA GPUs, and the int8 codes must be bit-exact with
-IEEE ``x / scale``: the scale's ``amax / 127`` and ``x / scale`` are ``div_rn`` in the interpreter and
-correctly rounded multiply-and-correct steps on the GPU (``_div127``, the store kernel).
+float -> int8 cast, which wraps otherwise. Triton's ``/`` on fp32 is the approximate ``div.full.f32`` on
+NVIDIA GPUs, and the int8 codes must be bit-exact with IEEE ``x / scale``: the scale's ``amax / 127`` and
+``x / scale`` are ``div_rn`` in the interpreter and correctly rounded multiply-and-correct steps on the GPU
+(``_div127``, the store kernel).
 """
 
 from __future__ import annotations
