@@ -189,3 +189,25 @@ def test_at_most_hints_paths_are_kept_the_first_going_first(monkeypatch):
     assert walks.hinted(cache.tree, ends[0], kb, None, 4) == 0  # forgotten: its insert walks from the root
     kb = RadixKey([44, 1, 2, 3]).checked()[2].tobytes()
     assert walks.hinted(cache.tree, ends[4], kb, None, 4) == 4
+
+
+def test_hints_forget_removed_nodes_and_hold_at_most_hint_bytes(monkeypatch):
+    """A node the tree unlinks leaves ``tree.seen`` at once (no hint keeps a dead node or its key alive), and
+    the keys the hints hold stay under ``HINT_BYTES`` (the first remembered going first), ``nbytes`` counting
+    exactly the bytes held."""
+    cache = _build()
+    monkeypatch.setattr(walks, "HINT_BYTES", 3 * 8 * 6)  # three 6-token keys' bytes
+    ends = []
+    for t in range(5):
+        res, _ = insert_fresh(cache, [50 + t, 1, 2, 3, 4, 5])
+        ends.append(res.last_device_node)
+    seen = cache.tree.seen
+    assert list(seen) == ends[2:] and seen.nbytes == sum(len(v[1]) for v in seen.values()) == 3 * 8 * 6
+    for _ in range(3):  # device KV to the host, then the host's too: the leaves are unlinked
+        cache.evict(EvictParams(num_tokens=200, mamba_num=6))
+        cache.evict(EvictParams(host_num_tokens=200, host_mamba_num=10))
+    gone = [x for x in ends if not x.alive]
+    assert gone and not any(x in seen for x in gone)
+    assert seen.nbytes == sum(len(v[1]) for v in seen.values())
+    cache.reset()
+    assert not cache.tree.seen and cache.tree.seen.nbytes == 0

@@ -143,7 +143,9 @@ class InsertParams:
     priority: int = 0
     # The node this key's request holds from its match (``MatchResult.last_device_node``, SGLang's
     # ``req.last_node``) or its last insert, or None: the Mamba tree starts its walk there when it proves the path
-    # still holds the key's first tokens (``RadixTree.hinted``), else at the root. Not in SGLang.
+    # still holds the key's first tokens (``walks.hinted``), else at the root: a node evicted since, split, of
+    # another salt or another tree is no error, only no hint (the walk from the root is always right); anything
+    # but a TreeNode is a typed error. Not in SGLang.
     last_node: Optional[Any] = None
 
     def __post_init__(self) -> None:

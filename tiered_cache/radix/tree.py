@@ -33,7 +33,7 @@ from tiered_cache.radix.hooks import KindHooks
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import MatchResult
 from tiered_cache.radix.policy import EvictionPolicy, LRUPolicy
-from tiered_cache.radix.walks import hinted, probe_bytes, probe_list
+from tiered_cache.radix.walks import Hints, hinted, probe_bytes, probe_list
 from tiered_cache.tiers.protocols import KVSide
 
 
@@ -67,7 +67,7 @@ class RadixTree:
         self._path_resources: tuple[str, ...] = ()
         # node -> (salt, a key's bytes, tokens): a walk found the path from the root to node's end to hold that key's
         # first tokens (``walks.remember``); a later insert of the same request may start its walk there
-        self.seen: dict[TreeNode, tuple[Optional[str], bytes, int]] = {}
+        self.seen = Hints()
 
     def bind(self, rule: KindHooks) -> None:
         """The resume rule of the tree's hybrid kind (it holds the tree too: bound once, then ``clear``)."""
@@ -346,6 +346,7 @@ class RadixTree:
         self.rule.removed(x)
         f.take(x)
         x.alive = False
+        self.seen.forget(x)
 
     def after_child_removed(self, p: TreeNode, f: Frees) -> int:
         """``p`` lost a child: drop it (and up) while a childless unlocked idle tombstone. -> device tokens."""

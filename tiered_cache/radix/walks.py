@@ -26,18 +26,43 @@ from tiered_cache.radix.checks import common_len
 from tiered_cache.radix.node import TreeNode
 
 HINTS = 256  # paths remembered for a later insert's walk (``remember``): about an engine's running requests
+HINT_BYTES = 64 << 20  # and the key bytes they may hold at most (8 a token: 256 prompts of 32K tokens)
+
+
+class Hints(dict):
+    """``tree.seen``: node -> (salt, a key's bytes, tokens) (``remember``), bounded by ``HINTS`` entries and
+    ``HINT_BYTES`` of key bytes held (``nbytes``); a removed node is forgotten at once (``forget``), so a hint
+    never keeps a dead node or its key alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def clear(self) -> None:
+        super().clear()
+        self.nbytes = 0
+
+    def forget(self, node: TreeNode) -> None:
+        got = self.pop(node, None)
+        if got is not None:
+            self.nbytes -= len(got[1])
 
 
 def remember(tree: Any, node: TreeNode, salt: Optional[str], kb: bytes, end: int) -> None:
     """A walk just found the path from the root to the end of ``node`` (``end`` tokens) to hold ``kb[:8 * end]``
     under ``salt`` (``tree.seen``). That stays true while ``node`` lives: keys change only in ``split``, which
     keeps every node's end and the path's tokens, and a node is removed only childless, so ``node`` alive means
-    its path is whole (``clear`` forgets all). At most ``HINTS`` are kept, the first remembered going first (a
-    node remembered again keeps its place: no reordering per call)."""
+    its path is whole (``clear`` forgets all, ``RadixTree.remove`` the node it unlinks). At most ``HINTS`` are
+    kept, holding at most ``HINT_BYTES`` of keys (``kb`` is held, not copied), the first remembered going first
+    (a node remembered again keeps its place: no reordering per call)."""
     seen = tree.seen
+    old = seen.get(node)
+    if old is not None:
+        seen.nbytes -= len(old[1])
     seen[node] = (salt, kb, end)
-    if len(seen) > HINTS:
-        del seen[next(iter(seen))]
+    seen.nbytes += len(kb)
+    while len(seen) > HINTS or seen.nbytes > HINT_BYTES:
+        seen.forget(next(iter(seen)))
 
 
 def hinted(tree: Any, hint: TreeNode, kb: bytes, salt: Optional[str], aligned: int) -> int:
