@@ -28,6 +28,7 @@ from tiered_cache import CacheConfig, KVSpec, StateSpec, TieredCache  # noqa: E4
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError  # noqa: E402
 from tiered_cache.integrations import sglang as backend_pkg  # noqa: E402
 from tiered_cache.integrations.sglang import TieredRadixCache, parse_backend_config  # noqa: E402
+from tiered_cache.radix import tree as tree_module  # noqa: E402
 
 PAGE = 16
 STATE = StateSpec(num_layers=2, temporal_shape=(1, 4, 4), temporal_dtype=torch.float32,
@@ -55,10 +56,15 @@ def _write_state(cache: TieredCache, slot: torch.Tensor, seed: int) -> torch.Ten
     return t
 
 
-def test_chunked_prefill_checkpoints_then_a_second_request_resumes_from_the_tree(device):
+def test_chunked_prefill_checkpoints_then_a_second_request_resumes_from_the_tree(device, monkeypatch):
     """The scheduler's order for one request (match with cow_mamba, lock, a checkpoint per prefill chunk,
     the final checkpoint, release), then a second request with the same prompt and more: its match
-    hands back exactly the ids the tree holds, and its copied state is the cached one, bit for bit."""
+    hands back exactly the ids the tree holds, and its copied state is the cached one, bit for bit. A
+    checkpoint's insert starts its walk at the request's ``last_node`` (the previous chunk's), where the
+    tree proves the path holds."""
+    walked_from = []  # what each insert's hint gave: tokens from the root to the hint's end (0: from the root)
+    real = tree_module.hinted
+    monkeypatch.setattr(tree_module, "hinted", lambda *a: walked_from.append(real(*a)) or walked_from[-1])
     with _cache(device) as cache:
         rows = memory_pool.ReqToTokenPool(size=4, max_context_len=128, device=device, enable_memory_saver=False)
         backend = TieredRadixCache(cache.tree, req_to_token_pool=rows, token_to_kv_pool_allocator=None,
@@ -84,7 +90,7 @@ def test_chunked_prefill_checkpoints_then_a_second_request_resumes_from_the_tree
         # chunk 2 (the last) ends at 48
         s48 = _write_state(cache, req.kv.mamba_pool_idx, 2)
         backend.checkpoint(req, up_to=48)
-        assert req.kv.cache_protected_len == 48
+        assert req.kv.cache_protected_len == 48 and walked_from[-1] == 32  # from chunk 1's node
         row = rows.req_to_token[req.kv.req_pool_idx, :48].to(torch.int64)
         assert torch.equal(row, backend.path_device_indices(req.last_node)) and torch.equal(row, ids)
         cache.check_invariants(request_states=req.kv.mamba_pool_idx.reshape(1))

@@ -30,6 +30,7 @@ from sglang.srt.mem_cache import base_prefix_cache as B
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix import params as P
+from tiered_cache.radix.node import TreeNode
 
 
 def tree_key(key: Any) -> P.RadixKey:
@@ -184,10 +185,12 @@ class TieredRadixCache(B.BasePrefixCache):
         slot = kv.mamba_pool_idx
         swa: dict[str, Any] = {} if self.swa_mapping is None else self._swa_insert(row, prev)
         stale = swa.pop("stale", None)
+        hint = getattr(req, "last_node", None)  # its match's or last checkpoint's node: the walk may start there
         res = self.cache.insert(P.InsertParams(
             key=salted(toks, req.extra_key, getattr(req, "cache_salt", None)),
             value=row, mamba_value=None if slot is None else slot.reshape(1),
-            prev_prefix_len=prev, priority=int(req.priority or 0), **swa))
+            prev_prefix_len=prev, priority=int(req.priority or 0),
+            last_node=hint if type(hint) is TreeNode else None, **swa))
         kv.cache_inserted_len = max(int(getattr(kv, "cache_inserted_len", 0)), res.cached_len)
         if res.cached_len <= prev:
             return
