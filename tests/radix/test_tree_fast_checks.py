@@ -293,4 +293,6 @@ def test_evict_params_one_condition_is_int_arg_per_count(seed):
         assert got == (one if isinstance(one, tuple) else None), (values[k], got, one)
         if got is not None:
             assert full_snapshot(cache) == before
+        else:  # evict ran on int_arg's plain int, as construction does
+            assert type(getattr(p, _EVICT_FIELDS[k])) is int and getattr(p, _EVICT_FIELDS[k]) == one[k]
         insert_fresh(cache, [1, 2, 3, 4])

@@ -38,10 +38,12 @@ class Eviction:
         """See ``RadixCacheFacade.evict``."""
         if not isinstance(params, EvictParams):
             raise InvalidTypeError("params", "an EvictParams", type(params).__name__)
-        # checked again (a field can be set after construction): one condition, the typed errors through int_arg
+        # checked again (a field can be set after construction): one condition, the typed errors through int_arg,
+        # every count checked before any is replaced by int_arg's plain int (as at construction)
         if not counts_ok(params):
-            for arg in _COUNTS:
-                int_arg(arg, getattr(params, arg), lo=0)
+            counts = [int_arg(arg, getattr(params, arg), lo=0) for arg in _COUNTS]
+            for arg, v in zip(_COUNTS, counts, strict=True):
+                setattr(params, arg, v)
         # Counted as freed wherever the cascade frees them (a host eviction for room can remove a
         # leaf with a T1 state; a T2 state eviction can remove a leaf on the device).
         freed = self.tree.freed
