@@ -231,7 +231,7 @@ def test_ours_keeps_a_shared_prefix_with_one_child_left():
     for leaf in list(shared.children.values())[:3]:
         g._drop(leaf)
     turn = g.root.children[50]
-    assert len(shared.children) == len(turn.children) == 1 and shared.hit_count == 2 and turn.hit_count == 1
+    assert len(shared.children) == len(turn.children) == 1 and shared.resumes == 2 and turn.resumes == 1
     pol = g.policy
     cands = list(pol.candidates("state"))
     assert pol.choose("state", cands) is turn
@@ -249,11 +249,11 @@ def test_ours_ranks_a_never_resumed_one_child_state_as_a_leaf():
     for toks in ([20], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]):
         insert_fresh(cache, toks)
     x, pol = node_at(cache, [1, 2, 3, 4]), cache.tree.policy
-    assert len(x.children) == 1 and x.hit_count == 0
+    assert len(x.children) == 1 and x.resumes == 0
     assert _first_state_victim(cache) == [20]
     assert pol.freq(x) == 1
     match(cache, [1, 2, 3, 4, 9])  # resumed at [1 2 3 4] once, and the request moves on
-    assert x.hit_count == 1 and pol.freq(x) == 0
+    assert x.resumes == 1 and pol.freq(x) == 0
     assert _first_state_victim(cache) == [1, 2, 3, 4]
 
 

@@ -125,12 +125,12 @@ def test_cow_match_without_room_is_a_miss_that_counts_no_hit():
     while (s := cache.states.alloc(1)) is not None:  # every state byte taken; only [1, 2] could be evicted
         held.append(s)
     node = match(cache, [1, 2]).last_device_node
-    hits, stamp = node.hit_count, cache.policy.stamp("state", node)
+    hits, stamp = node.resumes, cache.policy.stamp("state", node)
     req = CacheReq(token_ids=[1, 2], kv_indices=torch.empty(0, dtype=torch.int64))
     m = match(cache, [1, 2], cow_mamba=True, req=req)  # [1, 2] is the match itself: locked while making room
     assert req.mamba_pool_idx is None
     assert len(m.device_indices) == 0 and m.last_device_node is cache.root
-    assert node.hit_count == hits and cache.policy.stamp("state", node) == stamp
+    assert node.resumes == hits and cache.policy.stamp("state", node) == stamp
     cache.check_invariants(request_states=torch.cat(held))
 
 

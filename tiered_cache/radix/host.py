@@ -213,13 +213,14 @@ class HostTier:
             self.backup_path(node)
 
     def count_hits(self, path: list[TreeNode], best: TreeNode) -> None:
-        """write_through_selective: a node matched ``write_through_threshold`` times is backed up."""
+        """write_through_selective: a node matched ``write_through_threshold`` times is backed up. Every node of
+        the matched path down to ``best`` counts the match (SGLang's ``hit_count``; the resumption at ``best``
+        is ``resumes``, counted by the resume rule: the policies read that one)."""
         if not self.enabled or self.conf.write_policy != "write_through_selective":
             return
         target = None
         for x in path:
-            if x is not best:
-                x.hit_count += 1
+            x.hit_count += 1
             if x.value is not None and x.hit_count >= self.conf.write_through_threshold and x.host_kv is None:
                 target = x
             if x is best:

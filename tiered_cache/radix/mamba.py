@@ -254,7 +254,7 @@ class MambaRule:
                 req.mamba_pool_idx = dst
         if best is not unserved and best is not root:  # a state not served is not a hit
             touch("state", best)
-            best.hit_count += 1
+            best.resumes += 1
         if dev is not best and dev is not root:
             touch("state", dev)
         host.count_hits(path, best)

@@ -19,6 +19,11 @@ the node owns, because the tree changes where a node lives only when the ticket 
                    with one is never dropped and never a victim
     full_lock_ref  locks on this node or any descendant (the lock covers the path to the root)
     mamba_lock_ref locks taken on this node itself; they protect its payload. full >= mamba.
+    resumes        matches that resumed at this node's end (from its state): what the eviction policies read
+                   (``policies.facts``). A split's new upper node has none: no request resumed there
+    hit_count      matches that passed through this node, SGLang's count (write_through_selective backs a node
+                   up at ``write_through_threshold`` of them); a split copies it: every match through the
+                   lower part passed through the upper one
 
 A node with KV nowhere (no ``value``, no ``host_kv``, nothing pending) is *dead*: a load back found
 its host copy corrupt while a request held it locked. It matches nothing and goes with its last lock.
@@ -38,7 +43,8 @@ _ids = itertools.count()
 class TreeNode:
     __slots__ = (
         "id", "parent", "children", "ck", "_key", "akey", "bkey", "value", "value_pending", "host_kv", "host_pending",
-        "payload", "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "hit_count", "__weakref__",
+        "payload", "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "resumes", "hit_count",
+        "__weakref__",
     )
 
     def __init__(self, owner: Any, parent: Optional[TreeNode], key: Optional[list[int]], value: Optional[torch.Tensor],
@@ -61,6 +67,7 @@ class TreeNode:
         self.full_lock_ref = 0
         self.mamba_lock_ref = 0
         self.alive = True
+        self.resumes = 0
         self.hit_count = 0
 
     @property

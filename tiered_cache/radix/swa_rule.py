@@ -192,7 +192,7 @@ class SWARule:
             tree.policy.touch("kv", x)
         if best is root:
             return tree.match_result(tree.empty, root, root, 0, 0, None, i, swa_device_indices=tree.empty)
-        best.hit_count += 1
+        best.resumes += 1
         self.host.count_hits(path, best)
         idx = tree.empty if dev_k == 0 else torch.cat(values[:dev_k])
         swa_idx = tree.empty if dev_k == 0 else torch.cat([

@@ -237,7 +237,7 @@ class RadixTree:
                        child.payload.split(m, k), child.akey[:m])
         new.ck = child.ck
         new.full_lock_ref = child.full_lock_ref  # every lock below child is below new too
-        new.hit_count = child.hit_count
+        new.hit_count = child.hit_count  # every match through child passed new; none resumed at new (``resumes`` 0)
         child.set_akey(child.akey[m:])
         if child.value is not None:
             child.value = child.value[m:].clone()

@@ -7,7 +7,8 @@ are candidates and when they were used (``policy.EvictionPolicy``). These few fa
     prefix(x)   tokens from the root to x's end (fixed for x's life: a split makes a new upper node)
     anchor(x)   prefix of x's nearest ancestor a model can resume from (0: the root): evicting x's
                 state or KV makes its next hit recompute ``[anchor, prefix)``
-    span(x)     tokens of x's own span; children(x); hits(x) (matches that resumed at x)
+    span(x)     tokens of x's own span; children(x); hits(x) (matches that resumed at x: ``resumes``, not
+                SGLang's path-match ``hit_count``)
     dropped_with(x): device tokens of the tombstones that go with the leaf x when it is dropped
     t1(x) / t2(x) / host_kv(x) / on_device(x): where x's data lives
 """
@@ -60,7 +61,7 @@ class NodeFacts:
 
     @staticmethod
     def hits(x: Any) -> int:
-        return x.hit_count
+        return x.resumes
 
     @staticmethod
     def t1(x: Any) -> bool:
