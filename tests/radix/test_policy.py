@@ -242,9 +242,8 @@ def test_ours_keeps_a_shared_prefix_with_one_child_left():
 def test_ours_ranks_a_never_resumed_one_child_state_as_a_leaf():
     """A one-child node no request resumed (a state the admission placed inside a prompt: a block boundary,
     the request that placed it went on to make the child) is no passed turn: it is ranked by its saving
-    per byte with the leaves, and the old cheap leaf [20] goes first; once resumed by one request it is
-    the passed turn and goes first. (Taken as passed, freq 0, every block state went before any leaf:
-    policy_budgets' Mooncake replay, whose next turns resume at such states.)"""
+    per byte with the leaves, and the old cheap leaf [20] goes first. (Taken as passed, freq 0, every block
+    state went before any leaf: policy_budgets' Mooncake replay, whose next turns resume at such states.)"""
     cache = _cache(eviction_policy="tiered", cost_model="marconi-7b")
     for toks in ([20], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]):
         insert_fresh(cache, toks)
@@ -252,9 +251,29 @@ def test_ours_ranks_a_never_resumed_one_child_state_as_a_leaf():
     assert len(x.children) == 1 and x.resumes == 0
     assert _first_state_victim(cache) == [20]
     assert pol.freq(x) == 1
-    match(cache, [1, 2, 3, 4, 9])  # resumed at [1 2 3 4] once, and the request moves on
-    assert x.resumes == 1 and pol.freq(x) == 0
-    assert _first_state_victim(cache) == [1, 2, 3, 4]
+
+
+def test_ours_takes_a_turn_resumed_as_a_leaf_as_passed_and_keeps_one_resumed_past_its_child():
+    """The one-child rule counts what the resumption did. [30 31] resumed while a leaf (a turn end: its next
+    turn resumed there and made the child [32]) is the passed turn: freq 0, it goes first. [1 2 3 4] resumed
+    while it had its child [5 .. 8] (a request that shares the prefix and leaves it there, as the capped
+    Mooncake turns all resume at one page) was reused past its child: freq 2 (1 resumption + 1). The rule
+    before took every one-child node's first resumption as the one that made its child: freq 0 for both, and
+    [1 2 3 4], the less recent, went first (policy_budgets' Mooncake replay at 1,024 MiB without a host: 14
+    such victims, 6 reached again by later prompts)."""
+    cache = _cache(eviction_policy="tiered", cost_model="marconi-7b")
+    for toks in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [30, 31]):
+        insert_fresh(cache, toks)
+    x, pol = node_at(cache, [1, 2, 3, 4]), cache.tree.policy
+    assert match(cache, [1, 2, 3, 4, 9]).best_match_node is x  # resumed with [5 .. 8] there
+    turn = node_at(cache, [30, 31])
+    assert match(cache, [30, 31, 32, 33]).best_match_node is turn  # resumed as a leaf ...
+    insert_fresh(cache, [30, 31, 32])  # ... and the request made its child
+    assert len(x.children) == len(turn.children) == 1
+    assert (x.resumes, x.leaf_resumes, turn.resumes, turn.leaf_resumes) == (1, 0, 1, 1)
+    assert pol.freq(turn) == 0 and pol.freq(x) == 2
+    assert _first_state_victim(cache) == [30, 31]
+    assert pol.freq(x) == 2
 
 
 def test_recency_power_weighs_age_against_cost():

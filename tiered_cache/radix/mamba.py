@@ -255,6 +255,7 @@ class MambaRule:
         if best is not unserved and best is not root:  # a state not served is not a hit
             touch("state", best)
             best.resumes += 1
+            best.leaf_resumes += not best.children  # the request moves on past best (``TreeNode``)
         if dev is not best and dev is not root:
             touch("state", dev)
         host.count_hits(path, best)

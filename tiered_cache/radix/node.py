@@ -21,6 +21,8 @@ the node owns, because the tree changes where a node lives only when the ticket 
     mamba_lock_ref locks taken on this node itself; they protect its payload. full >= mamba.
     resumes        matches that resumed at this node's end (from its state): what the eviction policies read
                    (``policies.facts``). A split's new upper node has none: no request resumed there
+    leaf_resumes   those of them made while the node had no child: each request moved on past it (made a child);
+                   one made with a child there is a reuse past the child (``policies.tiered``'s one-child rule)
     hit_count      matches that passed through this node, SGLang's count (write_through_selective backs a node
                    up at ``write_through_threshold`` of them); a split copies it: every match through the
                    lower part passed through the upper one
@@ -43,8 +45,8 @@ _ids = itertools.count()
 class TreeNode:
     __slots__ = (
         "id", "parent", "children", "ck", "_key", "akey", "bkey", "value", "value_pending", "host_kv", "host_pending",
-        "payload", "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "resumes", "hit_count",
-        "__weakref__",
+        "payload", "tickets", "full_lock_ref", "mamba_lock_ref", "owner", "alive", "resumes", "leaf_resumes",
+        "hit_count", "__weakref__",
     )
 
     def __init__(self, owner: Any, parent: Optional[TreeNode], key: Optional[list[int]], value: Optional[torch.Tensor],
@@ -67,7 +69,7 @@ class TreeNode:
         self.full_lock_ref = 0
         self.mamba_lock_ref = 0
         self.alive = True
-        self.resumes = 0
+        self.resumes = self.leaf_resumes = 0
         self.hit_count = 0
 
     @property

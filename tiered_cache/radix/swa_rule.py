@@ -193,6 +193,7 @@ class SWARule:
         if best is root:
             return tree.match_result(tree.empty, root, root, 0, 0, None, i, swa_device_indices=tree.empty)
         best.resumes += 1
+        best.leaf_resumes += not best.children  # the request moves on past best (``TreeNode``)
         self.host.count_hits(path, best)
         idx = tree.empty if dev_k == 0 else torch.cat(values[:dev_k])
         swa_idx = tree.empty if dev_k == 0 else torch.cat([

@@ -8,7 +8,7 @@ are candidates and when they were used (``policy.EvictionPolicy``). These few fa
     anchor(x)   prefix of x's nearest ancestor a model can resume from (0: the root): evicting x's
                 state or KV makes its next hit recompute ``[anchor, prefix)``
     span(x)     tokens of x's own span; children(x); hits(x) (matches that resumed at x: ``resumes``, not
-                SGLang's path-match ``hit_count``)
+                SGLang's path-match ``hit_count``); leaf_resumes(x): those made while x had no child
     dropped_with(x): device tokens of the tombstones that go with the leaf x when it is dropped
     t1(x) / t2(x) / host_kv(x) / on_device(x): where x's data lives
 """
@@ -62,6 +62,10 @@ class NodeFacts:
     @staticmethod
     def hits(x: Any) -> int:
         return x.resumes
+
+    @staticmethod
+    def leaf_resumes(x: Any) -> int:
+        return x.leaf_resumes
 
     @staticmethod
     def t1(x: Any) -> bool:

@@ -48,7 +48,8 @@ def descendants(root: Any) -> list:
 class GhostNode:
     """A span of the ghost tree; ``payload`` is the node itself (``resumable``, ``mamba_value``)."""
 
-    __slots__ = ("id", "parent", "key", "children", "mamba_value", "resumes", "__weakref__")
+    __slots__ = ("id", "parent", "key", "children", "mamba_value", "resumes", "leaf_resumes",
+                 "__weakref__")
     value = True  # its KV is on the device (the ghost keeps nothing else)
     host_kv = state_host = None
     full_lock_ref = 0
@@ -60,7 +61,7 @@ class GhostNode:
         self.key = key
         self.children: dict[int, GhostNode] = {}
         self.mamba_value: Optional[bool] = True if state else None
-        self.resumes = 0
+        self.resumes = self.leaf_resumes = 0
 
     @property
     def payload(self) -> GhostNode:
@@ -103,6 +104,7 @@ class GhostCache:
                 hit, hit_node = pos, node
         if hit_node is not None:
             hit_node.resumes += 1
+            hit_node.leaf_resumes += not hit_node.children
             pol.touch("state", hit_node)
         if split is not None:  # the sequence leaves the cached path inside a span: a branch point
             node = self._split(*split)
@@ -189,7 +191,7 @@ class GhostCache:
         twin: dict[Any, GhostNode] = {self.root: g.root}
         for x in descendants(self.root):  # each node after its parent
             y = GhostNode(twin[x.parent], x.key, x.mamba_value is not None)  # keys are never changed in place
-            y.resumes = x.resumes
+            y.resumes, y.leaf_resumes = x.resumes, x.leaf_resumes
             twin[x] = y
             y.parent.children[y.key[0]] = y  # type: ignore[union-attr]
         policy.adopt(self.policy, twin)

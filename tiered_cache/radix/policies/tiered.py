@@ -13,14 +13,22 @@ A victim is the candidate of least expected saving per byte and per unit of time
 ``freq(x) x cost(x) / bytes(x) / age(x) ** power``: ``age`` counts the uses (of the same recency clock)
 since ``x``'s last one, so reuse is taken as likelier the more recent, and ``freq`` is the matches that
 resumed at ``x`` plus one for a leaf, a branch point or a node no request has resumed, and one less
-than those matches for a resumed node with exactly one child: the request that resumed there and made
-the child has moved on to the child's longer state (a conversation's earlier turn: resumed once, by its
-next turn), and only one that diverges right there would resume from it again; those resumed once go
-first, least recent first, before any cost is computed. A one-child node resumed by several requests is
-a shared prefix whose other branches were evicted (a system prompt with one live session left): each
-resumption past the one that moved on counts. Counting it as passed (freq 0: the rule until 9204c9b)
-evicted hot system prompts first in bench_policy's chat sessions (24 of the 200 one-child victims at 2
-sessions/s, 8 GiB, each resumed 2 or more times) and kept ours behind Marconi there in every draw.
+than those matches for a node with exactly one child that was resumed while it was a leaf (``leaf_resumes``):
+the request that resumed there and made the child has moved on to the child's longer state (a
+conversation's earlier turn: resumed once, by its next turn), and only one that diverges right there would
+resume from it again; those resumed once go first, least recent first, before any cost is computed. A
+one-child node resumed only while it had a child was reused past that child, not passed, and counts as a
+leaf does. Taking its first resumption for the one that made the child (the rule until the commit that
+added ``leaf_resumes``) passed policy_budgets' Mooncake states at a capped prompt's last cached page: the
+trace's prompts are cut at 8 blocks, so a conversation's later turns all resume at its 7th page; at 1,024
+MiB without a host 14 of ours' 197 state victims were one-child states resumed once, 6 of them reached
+again by later prompts, and the hit rate was 0.302 against LRU's 0.320 (0.305 after; left: 6 such victims
+first resumed as a leaf, once their turn-end child was dropped, 4 reached again; 1,536 MiB: 0.375 ->
+0.396, LRU 0.378). A one-child node resumed by several requests is a shared prefix whose other branches
+were evicted (a system prompt with one live session left): each resumption past the one that moved on
+counts. Counting it as passed (freq 0: the rule until 9204c9b) evicted hot system prompts first in
+bench_policy's chat sessions (24 of the 200 one-child victims at 2 sessions/s, 8 GiB, each resumed 2 or
+more times) and kept ours behind Marconi there in every draw.
 
 A one-child node never resumed is no earlier turn: nobody moved on from it. It is a state the admission
 placed inside a prompt (a block boundary, a chunk end; the request that placed it went on to make the
@@ -84,11 +92,11 @@ class TieredPolicy(ScoredPolicy):
 
     def freq(self, x: Any) -> int:
         """The resumptions expected of ``x`` (the module docstring's one-child rule): its matches plus one for
-        a leaf, a branch point or a node never resumed; one less than its matches for a resumed node with
-        exactly one child."""
+        a leaf, a branch point or a node not resumed as a leaf; one less than its matches for a node with
+        exactly one child that was resumed while a leaf."""
         f = self.facts
         h = f.hits(x)
-        return h - 1 if h and f.children(x) == 1 else h + 1
+        return h - 1 if f.leaf_resumes(x) and f.children(x) == 1 else h + 1
 
     def priority(self, resource: str, x: Any, now: int) -> float:
         """Expected seconds saved per byte per use of the clock (``now``: the latest stamp)."""
