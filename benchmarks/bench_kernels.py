@@ -44,7 +44,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -283,12 +283,13 @@ def bench_api(dt_name: str, n: int, shape: dict[str, int], conv: tuple, device: 
 
 
 class _StubCompiled:
-    """A compiled kernel whose launcher does nothing (``--parts host``)."""
+    """A compiled kernel whose launcher does nothing but keep its last arguments (``--parts host``)."""
 
     function = packed_metadata = None
+    last: tuple = ()
 
     def run(self, *args: object) -> None:
-        pass
+        self.last = args
 
 
 class _StubKernel:
@@ -307,6 +308,21 @@ class _StubKernel:
 
     def __getitem__(self, grid: object) -> Callable[..., _StubCompiled]:
         return lambda *args, **meta: self.compiled
+
+
+def _stub_launches(launches: Any) -> _StubCompiled:
+    """A plan's ``quant._Launches`` with its kernel a ``_StubKernel`` and each ``launch.Bound`` it makes on the
+    bound path (the interpreter's switch turned off): the stub's compiled kernel, which keeps its last call."""
+    launches.kernel = _StubKernel(launches.kernel)
+    get = launches.get
+
+    def bound(na: int) -> launch.Bound:
+        b = get(na)
+        b._off = False
+        return b
+
+    launches.get = bound
+    return launches.kernel.compiled
 
 
 def bench_host(dt_name: str, n: int, conv: tuple, k: int, reps: int) -> dict[str, float]:
@@ -330,9 +346,7 @@ def bench_host(dt_name: str, n: int, conv: tuple, k: int, reps: int) -> dict[str
     pool._args._ring = launch.IdRing(cpu)  # the GPU's id path: one ring entry a call (a host copy here)
     pool.flags._cpu = False  # the GPU's flags path: an event a store, read at poll
     lay = pool._args.layout(side)
-    for op in ("store", "load"):
-        for plan in t1_args._plans(pool, lay, op):
-            plan.bound.kernel, plan.bound._off = _StubKernel(plan.bound.kernel), False
+    stubs = {op: [_stub_launches(plan.launches) for plan in t1_args._plans(pool, lay, op)] for op in ("store", "load")}
     got = pool.alloc_ids(n)
     assert got is not None
     slots = got[1][::-1]
@@ -348,10 +362,17 @@ def bench_host(dt_name: str, n: int, conv: tuple, k: int, reps: int) -> dict[str
         fast = launch.stats["fast"]
         fn()
         fn()  # the first call of a class is an ordinary launch (binds it); the second is bound
-        ring = pool._args._ring
-        ids, w = ring._ring[ring._i - 1].dev.tolist(), ring.width  # the entry the launch read: rows, then slots
-        rows = rows_src if op.startswith("store") else rows_dst
-        assert ids[:n] == rows.tolist() and ids[w:w + n] == slots, f"host {op}: ids"
+        # the ids the launch was given, source then destination: as kernel arguments (up to quant.PACKED), or
+        # in the ring entry it read
+        src_ids, dst_ids = (rows_src.tolist(), slots) if op.startswith("store") else (slots, rows_dst.tolist())
+        packed = quant.pack_ids(src_ids, dst_ids)
+        if packed is not None:
+            got_args = stubs[op.split("_")[0]][0].last
+            assert any(got_args[i:i + len(packed)] == packed for i in range(len(got_args))), f"host {op}: ids"
+        else:
+            ring = pool._args._ring
+            ids, w = ring._ring[ring._i - 1].dev.tolist(), ring.width
+            assert ids[:n] == src_ids and ids[w:w + n] == dst_ids, f"host {op}: ids"
         assert launch.stats["fast"] - fast >= 1, f"host {op}: no bound launch"
         runs = []
         for _ in range(reps):

@@ -253,7 +253,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _plans_case(poison, device, dtype, value_axis, backend):
-    L, R, S, H, dv, dk = 2, 9, 10, 2, 16, 32
+    L, R, S, H, dv, dk = 2, 17, 18, 2, 16, 32
     g = torch.Generator().manual_seed(5)
     shape = (R, L, H, dv, dk) if value_axis == 1 else (R, L, H, dk, dv)
     src = torch.randn(shape, generator=g).to(dtype).transpose(0, 1).to(device)
@@ -272,16 +272,28 @@ def _plans_case(poison, device, dtype, value_axis, backend):
     return src, conv, q, s, conv_t1, fin, store, dst, conv_dst, load, copy
 
 
-def check_plans_serve_every_call(poison, device, dtype, value_axis, backend):
-    """One set of plans, calls of 1, 3, 2 and 9 states (new ids each), each against the twins."""
+def _ids_call(plan, packed: bool, a: torch.Tensor, b: torch.Tensor, *mark: int) -> None:
+    """``plan`` on ids ``a -> b``: as device tensors, or (``packed``) as ``pack_ids``' kernel arguments."""
+    if packed:
+        ids = quant.pack_ids(a.tolist(), b.tolist())
+        assert ids is not None and len(ids) == quant.PACKED
+        plan.packed(ids, a.numel(), *mark)
+    else:
+        plan(a, b, *mark)
+
+
+def check_plans_serve_every_call(poison, device, dtype, value_axis, backend, packed=False):
+    """One set of plans, calls of 1, 3, 2, 9, 16 and 3 states (new ids each; 3 and 9 leave packed arguments unused;
+    the second 3 repeats a launch class, so it takes the bound path on a GPU), each against the twins, the ids as
+    device tensors or (``packed``) as kernel arguments."""
     src, conv, q, s, conv_t1, fin, store, dst, conv_dst, load, copy = _plans_case(poison, device, dtype,
                                                                                  value_axis, backend)
     g = torch.Generator().manual_seed(6)
-    for n in (1, 3, 2, 9):
+    for n in (1, 3, 2, 9, 16, 3):
         rows = torch.randint(src.shape[1], (n,), generator=g).to(device)  # a store may read a row twice
         slots = (torch.randperm(q.shape[1] - 1, generator=g)[:n] + 1).to(device)
         q_ref, s_ref, c_ref = q.clone(), s.clone(), conv_t1.clone()
-        store(rows, slots)
+        _ids_call(store, packed, rows, slots, 0)
         quantize_store_reference(src, rows, q_ref, s_ref, slots, value_axis)
         copy_rows_reference(conv, rows, c_ref, slots)
         # every byte, the poison of the slots not written included
@@ -290,30 +302,48 @@ def check_plans_serve_every_call(poison, device, dtype, value_axis, backend):
         back = torch.randperm(src.shape[1], generator=g)[:n].to(device)  # distinct destinations
         dst.copy_(poison.like(dst))
         conv_dst.copy_(poison.like(conv_dst))
-        load(slots, back)
+        _ids_call(load, packed, slots, back)
         want, want_conv = poison.like(dst), poison.like(conv_dst)
         dequantize_load_reference(q_ref, s_ref, slots, want, back, value_axis)
         copy_rows_reference(c_ref, slots, want_conv, back)
         assert torch.equal(bits(dst), bits(want)) and torch.equal(bits(conv_dst), bits(want_conv))
         conv_dst.copy_(poison.like(conv_dst))
-        copy(rows, back)
+        _ids_call(copy, packed, rows, back, 0)
         want_conv = poison.like(conv_dst)
         copy_rows_reference(conv, rows, want_conv, back)
         assert torch.equal(bits(conv_dst), bits(want_conv))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["id_tensors", "packed"])
 @pytest.mark.parametrize("value_axis", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_plans_serve_calls_of_every_size(poison, dtype, value_axis):
-    check_plans_serve_every_call(poison, "cpu", dtype, value_axis, "triton")
+def test_plans_serve_calls_of_every_size(poison, dtype, value_axis, packed):
+    check_plans_serve_every_call(poison, "cpu", dtype, value_axis, "triton", packed)
+
+
+def test_plans_packed_on_the_torch_twins(poison):
+    """A plan on the torch backend takes packed arguments too (unpacked to tensors): the same bytes."""
+    check_plans_serve_every_call(poison, "cpu", torch.float32, 2, "torch", packed=True)
+
+
+def test_pack_ids_packs_pairs_above_the_marker_and_refuses_what_does_not_fit():
+    ids = quant.pack_ids([0, 5, 2**31 - 1], [7, 0, 3])
+    assert ids is not None and len(ids) == quant.PACKED
+    assert all(p >= 1 << 62 for p in ids)  # one 64-bit class for every value: one compiled kernel per count
+    a, b = quant._unpack(ids, 3, torch.device("cpu"))
+    assert a.tolist() == [0, 5, 2**31 - 1] and b.tolist() == [7, 0, 3]
+    assert quant.pack_ids([], []) == (1 << 62,) * quant.PACKED
+    assert quant.pack_ids(list(range(17)), list(range(17))) is None  # more than PACKED
+    assert quant.pack_ids([2**31], [1]) is None and quant.pack_ids([1], [2**31]) is None  # past 31 bits
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["id_tensors", "packed"])
 @pytest.mark.parametrize("value_axis", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_plans_take_the_bound_path(poison, dtype, value_axis):
+def test_gpu_plans_take_the_bound_path(poison, dtype, value_axis, packed):
     before = launch.stats["fast"]
-    check_plans_serve_every_call(poison, "cuda", dtype, value_axis, "triton")
+    check_plans_serve_every_call(poison, "cuda", dtype, value_axis, "triton", packed)
     torch.cuda.synchronize()
     assert launch.stats["fast"] > before  # calls after the first of a class went through the bound launcher
 

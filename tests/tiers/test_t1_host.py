@@ -39,7 +39,7 @@ def twins_layout(pool, views):
 
 def store(pool, lay, rows, slots):
     rows_t, slots_t = torch.tensor(rows), torch.tensor(slots)
-    t1_args.kernels_store(pool, lay, rows_t, slots_t, pool.flags.arm(slots_t))
+    t1_args.kernels_store(pool, lay, rows_t, slots_t, pool.flags.arm(slots_t), len(rows))
 
 
 def clone(views):
@@ -68,7 +68,7 @@ def test_numpy_moves_equal_the_torch_twins(seed, poison):
         out.temporal[:, dst] = poison.value(spec.temporal_dtype)
         for c in out.convs:
             c[:, dst] = poison.value(spec.conv_dtype)
-        t1_args.kernels_load(pool, layout_of(out), torch.tensor(slots), torch.tensor(dst))
+        t1_args.kernels_load(pool, layout_of(out), torch.tensor(slots), torch.tensor(dst), len(dst))
         outs.append(out)
     (a, b) = outs
     assert torch.equal(a.temporal, b.temporal) and all(torch.equal(x, y) for x, y in zip(a.convs, b.convs))

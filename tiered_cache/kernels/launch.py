@@ -96,7 +96,7 @@ def _hooks_set() -> bool:
 _NAMES: dict[Any, list[str]] = {}
 
 
-def _param_names(kernel: Any) -> list[str]:
+def param_names(kernel: Any) -> list[str]:
     names = _NAMES.get(kernel)
     if names is None:
         names = _NAMES[kernel] = list(inspect.signature(kernel.fn).parameters)
@@ -133,7 +133,7 @@ class Bound:
     def __init__(self, kernel: Any, args: Sequence[Any], meta: dict[str, Any], vary: Sequence[str],
                  plain: Sequence[str] = ()) -> None:
         self.kernel, self.args, self.meta = kernel, list(args), dict(meta)
-        self.names = _param_names(kernel)
+        self.names = param_names(kernel)
         self.vary = tuple(self.names.index(v) for v in vary)
         # varying ints the kernel does not specialize on (``do_not_specialize``): their class is their range
         self.plain = tuple(v in plain for v in vary)

@@ -65,6 +65,68 @@ _COPY_TILE = 4096
 # Exponent bits of the float dtypes whose copies are checked for NaN/inf (FLAG_DTYPES), read as integers.
 _EXP_MASK = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00,
              torch.float64: 0x7FF0000000000000}
+# A move of at most PACKED states passes its ids as kernel arguments (``pack_ids``), not as device arrays: no
+# host-to-device copy before the launch and no id buffer to guard after it (a T1 move of 1-16 states: an engine
+# checkpoints one to a few states a step). Each argument holds one (source, destination) pair, ``src << 31 |
+# dst`` above ``_PACK_MARK``, so every value is in Triton's 64-bit class (one compiled kernel per argument count).
+PACKED = 16
+_PACK_MARK = 1 << 62
+_ID_LIMIT = 1 << 31
+_PACK_COUNTS = (1, 2, 4, 8, 16)  # the compiled argument counts: a call of n states uses the least >= n
+_PARAMS = [f"P{i}" for i in range(PACKED)]  # the kernels' packed-id parameters, which never specialize
+_NO_SPEC_MARK = [*_PARAMS, "MARK"]
+
+
+def pack_ids(src: list[int], dst: list[int]) -> Optional[tuple[int, ...]]:
+    """The ``PACKED`` kernel arguments of a move of ``src[i] -> dst[i]`` (host ints, as many, checked by the
+    caller), or None where the move does not fit them (more than ``PACKED`` ids, or an id ``>= 2**31``). The
+    arguments past ``len(src)`` repeat the marker: a kernel never reads them (they are past its ``N``)."""
+    n = len(src)
+    if n > PACKED or (n and max(max(src), max(dst)) >= _ID_LIMIT):
+        return None
+    return tuple([_PACK_MARK | (a << 31) | b for a, b in zip(src, dst)] + [_PACK_MARK] * (PACKED - n))
+
+
+def _unpack(ids: tuple[int, ...], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_ids``' arguments back to the id tensors (the torch twins' path)."""
+    src = [(p >> 31) & (_ID_LIMIT - 1) for p in ids[:n]]
+    dst = [p & (_ID_LIMIT - 1) for p in ids[:n]]
+    return torch.tensor(src, dtype=torch.int64, device=device), torch.tensor(dst, dtype=torch.int64, device=device)
+
+
+def _count(n: int) -> int:
+    """The compiled argument count a packed call of ``n`` states uses."""
+    for c in _PACK_COUNTS:
+        if n <= c:
+            return c
+    raise AssertionError(n)  # pack_ids refuses more than PACKED
+
+
+class _Launches:
+    """A plan's bound launches: one per ``NA`` (0, ids from device arrays; else the packed argument count),
+    bound on first use to the same fixed arguments, the varying ones named in ``vary`` (the ids, or the
+    packed arguments in their place)."""
+
+    def __init__(self, kernel, args: list, meta: dict, ids: tuple[str, str], tail: tuple[str, ...],
+                 plain: tuple[str, ...]) -> None:
+        self.kernel, self.args, self.meta, self.ids, self.tail, self.plain = kernel, args, meta, ids, tail, plain
+        self.by_count: dict[int, launch.Bound] = {}
+        self.dummy: Optional[torch.Tensor] = None
+
+    def get(self, na: int) -> launch.Bound:
+        b = self.by_count.get(na)
+        if b is None:
+            names = launch.param_names(self.kernel)
+            args = list(self.args)
+            if na:  # the id pointers are not read: bound to one small tensor (one class, whatever the call)
+                for name in self.ids:
+                    args[names.index(name)] = self.args[0]
+                vary, plain = (*_PARAMS, *self.tail), (*_PARAMS, *self.plain)
+            else:
+                vary, plain = (*self.ids, *self.tail), self.plain
+            b = self.by_count[na] = launch.Bound(self.kernel, args, {**self.meta, "NA": na}, vary, plain=plain)
+        return b
+
 
 
 @triton.jit
@@ -121,26 +183,72 @@ def _codes(y, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
 
 
 @triton.jit
+def _pair(n, src_ids_ptr, dst_ids_ptr,
+          P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA: tl.constexpr):
+    """State ``n``'s source and destination ids (int64): from the id arrays (``NA == 0``), or picked from the
+    ``NA`` packed arguments ``P0 ...`` (``pack_ids``: ``src << 31 | dst`` above a marker bit), so a move of a
+    few states needs no id copy to the device before its launch."""
+    if NA == 0:
+        a = tl.load(src_ids_ptr + n).to(tl.int64)
+        b = tl.load(dst_ids_ptr + n).to(tl.int64)
+    else:
+        p = P0 + tl.zeros((), dtype=tl.int64)
+        if NA > 1:
+            p = tl.where(n == 1, P1, p)
+        if NA > 2:
+            p = tl.where(n == 2, P2, p)
+        if NA > 3:
+            p = tl.where(n == 3, P3, p)
+        if NA > 4:
+            p = tl.where(n == 4, P4, p)
+        if NA > 5:
+            p = tl.where(n == 5, P5, p)
+        if NA > 6:
+            p = tl.where(n == 6, P6, p)
+        if NA > 7:
+            p = tl.where(n == 7, P7, p)
+        if NA > 8:
+            p = tl.where(n == 8, P8, p)
+        if NA > 9:
+            p = tl.where(n == 9, P9, p)
+        if NA > 10:
+            p = tl.where(n == 10, P10, p)
+        if NA > 11:
+            p = tl.where(n == 11, P11, p)
+        if NA > 12:
+            p = tl.where(n == 12, P12, p)
+        if NA > 13:
+            p = tl.where(n == 13, P13, p)
+        if NA > 14:
+            p = tl.where(n == 14, P14, p)
+        if NA > 15:
+            p = tl.where(n == 15, P15, p)
+        a = (p >> 31) & 0x7FFFFFFF
+        b = p & 0x7FFFFFFF
+    return a, b
+
+
+@triton.jit
 def _mark(MARK, fin_ptr):
     """The value a non-finite store writes into its slot's flag: ``MARK`` in the flags' dtype."""
     return (tl.zeros((), dtype=tl.int64) + MARK).to(fin_ptr.dtype.element_ty)
 
 
-@triton.jit(do_not_specialize=["MARK"])
+@triton.jit(do_not_specialize=_NO_SPEC_MARK)
 def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
+                           P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                            s_l, s_r, s_h, s_v, s_k,
                            q_l, q_s, q_h, q_v, q_k,
                            c_l, c_s, c_h, c_k,
                            BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
                            MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr,
-                           FLAG: tl.constexpr):
+                           FLAG: tl.constexpr, NA: tl.constexpr):
     # Heads innermost: neighbouring programs read neighbouring bytes of one state's envelope.
     pid = tl.program_id(0).to(tl.int64)
     h = pid % H
     n = (pid // H) % N
     layer = pid // (H * N)
-    row = tl.load(rows_ptr + n).to(tl.int64)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
+    row, slot = _pair(n, rows_ptr, slots_ptr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA)
     offs_v = tl.arange(0, BLOCK_V)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < D_K
@@ -194,14 +302,15 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-@triton.jit(do_not_specialize=["MARK"])
+@triton.jit(do_not_specialize=_NO_SPEC_MARK)
 def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
+                                  P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                                   s_l, s_r, s_h, s_v, s_k,
                                   q_l, q_s, q_h, q_v, q_k,
                                   c_l, c_s, c_h, c_k,
                                   SUB_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
                                   MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr,
-                                  FLAG: tl.constexpr):
+                                  FLAG: tl.constexpr, NA: tl.constexpr):
     """The store in two passes over a ``[d_v, BLOCK_K]`` column block, ``SUB_V`` rows a step: the amax
     first (only ``BLOCK_K`` running maxima live), then the codes from a second read, which the L2 cache
     serves. Few registers per element, so many programs per SM keep many bytes in flight: the one-pass
@@ -212,8 +321,7 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
     h = pid % H
     n = (pid // H) % N
     layer = pid // (H * N)
-    row = tl.load(rows_ptr + n).to(tl.int64)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
+    row, slot = _pair(n, rows_ptr, slots_ptr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < D_K
     src = src_ptr + layer * s_l + row * s_r + h * s_h + offs_k[None, :] * s_k
@@ -259,18 +367,19 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
             tl.store(q_dst + offs_v[:, None] * q_v, _codes(y, FMA_DIV, KIND), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PARAMS)
 def _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_V, D_K,
+                            P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                             q_l, q_s, q_h, q_v, q_k,
                             c_l, c_s, c_h, c_k,
                             d_l, d_r, d_h, d_v, d_k,
-                            BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr, EVEN: tl.constexpr):
+                            BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr, EVEN: tl.constexpr,
+                            NA: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     h = pid % H
     n = (pid // H) % N
     layer = pid // (H * N)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    row = tl.load(rows_ptr + n).to(tl.int64)
+    slot, row = _pair(n, slots_ptr, rows_ptr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA)
     offs_v = tl.arange(0, BLOCK_V)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < D_K
@@ -292,18 +401,21 @@ def _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_
         tl.store(dst, out, mask=mask)
 
 
-@triton.jit(do_not_specialize=["MARK"])
+@triton.jit(do_not_specialize=_NO_SPEC_MARK)
 def _copy_rows_kernel(src_ptr, rows_ptr, dst_ptr, slots_ptr, fin_ptr, MARK, N, C, s_l, s_r, d_l, d_r, CB,
-                      BLOCK: tl.constexpr, EXP_MASK: tl.constexpr):
+                      P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
+                      BLOCK: tl.constexpr, EXP_MASK: tl.constexpr, NA: tl.constexpr):
     """``copy_rows``: program (layer * N + n, blk) copies one ``BLOCK`` of one (layer, row), the body the
     conv-window copy of a store or load launch shares (``_conv_rows``)."""
     _conv_rows(tl.program_id(0).to(tl.int64) * CB + tl.program_id(1), rows_ptr, slots_ptr, src_ptr, dst_ptr, fin_ptr,
-               MARK, N, C, s_l, s_r, d_l, d_r, CB, BLOCK, EXP_MASK)
+               MARK, N, C, s_l, s_r, d_l, d_r, CB,
+               P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, BLOCK, EXP_MASK, NA)
 
 
 @triton.jit
 def _conv_rows(p, src_ids_ptr, dst_ids_ptr, src_ptr, dst_ptr, fin_ptr, MARK, N, C, s_l, s_r, d_l, d_r, CB,
-               BLOCK: tl.constexpr, EXP_MASK: tl.constexpr):
+               P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
+               BLOCK: tl.constexpr, EXP_MASK: tl.constexpr, NA: tl.constexpr):
     """Block ``p`` of a row copy (``copy_rows``, and the conv-window copy that rides along a store or load
     launch), one ``BLOCK`` of one (layer, state) row per program: ``dst[layer, dst_ids[n]] = src[layer,
     src_ids[n]]``, bits; with ``EXP_MASK`` a NaN / inf sets ``fin[dst_ids[n]]`` to ``MARK``."""
@@ -311,8 +423,8 @@ def _conv_rows(p, src_ids_ptr, dst_ids_ptr, src_ptr, dst_ptr, fin_ptr, MARK, N, 
     blk = p % CB
     n = (p // CB) % N
     layer = p // (CB * N)
-    src_id = tl.load(src_ids_ptr + n).to(tl.int64)
-    dst_id = tl.load(dst_ids_ptr + n).to(tl.int64)
+    src_id, dst_id = _pair(n, src_ids_ptr, dst_ids_ptr,
+                           P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
     vals = tl.load(src_ptr + layer * s_l + src_id * s_r + offs, mask=mask, other=0)
@@ -322,44 +434,52 @@ def _conv_rows(p, src_ids_ptr, dst_ids_ptr, src_ptr, dst_ptr, fin_ptr, MARK, N, 
         tl.store(fin_ptr + dst_id, _mark(MARK, fin_ptr), mask=bad > 0)
 
 
-@triton.jit(do_not_specialize=["MARK"])
+@triton.jit(do_not_specialize=_NO_SPEC_MARK)
 def _store_with_conv_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
+                            P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                             s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
                             cv_src, cv_dst, C, cv_sl, cv_sr, cv_dl, cv_dr, CB, QP,
                             BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
                             MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr, FLAG: tl.constexpr,
-                            STREAM: tl.constexpr, CONV_BLOCK: tl.constexpr, CONV_MASK: tl.constexpr):
+                            STREAM: tl.constexpr, CONV_BLOCK: tl.constexpr, CONV_MASK: tl.constexpr,
+                            NA: tl.constexpr):
     """One launch for a whole store: programs ``< QP`` quantize the temporal state (the one-pass kernel,
     or with ``STREAM`` the two-pass one, ``BLOCK_V`` then being its rows a step), the rest copy the conv
     window. One launch instead of two: each costs tens of microseconds of host time."""
     if tl.program_id(0) < QP:
         if STREAM:
             _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
+                                          P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                                           s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
-                                          BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG)
+                                          BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG, NA)
         else:
             _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
+                                   P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                                    s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
-                                   BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG)
+                                   BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG, NA)
     elif tl.program_id(1) == 0:
         _conv_rows(tl.program_id(0) - QP, rows_ptr, slots_ptr, cv_src, cv_dst, fin_ptr, MARK, N, C, cv_sl, cv_sr,
-                   cv_dl, cv_dr, CB, CONV_BLOCK, CONV_MASK)
+                   cv_dl, cv_dr, CB, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
+                   CONV_BLOCK, CONV_MASK, NA)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PARAMS)
 def _load_with_conv_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_V, D_K,
+                           P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                            q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k, d_l, d_r, d_h, d_v, d_k,
                            cv_src, cv_dst, C, cv_sl, cv_sr, cv_dl, cv_dr, CB, QP,
                            BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr, EVEN: tl.constexpr,
-                           CONV_BLOCK: tl.constexpr):
+                           CONV_BLOCK: tl.constexpr, NA: tl.constexpr):
     """One launch for a whole load: the dequantize, and the conv window copied back."""
     if tl.program_id(0) < QP:
         _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_V, D_K,
+                                P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                                 q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k, d_l, d_r, d_h, d_v, d_k,
-                                BLOCK_V, BLOCK_K, KIND, EVEN)
+                                BLOCK_V, BLOCK_K, KIND, EVEN, NA)
     elif tl.program_id(1) == 0:
         _conv_rows(tl.program_id(0) - QP, slots_ptr, rows_ptr, cv_src, cv_dst, dst_ptr, 0, N, C, cv_sl, cv_sr,
-                   cv_dl, cv_dr, CB, CONV_BLOCK, 0)
+                   cv_dl, cv_dr, CB, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
+                   CONV_BLOCK, 0, NA)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -595,7 +715,7 @@ class StorePlan:
             warps, even = _STORE_WARPS, _even(dv, dk, block_v, block_k)
         fin = qdata if finite is None else finite
         # rows, slots, the mark and N (and QP) vary per call: placeholders here (0)
-        args = [state, 0, qdata, scale, 0, fin, 0, 0, H, dv, dk, *state.stride(), *qdata.stride(),
+        args = [state, 0, qdata, scale, 0, fin, 0, 0, H, dv, dk, *[0] * PACKED, *state.stride(), *qdata.stride(),
                 scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(4)]
         self.per_state, self.kb, self.conv_per_state = L * H, triton.cdiv(dk, block_k), 0
         meta = dict(KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype), FMA_DIV=src.device.type == "cuda",
@@ -603,16 +723,16 @@ class StorePlan:
         if conv is not None:
             cargs, cblock, self.conv_per_state = _conv_args(conv[0], conv[1])
             mask = 0 if finite is None else _EXP_MASK.get(conv[0].dtype, 0)
-            self.bound = launch.Bound(
+            self.launches = _Launches(
                 _store_with_conv_kernel, [*args, *cargs, 0],
                 dict(BLOCK_V=block_v, BLOCK_K=block_k, STREAM=stream is not None, CONV_BLOCK=cblock,
-                     CONV_MASK=mask, **meta), ("rows_ptr", "slots_ptr", "MARK", "N", "QP"), plain=("MARK",))
+                     CONV_MASK=mask, **meta), ("rows_ptr", "slots_ptr"), ("MARK", "N", "QP"), ("MARK",))
         elif stream is not None:
-            self.bound = launch.Bound(_quantize_store_stream_kernel, args, dict(SUB_V=block_v, BLOCK_K=block_k, **meta),
-                                      ("rows_ptr", "slots_ptr", "MARK", "N"), plain=("MARK",))
+            self.launches = _Launches(_quantize_store_stream_kernel, args, dict(SUB_V=block_v, BLOCK_K=block_k, **meta),
+                                      ("rows_ptr", "slots_ptr"), ("MARK", "N"), ("MARK",))
         else:
-            self.bound = launch.Bound(_quantize_store_kernel, args, dict(BLOCK_V=block_v, BLOCK_K=block_k, **meta),
-                                      ("rows_ptr", "slots_ptr", "MARK", "N"), plain=("MARK",))
+            self.launches = _Launches(_quantize_store_kernel, args, dict(BLOCK_V=block_v, BLOCK_K=block_k, **meta),
+                                      ("rows_ptr", "slots_ptr"), ("MARK", "N"), ("MARK",))
 
     def __call__(self, src_rows: torch.Tensor, dst_slots: torch.Tensor, mark: int = 0) -> None:
         n = src_rows.shape[0]
@@ -626,11 +746,23 @@ class StorePlan:
                 copy_rows_reference(self.conv[0], src_rows, self.conv[1], dst_slots, fin, mark)
             _flags_back(self.finite, fin)
             return
+        self._launch(0, (src_rows, dst_slots), n, mark)
+
+    def packed(self, ids: tuple[int, ...], n: int, mark: int = 0) -> None:
+        """The store of ``n`` states given as ``pack_ids``' arguments (rows, slots)."""
+        if n == 0:
+            return
+        if self.ref:
+            self(*_unpack(ids, n, self.src.device), mark)
+            return
+        self._launch(_count(n), ids, n, mark)
+
+    def _launch(self, na: int, ids: tuple, n: int, mark: int) -> None:
         qp = self.per_state * n
         if self.conv is not None:
-            self.bound((qp + self.conv_per_state * n, self.kb), src_rows, dst_slots, mark, n, qp)
+            self.launches.get(na)((qp + self.conv_per_state * n, self.kb), *ids, mark, n, qp)
         else:
-            self.bound((qp, self.kb), src_rows, dst_slots, mark, n)
+            self.launches.get(na)((qp, self.kb), *ids, mark, n)
 
 
 def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
@@ -654,17 +786,17 @@ class LoadPlan:
             return
         L, _, H, dv, dk = state.shape
         block_v, block_k = _tile(dv, dk, dst.device, _LOAD_TILE)
-        args = [qdata, scale, 0, state, 0, 0, H, dv, dk, *qdata.stride(), scale.stride(0), scale.stride(1),
-                scale.stride(2), scale.stride(4), *state.stride()]
+        args = [qdata, scale, 0, state, 0, 0, H, dv, dk, *[0] * PACKED, *qdata.stride(), scale.stride(0),
+                scale.stride(1), scale.stride(2), scale.stride(4), *state.stride()]
         meta = dict(BLOCK_V=block_v, BLOCK_K=block_k, KIND=_KIND[dst.dtype], EVEN=_even(dv, dk, block_v, block_k),
                     num_warps=_LOAD_WARPS)
         self.per_state, self.kb, self.conv_per_state = L * H, triton.cdiv(dk, block_k), 0
         if conv is not None:
             cargs, cblock, self.conv_per_state = _conv_args(conv[0], conv[1])
-            self.bound = launch.Bound(_load_with_conv_kernel, [*args, *cargs, 0], dict(CONV_BLOCK=cblock, **meta),
-                                      ("slots_ptr", "rows_ptr", "N", "QP"))
+            self.launches = _Launches(_load_with_conv_kernel, [*args, *cargs, 0], dict(CONV_BLOCK=cblock, **meta),
+                                      ("slots_ptr", "rows_ptr"), ("N", "QP"), ())
         else:
-            self.bound = launch.Bound(_dequantize_load_kernel, args, meta, ("slots_ptr", "rows_ptr", "N"))
+            self.launches = _Launches(_dequantize_load_kernel, args, meta, ("slots_ptr", "rows_ptr"), ("N",), ())
 
     def __call__(self, src_slots: torch.Tensor, dst_rows: torch.Tensor) -> None:
         n = src_slots.shape[0]
@@ -675,11 +807,23 @@ class LoadPlan:
             if self.conv is not None:
                 copy_rows_reference(self.conv[0], src_slots, self.conv[1], dst_rows)
             return
+        self._launch(0, (src_slots, dst_rows), n)
+
+    def packed(self, ids: tuple[int, ...], n: int) -> None:
+        """The load of ``n`` states given as ``pack_ids``' arguments (slots, rows)."""
+        if n == 0:
+            return
+        if self.ref:
+            self(*_unpack(ids, n, self.dst.device))
+            return
+        self._launch(_count(n), ids, n)
+
+    def _launch(self, na: int, ids: tuple, n: int) -> None:
         qp = self.per_state * n
         if self.conv is not None:
-            self.bound((qp + self.conv_per_state * n, self.kb), src_slots, dst_rows, n, qp)
+            self.launches.get(na)((qp + self.conv_per_state * n, self.kb), *ids, n, qp)
         else:
-            self.bound((qp, self.kb), src_slots, dst_rows, n)
+            self.launches.get(na)((qp, self.kb), *ids, n)
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
@@ -710,9 +854,9 @@ class CopyPlan:
         s, d, c, s_l, s_r, d_l, d_r, cb = cargs
         self.layers, self.cb = s.shape[0], cb
         mask = 0 if finite is None else _EXP_MASK.get(src.dtype, 0)
-        self.bound = launch.Bound(_copy_rows_kernel, [s, 0, d, 0, d if finite is None else finite, 0, 0, c, s_l,
-                                                      s_r, d_l, d_r, cb], dict(BLOCK=block, EXP_MASK=mask),
-                                  ("rows_ptr", "slots_ptr", "MARK", "N"), plain=("MARK",))
+        self.launches = _Launches(_copy_rows_kernel, [s, 0, d, 0, d if finite is None else finite, 0, 0, c, s_l, s_r,
+                                                      d_l, d_r, cb, *[0] * PACKED], dict(BLOCK=block, EXP_MASK=mask),
+                                  ("rows_ptr", "slots_ptr"), ("MARK", "N"), ("MARK",))
 
     def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, mark: int = 0) -> None:
         n = src_rows.shape[0]
@@ -723,4 +867,13 @@ class CopyPlan:
             copy_rows_reference(self.src, src_rows, self.dst, dst_rows, fin, mark)
             _flags_back(self.finite, fin)
             return
-        self.bound((self.layers * n, self.cb), src_rows, dst_rows, mark, n)
+        self.launches.get(0)((self.layers * n, self.cb), src_rows, dst_rows, mark, n)
+
+    def packed(self, ids: tuple[int, ...], n: int, mark: int = 0) -> None:
+        """The copy of ``n`` rows given as ``pack_ids``' arguments (source rows, destination rows)."""
+        if n == 0:
+            return
+        if self.ref:
+            self(*_unpack(ids, n, self.src.device), mark)
+            return
+        self.launches.get(_count(n))((self.layers * n, self.cb), *ids, mark, n)

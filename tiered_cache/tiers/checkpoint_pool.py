@@ -255,11 +255,11 @@ class Int8CheckpointPool:
         rows_t, slots_t = self._args.to_device(rows, slots)
         mark = self.flags.arm(slots)
         try:
-            t1_args.kernels_store(self, lay, rows_t, slots_t, mark)
+            t1_args.kernels_store(self, lay, rows_t, slots_t, mark, rows.size)
         finally:  # even after a launch that raised: the ids' buffer is guarded, the slots' flags awaited
-            # on the ring entry's event, recorded after the kernels and lent: never recorded again (None past
-            # the ring's width: the flags record their own)
-            self.flags.sent(slots, mark, self._args.sent(rows.size, lend=True))
+            # on the ring entry's event, recorded after the kernels and lent: never recorded again (None for
+            # ids passed as arguments or past the ring's width: the flags record their own)
+            self.flags.sent(slots, mark, self._args.sent(rows_t, lend=True))
 
     def load_to_active(self, ckpt_slots: IdsLike, side: ActiveLike, active_ids: IdsLike) -> None:
         """Hit: dequantize (or copy) checkpoints ``ckpt_slots`` into the T0 states ``active_ids``.
@@ -282,11 +282,11 @@ class Int8CheckpointPool:
         self.stats["load_bytes"] += rows.size * self.slot_bytes
         if rows.size == 0:
             return
-        rows_t, slots_t = self._args.to_device(rows, slots)
+        slots_t, rows_t = self._args.to_device(slots, rows)  # (source, destination): packed in that order
         try:
-            t1_args.kernels_load(self, lay, slots_t, rows_t)
+            t1_args.kernels_load(self, lay, slots_t, rows_t, rows.size)
         finally:  # the ids' buffer stays guarded until the launches that read it ran
-            self._args.sent(rows.size)
+            self._args.sent(slots_t)
 
     def __repr__(self) -> str:
         return (f"Int8CheckpointPool({self.codec}, {self.num_slots} slots x {self.slot_bytes} B = "

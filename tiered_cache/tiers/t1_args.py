@@ -21,7 +21,6 @@ Every check runs before the first launch: a bad argument raises and nothing is w
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -60,8 +59,7 @@ class Layout:
     what: str  # what the ids name, for errors: virtual ids of a side, or physical rows
     host: Optional[HostMoves] = None  # the moves on numpy views, where they apply (CPU: ``t1_host``)
     # the launches of each direction, bound to these views once (``quant.StorePlan`` ...), made on first use
-    plans: dict[str, list[Callable[..., None]]] = field(default_factory=dict, init=False, compare=False,
-                                                              repr=False)
+    plans: dict[str, list[Any]] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     rows: int = field(init=False, compare=False)  # the side's row count (what a physical row id must be below)
 
@@ -259,22 +257,28 @@ class CallArgs:
         return host
 
     def to_device(self, rows: np.ndarray, slots: np.ndarray) -> tuple[Any, Any]:
-        """Rows and slots on the pool's device in one non-blocking copy from page-locked memory (``launch.
-        IdRing``: no allocation per call; ``sent`` after the launches). On the CPU nothing is sent: the
-        checked arrays themselves (the numpy moves take them; ``ids_tensor`` wraps them for a torch launch
-        without a copy)."""
+        """Rows and slots for the launches: up to ``quant.PACKED`` of each as kernel arguments (``quant.pack_ids``:
+        ``(arguments, None)``, nothing copied); more on the pool's device in one non-blocking copy from
+        page-locked memory (``launch.IdRing``: no allocation per call; ``sent`` after the launches). On the
+        CPU nothing is sent: the checked arrays themselves (the numpy moves take them; ``ids_tensor`` wraps
+        them for a torch launch without a copy)."""
         n = rows.size
         if self._ring is None:
             return rows, slots
+        if n <= quant.PACKED:
+            packed = quant.pack_ids(rows.tolist(), slots.tolist())
+            if packed is not None:
+                return packed, None
         if n <= self._ring.width:
             return self._ring.send(rows, slots)
         both = dev.host_to_device(torch.from_numpy(np.concatenate([rows, slots])), self.pool.device)
         return both[:n], both[n:]
 
-    def sent(self, n: int, lend: bool = False) -> Any:
-        """After the launches of a move of ``n`` ids from ``to_device``: an event recorded after them, or
-        None (the CPU, or ids past the ring's width); ``lend``: the caller keeps it (``IdRing.done``)."""
-        if self._ring is not None and n <= self._ring.width:
+    def sent(self, given: Any, lend: bool = False) -> Any:
+        """After the launches of a move whose ids ``to_device`` gave as ``given`` (its first value): an event
+        recorded after them, or None (the CPU, ids passed as arguments, or ids past the ring's width);
+        ``lend``: the caller keeps it (``IdRing.done``)."""
+        if self._ring is not None and isinstance(given, torch.Tensor) and given.shape[0] <= self._ring.width:
             return self._ring.done(lend)
         return None
 
@@ -317,7 +321,7 @@ def ids_tensor(ids: Any) -> torch.Tensor:
     return torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
 
 
-def _plans(pool, lay: Layout, op: str) -> list[Callable[..., None]]:
+def _plans(pool, lay: Layout, op: str) -> list[Any]:
     """``lay``'s launches of a store or load, bound once: int8, the temporal state and the first conv window
     in one launch; lossless, one copy per field; any further conv window, one copy each. A store flags
     non-finite values in ``pool.flags`` (host memory on a GPU, which the kernels write through its mapping)."""
@@ -344,20 +348,28 @@ def _plans(pool, lay: Layout, op: str) -> list[Callable[..., None]]:
     return plans
 
 
-def kernels_store(pool, lay: Layout, rows: Any, slots: Any, mark: int) -> None:
-    """The launches of a store (all checked before; ``_plans``), ``rows`` and ``slots`` as
+def kernels_store(pool, lay: Layout, rows: Any, slots: Any, mark: int, n: int) -> None:
+    """The launches of a store of ``n`` states (all checked before; ``_plans``), ``rows`` and ``slots`` as
     ``CallArgs.to_device`` gives them; ``mark``: the store's (``FiniteFlags.arm``)."""
     if lay.host is not None and lay.host.store(rows, slots):
         return  # on the CPU, all finite: numpy did it (a NaN or an inf: the twins below, which flag it)
+    if slots is None:  # ids as kernel arguments (``CallArgs.to_device``)
+        for plan in _plans(pool, lay, "store"):
+            plan.packed(rows, n, mark)
+        return
     rows, slots = ids_tensor(rows), ids_tensor(slots)
     for plan in _plans(pool, lay, "store"):
         plan(rows, slots, mark)
 
 
-def kernels_load(pool, lay: Layout, slots: Any, rows: Any) -> None:
+def kernels_load(pool, lay: Layout, slots: Any, rows: Any, n: int) -> None:
     """The launches of a load, as ``kernels_store``'s."""
     if lay.host is not None:
         lay.host.load(slots, rows)
+        return
+    if rows is None:  # ids as kernel arguments (``CallArgs.to_device(slots, rows)``)
+        for plan in _plans(pool, lay, "load"):
+            plan.packed(slots, n)
         return
     slots, rows = ids_tensor(slots), ids_tensor(rows)
     for plan in _plans(pool, lay, "load"):
