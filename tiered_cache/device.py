@@ -110,6 +110,25 @@ def new_event(device: Device):
     return NullEvent()
 
 
+_STREAMS: dict[tuple[int, int], Any] = {}  # (device index, raw handle) -> a torch stream object of that stream
+
+
+def record_current(event, device: torch.device) -> None:
+    """``event.record()`` on ``device``'s current stream (a ``torch.device``; no index: the current device), at a
+    fraction of the host time: ``torch.cuda.current_stream`` builds a stream object each call (about 9 us on the
+    H200 machine, 2026-12-02, as much as the rest of a T1 store's bookkeeping), so the object is kept per raw
+    stream handle, which names one CUDA stream (a handle's object records on that stream whoever made it)."""
+    if device.type != "cuda":
+        event.record()
+        return
+    idx = device.index if device.index is not None else torch._C._cuda_getDevice()
+    key = (idx, torch._C._cuda_getCurrentRawStream(idx))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.current_stream(idx)
+    event.record(stream)
+
+
 @contextlib.contextmanager
 def use_stream(stream) -> Iterator[None]:
     """Make ``stream`` current inside the block (no-op for a ``NullStream``)."""

@@ -165,3 +165,61 @@ def test_an_owner_that_never_polls_keeps_a_bounded_list(generic):
         last.update((s, s not in bad) for s in slots)
         assert len(f._pending) <= 2 * CAP
     assert f.poll() == last
+
+
+def test_a_reported_stores_event_is_recorded_again_and_one_in_flight_never(monkeypatch):
+    """The events the flags record themselves come back once their store is reported (fired, held by no one else)
+    and are recorded for later stores; an event still in flight is never taken; the spares stay bounded."""
+    from tiered_cache import device as dev
+    from tiered_cache.tiers import finite_flags
+
+    made: list[SlowEvent] = []
+
+    def new_event(device: object) -> SlowEvent:
+        made.append(SlowEvent())
+        return made[-1]
+
+    monkeypatch.setattr(dev, "new_event", new_event)
+    monkeypatch.setattr(dev, "record_current", lambda event, device: setattr(event, "done", False))  # in flight
+    f = FiniteFlags(CAP, torch.device("cpu"))
+    f._cpu = False
+    store(f, [1], set())
+    store(f, [2], set())
+    assert len(made) == 2
+    made[0].done = True
+    assert f.poll() == {1: True}  # the second store's event has not fired: it stays pending, and is not spare
+    store(f, [3], {3})
+    assert len(made) == 2 and f._pending[-1][0] is made[0]  # the reported store's event, recorded again
+    store(f, [4], set())
+    assert len(made) == 3 and made[2] is not made[1]  # none spare: a new one (the one in flight not taken)
+    for e in made:
+        e.done = True
+    assert f.poll() == {2: True, 3: False, 4: True}
+    monkeypatch.setattr(finite_flags, "_SPARE", 2)
+    for s in (5, 6, 7, 8):
+        store(f, [s], set())
+    for e in made:
+        e.done = True
+    f.poll()
+    assert len(f._spare) <= 2
+
+
+@pytest.mark.gpu
+def test_gpu_record_current_records_on_the_current_stream():
+    """``device.record_current`` (the flags' and the id ring's event record) records on the stream current at the
+    call, a side stream's as the default's: behind a long sleep queued on the side stream, not on the idle default."""
+    from tiered_cache import device as dev
+
+    cuda = torch.device("cuda")
+    side, ev = torch.cuda.Stream(), torch.cuda.Event()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time, on the side stream only
+        dev.record_current(ev, cuda)
+    torch.cuda.current_stream().synchronize()  # the default stream has nothing queued
+    assert not ev.query()  # behind the side stream's sleep
+    ev.synchronize()
+    assert (torch.cuda.current_device(), side.cuda_stream) in dev._STREAMS
+    ev2 = torch.cuda.Event()
+    dev.record_current(ev2, cuda)  # the default stream again
+    ev2.synchronize()
+    assert ev2.query()

@@ -266,7 +266,7 @@ class IdRing:
         e = self._ring[self._i]
         if e.lent:
             e.event = dev.new_event(self.device)
-        e.event.record()
+        dev.record_current(e.event, self.device)
         e.lent = lend
         self._i = (self._i + 1) % len(self._ring)
         return e.event

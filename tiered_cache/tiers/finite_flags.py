@@ -34,6 +34,8 @@ import torch
 from tiered_cache import device as dev
 from tiered_cache.validate import int_list
 
+_SPARE = 64  # fired events kept for reuse (an event made and destroyed a store costs host time)
+
 
 class FiniteFlags:
     """The flags of ``capacity`` slots for a pool on ``device``: ``flags[s]`` holds the mark of the last
@@ -52,6 +54,7 @@ class FiniteFlags:
         # Stores not yet reported, oldest first: (event after their kernels or None on the CPU, mark, slots).
         # A slot counts in the newest of them only (``_expect``), and in none once reported or freed.
         self._pending: list[tuple[Any, int, np.ndarray]] = []
+        self._spare: list[Any] = []  # events of reported stores (fired, held by nobody else): recorded again
 
     def arm(self, slots: Any) -> int:
         """Before a store into ``slots`` (a host int64 array, or a CPU tensor): the store's mark, which its
@@ -67,8 +70,8 @@ class FiniteFlags:
         slots = np.array(slots, dtype=np.int64)
         self._open[slots] = True
         if not self._cpu and event is None:
-            event = dev.new_event(self.device)
-            event.record(dev.current_stream(self.device))
+            event = self._spare.pop() if self._spare else dev.new_event(self.device)
+            dev.record_current(event, self.device)
         pending = self._pending
         pending.append((None if self._cpu else event, mark, slots))
         if len(pending) > 2 * self._open.size:  # never polled: drop the stores no slot counts in any more (at
@@ -91,6 +94,8 @@ class FiniteFlags:
                     break
                 event.synchronize()  # waits for this store only
             done += 1
+            if event is not None and len(self._spare) < _SPARE:  # fired: every event here is this object's
+                self._spare.append(event)
             live = slots[open_[slots] & (expect[slots] == mark)]
             if live.size:
                 open_[live] = False
