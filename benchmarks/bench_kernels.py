@@ -81,29 +81,34 @@ def time_ms(fn: Callable[[], None], device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_case(dt_name: str, n: int, shape: dict[str, int], device: torch.device, reps: int) -> dict[str, float]:
+def bench_case(dt_name: str, n: int, shape: dict[str, int], device: torch.device, reps: int,
+               value_axis: int = 1) -> dict[str, float]:
+    """The kernels called directly on ``n`` states (``value_axis`` 2: states stored ``[H, d_k, d_v]``, the value
+    axis innermost, as the engine path's Qwen3-Next layout; its keys end in ``_va2``)."""
     dtype = DTYPES[dt_name]
     L, H, dv, dk = shape["layers"], shape["heads"], shape["dv"], shape["dk"]
     gen = torch.Generator(device="cpu").manual_seed(n)
     rows_total = 2 * n
     # T0-like source: slot-major storage [R, L, H, d_v, d_k] seen as [L, R, ...] (strided like a pool view).
-    src = torch.randn((rows_total, L, H, dv, dk), device=device, dtype=dtype).transpose(0, 1)
+    inner = (H, dv, dk) if value_axis == 1 else (H, dk, dv)
+    src = torch.randn((rows_total, L, *inner), device=device, dtype=dtype).transpose(0, 1)
     dst = torch.empty_like(src.transpose(0, 1)).transpose(0, 1)
     rows = torch.randperm(rows_total, generator=gen)[:n].to(device)
-    spec = StateSpec(L, (H, dv, dk), dtype)
+    spec = StateSpec(L, inner, dtype, value_axis=value_axis)
+    va = value_axis
     pool = Int8CheckpointPool(spec, n, device)
     slots = pool.alloc(n)[torch.randperm(n, generator=gen).to(device)]
     q, s = pool.qdata, pool.scale
 
     # Correctness before timing: bit-exact against the reference on the very tensors timed below.
     q_ref, s_ref = torch.empty_like(q), torch.empty_like(s)
-    quant.quantize_store(src, rows, q, s, slots, backend="triton")
-    quantize_store_reference(src, rows, q_ref, s_ref, slots)
+    quant.quantize_store(src, rows, q, s, slots, va, backend="triton")
+    quantize_store_reference(src, rows, q_ref, s_ref, slots, va)
     assert torch.equal(q[:, slots], q_ref[:, slots]) and torch.equal(s[:, slots], s_ref[:, slots]), "store mismatch"
     dst.fill_(float("nan"))
-    quant.dequantize_load(q, s, slots, dst, rows, backend="triton")
+    quant.dequantize_load(q, s, slots, dst, rows, va, backend="triton")
     want = torch.empty_like(dst)
-    dequantize_load_reference(q_ref, s_ref, slots, want, rows)
+    dequantize_load_reference(q_ref, s_ref, slots, want, rows, va)
     assert torch.equal(dst[:, rows], want[:, rows]), "load mismatch"
     del q_ref, s_ref, want
 
@@ -113,22 +118,23 @@ def bench_case(dt_name: str, n: int, shape: dict[str, int], device: torch.device
     copy_a = torch.empty(moved // 2, dtype=torch.uint8, device=device)
     copy_b = torch.empty_like(copy_a)
     ms = {
-        "store": time_ms(lambda: quant.quantize_store(src, rows, q, s, slots, backend="triton", check_ids=False),
+        "store": time_ms(lambda: quant.quantize_store(src, rows, q, s, slots, va, backend="triton", check_ids=False),
                          device, reps),
-        "load": time_ms(lambda: quant.dequantize_load(q, s, slots, dst, rows, backend="triton", check_ids=False),
+        "load": time_ms(lambda: quant.dequantize_load(q, s, slots, dst, rows, va, backend="triton", check_ids=False),
                         device, reps),
-        "store_torch": time_ms(lambda: quantize_store_reference(src, rows, q, s, slots), device, reps),
-        "load_torch": time_ms(lambda: dequantize_load_reference(q, s, slots, dst, rows), device, reps),
+        "store_torch": time_ms(lambda: quantize_store_reference(src, rows, q, s, slots, va), device, reps),
+        "load_torch": time_ms(lambda: dequantize_load_reference(q, s, slots, dst, rows, va), device, reps),
         "copy": time_ms(lambda: copy_b.copy_(copy_a), device, reps),
     }
     copy_gbps = 2 * copy_a.numel() / ms["copy"] / 1e6
-    out: dict[str, float] = {f"copy_{dt_name}_{n}_GBps": copy_gbps}
+    c = f"{n}_va2" if value_axis == 2 else f"{n}"
+    out: dict[str, float] = {f"copy_{dt_name}_{c}_GBps": copy_gbps}
     for op in ("store", "load"):
         gbps, torch_gbps = moved / ms[op] / 1e6, moved / ms[f"{op}_torch"] / 1e6
         out.update({
-            f"{op}_{dt_name}_{n}_ms": ms[op], f"{op}_{dt_name}_{n}_GBps": gbps,
-            f"{op}_{dt_name}_{n}_torch_ms": ms[f"{op}_torch"], f"{op}_{dt_name}_{n}_torch_GBps": torch_gbps,
-            f"{op}_{dt_name}_{n}_vs_torch": gbps / torch_gbps, f"{op}_{dt_name}_{n}_vs_copy": gbps / copy_gbps,
+            f"{op}_{dt_name}_{c}_ms": ms[op], f"{op}_{dt_name}_{c}_GBps": gbps,
+            f"{op}_{dt_name}_{c}_torch_ms": ms[f"{op}_torch"], f"{op}_{dt_name}_{c}_torch_GBps": torch_gbps,
+            f"{op}_{dt_name}_{c}_vs_torch": gbps / torch_gbps, f"{op}_{dt_name}_{c}_vs_copy": gbps / copy_gbps,
         })
     return out
 
@@ -479,7 +485,7 @@ def write_results(out_dir: Path, record: dict, dtypes: list[str], states: list[i
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for dt in dtypes:
-        for n in states:
+        for n in [*states, *(f"{x}_va2" for x in states)]:
             for op in ("store", "load"):
                 p = f"{op}_{dt}_{n}"
                 lines.append(f"| {op} | {dt} | {n} | {m[p + '_ms']:.3f} | {m[p + '_GBps']:.0f} | "
@@ -527,11 +533,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if "kernels" in args.parts:
         for dt in args.dtypes:
             for n in states:
-                got = bench_case(dt, n, shape, device, args.reps)
-                metrics.update(got)
-                progress(f"kernels {dt} {n}", got)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()  # the case's GBs are garbage now: give them back before the next
+                for va in (1, 2):  # the value axis outer (the kernels' own layout), and innermost (the engine's)
+                    got = bench_case(dt, n, shape, device, args.reps, va)
+                    metrics.update(got)
+                    progress(f"kernels {dt} {n}{'' if va == 1 else ' va2'}", got)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()  # the case's GBs are garbage now: give them back before the next
     if device.type == "cuda" and not args.small:
         if "api" in args.parts:
             for dt in args.dtypes:
@@ -550,6 +557,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             for op in ("store", "load"):
                 for what in ("GBps", "vs_torch", "vs_copy"):
                     named[f"{op}_{dt}_{what}"] = min(metrics[f"{op}_{dt}_{n}_{what}"] for n in states)
+                    named[f"{op}_{dt}_va2_{what}"] = min(metrics[f"{op}_{dt}_{n}_va2_{what}"] for n in states)
     if any(k.startswith("api_") for k in metrics):
         for dt in args.dtypes:
             for n in (1, 4, 16, 64):
@@ -579,10 +587,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     stem = write_results(args.out, record, args.dtypes, states if "kernels" in args.parts else [])
     print(f"{'op':6} {'dtype':5} {'states':>6} {'GB/s':>8} {'torch':>8} {'copy':>8} {'x torch':>8} {'x copy':>7}")
     for dt in args.dtypes:
-        for n in states if "kernels" in args.parts else []:
+        for n in [*states, *(f"{x}_va2" for x in states)] if "kernels" in args.parts else []:
             for op in ("store", "load"):
                 p = f"{op}_{dt}_{n}"
-                print(f"{op:6} {dt:5} {n:>6} {metrics[p + '_GBps']:8.0f} {metrics[p + '_torch_GBps']:8.0f} "
+                print(f"{op:6} {dt:5} {n:>7} {metrics[p + '_GBps']:8.0f} {metrics[p + '_torch_GBps']:8.0f} "
                       f"{metrics[f'copy_{dt}_{n}_GBps']:8.0f} {metrics[p + '_vs_torch']:8.2f} "
                       f"{metrics[p + '_vs_copy']:7.3f}")
     print(f"states per GiB, int8 vs fp32: {metrics['states_per_GiB_int8_vs_fp32']:.2f}x "
