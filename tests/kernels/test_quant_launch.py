@@ -102,6 +102,25 @@ def test_a_plain_varying_int_keeps_its_class(compiled_mode):
     assert [e[4][2] for e in k.log[1:]] == [2, 16, 17]
 
 
+def test_fixed_varying_ints_are_passed_without_keying_and_must_be_plain(compiled_mode):
+    """``fixed``: leading plain ints whose class the caller guarantees (``quant.pack_ids``' arguments) go into the
+    launch as they are and do not take part in the class: the second call is bound whatever they hold."""
+    k = FakeKernel(accept={5})
+    ids = torch.zeros(8, dtype=torch.int64)
+    b = launch.Bound(k, [None, None, 0], dict(BLOCK=8), ("x", "a_ptr", "N"), plain=("x",), fixed=1)
+    b((3,), 1 << 62, ids[:3], 3)
+    b((3,), (1 << 62) | 5, ids[:3], 3)
+    assert [e[0] for e in k.log] == ["ordinary", "fast"]
+    assert k.log[1][4][:3] == (ids.data_ptr(), 3, (1 << 62) | 5)  # in signature order: a_ptr, N, x
+    with pytest.raises(ValueError):
+        launch.Bound(k, [None, None, 0], dict(BLOCK=8), ("N", "x"), plain=("x",), fixed=1)
+
+
+def test_runs_group_neighbouring_positions():
+    assert launch._runs((11, 12, 13, 6, 7, 30)) == ((11, 0, 3), (6, 3, 2), (30, 5, 1))
+    assert launch._runs(()) == ()
+
+
 def test_bound_takes_the_list_without_constexprs_where_the_launcher_wants_it(compiled_mode):
     k = FakeKernel(accept={3})  # a Triton that does not pass constexprs to its launcher
     ids = torch.zeros(8, dtype=torch.int64)

@@ -107,16 +107,31 @@ def _driver_getters() -> tuple[Any, Any]:
     """Triton's current-stream and current-device functions: the stream every ordinary launch goes to."""
     from triton.runtime import driver
 
-    return driver.active.get_current_stream, driver.active.get_current_device
+    stream, device = driver.active.get_current_stream, driver.active.get_current_device
+    if device is torch.cuda.current_device:  # its Python wrapper (lazy init, a check) costs more than the read
+        device = torch._C._cuda_getDevice
+    return stream, device
+
+
+def _runs(idx: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """The positions ``idx[j]`` of the varying values in an argument list as runs ``(position, j, length)`` of
+    neighbours (value ``j`` at ``position``, ``j + 1`` at ``position + 1`` ...): a run is one slice assignment."""
+    runs: list[list[int]] = []
+    for j, i in enumerate(idx):
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == j:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, j, 1])
+    return tuple((i, j, n) for i, j, n in runs)
 
 
 class _Fast:
     """A compiled kernel and its argument lists (all parameters, and without the constexprs), the varying
-    positions marked; ``lists`` narrows to the one its launcher took."""
+    positions as ``_runs``; ``lists`` narrows to the one its launcher took."""
 
     __slots__ = ("run", "function", "packed", "lists")
 
-    def __init__(self, compiled: Any, lists: list[tuple[list, tuple[int, ...]]]) -> None:
+    def __init__(self, compiled: Any, lists: list[tuple[list, tuple[tuple[int, int, int], ...]]]) -> None:
         self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
         self.lists = lists
 
@@ -127,16 +142,21 @@ class Bound:
 
     ``args``: the positional arguments (any value at the varying positions: it is never used);
     ``meta``: keyword arguments, constexprs and launch options (``num_warps``) alike; ``plain``: the varying
-    ints the kernel declares ``do_not_specialize`` (a per-call counter would otherwise split into classes).
-    Compiled kernels are kept per ``launch_key`` (the current device and the values' classes)."""
+    ints the kernel declares ``do_not_specialize`` (a per-call counter would otherwise split into classes);
+    ``fixed``: leading varying ints, all ``plain``, whose class the caller guarantees never changes (each call
+    gives them in one range class: ``quant.pack_ids``' arguments): passed as they are, not keyed each call.
+    Compiled kernels are kept per ``launch_key`` (the current device and the other values' classes)."""
 
     def __init__(self, kernel: Any, args: Sequence[Any], meta: dict[str, Any], vary: Sequence[str],
-                 plain: Sequence[str] = ()) -> None:
+                 plain: Sequence[str] = (), fixed: int = 0) -> None:
         self.kernel, self.args, self.meta = kernel, list(args), dict(meta)
         self.names = param_names(kernel)
         self.vary = tuple(self.names.index(v) for v in vary)
         # varying ints the kernel does not specialize on (``do_not_specialize``): their class is their range
         self.plain = tuple(v in plain for v in vary)
+        if not all(self.plain[:fixed]):
+            raise ValueError("fixed varying arguments must be plain")
+        self.fixed = fixed
         self._classes: dict[tuple, Any] = {}
         ordinary = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TIERED_CACHE_ORDINARY_LAUNCHES") == "1"
         self._off = ordinary or not hasattr(kernel, "warmup")  # no compiled kernel to bind (or asked not to)
@@ -160,7 +180,12 @@ class Bound:
         if self._device is None:
             self._stream, self._device = _driver_getters()
         device = self._device()
-        vals, key = launch_key(device, values, self.plain)
+        f = self.fixed
+        if f:  # the fixed values' class is the first call's, whatever they are now
+            vals, key = launch_key(device, values[f:], self.plain[f:])
+            vals = [*values[:f], *vals]
+        else:
+            vals, key = launch_key(device, values, self.plain)
         fast = self._classes.get(key)
         if fast is None or fast is _ORDINARY:
             compiled = self._ordinary(grid, values)
@@ -171,10 +196,10 @@ class Bound:
         g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
         stream = self._stream(device)
         while True:
-            template, idx = fast.lists[0]
+            template, runs = fast.lists[0]
             a = template.copy()
-            for i, v in zip(idx, vals):
-                a[i] = v
+            for i, j, n in runs:  # the varying values, a run of neighbouring parameters at a time
+                a[i:i + n] = vals[j:j + n]
             try:
                 fast.run(g0, g1, g2, stream, fast.function, fast.packed, None, None, None, *a)
             except (TypeError, ValueError):  # raised while parsing the arguments, before any launch
@@ -207,11 +232,11 @@ class Bound:
             full.append(v.data_ptr() if isinstance(v, torch.Tensor) else v)
         constexpr = [i for i, p in enumerate(self.kernel.params) if p.is_constexpr]
         keep = [i for i in range(len(full)) if i not in constexpr]
-        lists = [(full, self.vary)]
+        lists = [(full, _runs(self.vary))]
         if constexpr:
             if any(i in constexpr for i in self.vary):
                 return _ORDINARY
-            lists.append(([full[i] for i in keep], tuple(keep.index(i) for i in self.vary)))
+            lists.append(([full[i] for i in keep], _runs(tuple(keep.index(i) for i in self.vary))))
         return _Fast(compiled, lists)
 
 

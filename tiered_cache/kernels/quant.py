@@ -73,6 +73,7 @@ PACKED = 16
 _PACK_MARK = 1 << 62
 _ID_LIMIT = 1 << 31
 _PACK_COUNTS = (1, 2, 4, 8, 16)  # the compiled argument counts: a call of n states uses the least >= n
+_MARKS = [(_PACK_MARK,) * (PACKED - n) for n in range(PACKED + 1)]  # the unused arguments after n pairs
 _PARAMS = [f"P{i}" for i in range(PACKED)]  # the kernels' packed-id parameters, which never specialize
 _NO_SPEC_MARK = [*_PARAMS, "MARK"]
 
@@ -82,9 +83,14 @@ def pack_ids(src: list[int], dst: list[int]) -> Optional[tuple[int, ...]]:
     caller), or None where the move does not fit them (more than ``PACKED`` ids, or an id ``>= 2**31``). The
     arguments past ``len(src)`` repeat the marker: a kernel never reads them (they are past its ``N``)."""
     n = len(src)
-    if n > PACKED or (n and max(max(src), max(dst)) >= _ID_LIMIT):
+    if n > PACKED:
         return None
-    return tuple([_PACK_MARK | (a << 31) | b for a, b in zip(src, dst)] + [_PACK_MARK] * (PACKED - n))
+    if n == 1:  # the commonest move (an engine checkpoints a state or two a step): no loop
+        a, b = src[0], dst[0]
+        return None if a >= _ID_LIMIT or b >= _ID_LIMIT else (_PACK_MARK | a << 31 | b, *_MARKS[1])
+    if n and max(max(src), max(dst)) >= _ID_LIMIT:
+        return None
+    return (*[_PACK_MARK | a << 31 | b for a, b in zip(src, dst)], *_MARKS[n])
 
 
 def _unpack(ids: tuple[int, ...], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +127,12 @@ class _Launches:
             if na:  # the id pointers are not read: bound to one small tensor (one class, whatever the call)
                 for name in self.ids:
                     args[names.index(name)] = self.args[0]
-                vary, plain = (*_PARAMS, *self.tail), (*_PARAMS, *self.plain)
+                vary, plain, fixed = (*_PARAMS, *self.tail), (*_PARAMS, *self.plain), PACKED
             else:
-                vary, plain = (*self.ids, *self.tail), self.plain
-            b = self.by_count[na] = launch.Bound(self.kernel, args, {**self.meta, "NA": na}, vary, plain=plain)
+                vary, plain, fixed = (*self.ids, *self.tail), self.plain, 0
+            # pack_ids' values are all in the 64-bit class: never keyed per call (``launch.Bound``'s fixed)
+            b = self.by_count[na] = launch.Bound(self.kernel, args, {**self.meta, "NA": na}, vary, plain=plain,
+                                                 fixed=fixed)
         return b
 
 
