@@ -23,7 +23,8 @@ bf16 rounding is done on the bits because the interpreter truncates; there value
 float -> int8 cast, which wraps otherwise. Triton's ``/`` on fp32 is the approximate ``div.full.f32`` on
 NVIDIA GPUs, and the int8 codes must be bit-exact with IEEE ``x / scale``: the scale's ``amax / 127`` and
 ``x / scale`` are ``div_rn`` in the interpreter and correctly rounded multiply-and-correct steps on the GPU
-(``_div127``, the store kernel).
+(``_div127``, ``_quotients``); bf16 states, whose 8-bit significands leave room, take cheaper steps there
+that give the same scales and codes, checked exhaustively (``_scale_of``, ``_reciprocal``, ``_quotients``).
 """
 
 from __future__ import annotations
@@ -138,9 +139,25 @@ class _Launches:
 
 
 @triton.jit
-def _round_to_dtype(x, KIND: tl.constexpr):
-    """fp32 -> the nearest value of the state dtype (ties to even), still held in fp32."""
-    if KIND == 1:
+def _to_fp32(x, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
+    """Loaded states -> fp32. bf16 on the GPU: a pair of bf16 in one 32-bit register becomes two fp32 by one
+    shift (the low half) and one mask (the high half), where the compiler's widening spends a byte permute
+    and a shift on the high half."""
+    if FMA_DIV and KIND == 1:
+        x = tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                      dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _round_to_dtype(x, KIND: tl.constexpr, CVT: tl.constexpr = False):
+    """fp32 -> the nearest value of the state dtype (ties to even), still held in fp32. ``CVT`` (GPU only):
+    the hardware's conversion (``cvt.rn``), one instruction; the interpreter's cast truncates."""
+    if CVT and KIND != 0:
+        x = x.to(tl.bfloat16 if KIND == 1 else tl.float16).to(tl.float32)
+    elif KIND == 1:
         # bf16 is the top 16 bits of fp32: add half an ulp (plus the tie-to-even bit) and truncate.
         b = x.to(tl.uint32, bitcast=True)
         b = b + 0x7FFF + ((b >> 16) & 1)
@@ -170,13 +187,81 @@ def _div127(amax, FMA_DIV: tl.constexpr):
 
 
 @triton.jit
+def _scale_of(amax, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
+    """A channel's scale: ``amax / 127`` correctly rounded (``_div127``), rounded to the state dtype, in fp32.
+    bf16 states on the GPU: ``amax`` is a bf16 value (the largest ``|x|``) or the 1e-8 floor, and for every
+    one of those (19,797) ``bf16(RN(amax * RN(1/127)))`` is ``bf16(RN(amax / 127))``
+    (tests/kernels/test_bf16_codes.py checks them all): one multiply instead of the multiply and two fmas."""
+    if FMA_DIV and KIND == 1:
+        q = amax * _RCP_127
+    else:
+        q = _div127(amax, FMA_DIV)
+    return _round_to_dtype(q, KIND, FMA_DIV)
+
+
+@triton.jit
+def _reciprocal(scale, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
+    """Per k-channel: what ``_quotients`` multiplies by, ``(hi, lo)``. fp32 and fp16 states on the GPU: ``hi =
+    RN(1 / scale)`` (``div_rn``), ``lo`` unused. bf16 states on the GPU: ``hi`` the hardware's approximate
+    reciprocal (``rcp.approx``, within 1 ulp) and ``lo = RN(fma(-scale, hi, 1) * hi)``, the rest of ``1 /
+    scale``: ``hi + lo`` is ``1 / scale`` to ~2**-46, and ``div_rn``'s range check and slow-path branch, the
+    costliest per-channel step, are gone (the scale is a normal number: ``amax >= 1e-8``)."""
+    if not FMA_DIV:  # the interpreter divides (``_quotients``)
+        hi = scale
+        lo = scale
+    elif KIND == 1:
+        hi = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [scale], dtype=tl.float32,
+                                       is_pure=True, pack=1)
+        lo = tl.fma(-scale, hi, 1.0) * hi
+    else:
+        hi = tl.math.div_rn(1.0, scale)
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _quotients(x, scale, hi, lo, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
+    """``x / scale`` for ``_codes``: ``x [rows, BLOCK_K]``, the per-channel ``scale`` and ``(hi, lo)`` (from
+    ``_reciprocal``) ``[BLOCK_K]``.
+
+    - fp32 and fp16 states on the GPU: ``RN(x / scale)`` without a per-element division (Markstein): with
+      ``hi = RN(1/s)`` and ``q0 = RN(x * hi)`` within an ulp, ``q0 + hi * fma(-q0, s, x)`` rounds to ``RN(x /
+      s)``: the store runs ~1.5x faster on an H200 and stays bit-exact (checked on 4e8 random and near-tie
+      cases against IEEE division, and by the GPU tests).
+    - bf16 states on the GPU: ``fma(x, hi, RN(x * lo))``, one multiply and one fma, not always ``RN(x / s)``
+      but always the same code. x and s have 8 significant bits, so ``x / s`` is a half-integer exactly
+      (a tie) or at least 2**-11 from every half-integer where ``|x / s| <= 128``; before its one rounding
+      the two-float product is within 2**-35 of ``x / s``, so it lands on the tie exactly and, elsewhere,
+      on the same side as IEEE division (ulp 2**-16 at 128). Checked exhaustively by the steps of
+      tests/kernels/test_bf16_codes.py: every bf16 ``amax >= 1e-8``, every bf16 ``x`` with ``|x| <= amax``
+      (9.0e8 pairs), every ``hi`` within 3 ulps of ``RN(1 / s)``: no code differs from ``rint(RN(x / s))``;
+      with ``lo = 0`` (the product alone) 2,170 ties differ. It needs subnormals kept: ``lo`` is subnormal
+      for scales above ~2**103, and flushed, ties of amaxes above ~1e33 differ. Triton's fp32 multiply and
+      fma keep them (sm_90's FMUL / FFMA here carry no ``.FTZ``); the GPU test stores such amaxes.
+    - The interpreter, which has no exact fma (numpy), divides."""
+    scale = tl.broadcast_to(scale[None, :], x.shape)
+    hi = tl.broadcast_to(hi[None, :], x.shape)
+    lo = tl.broadcast_to(lo[None, :], x.shape)
+    if FMA_DIV:
+        if KIND == 1:
+            y = tl.fma(x, hi, x * lo)
+        else:
+            q0 = x * hi
+            y = tl.fma(tl.fma(-q0, scale, x), hi, q0)
+    else:
+        y = tl.math.div_rn(x, scale)
+    return y
+
+
+@triton.jit
 def _codes(y, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
     """``x / scale`` (``y``) -> its int8 code: rounded half to even within +-127 (clamped where it could
     pass them, see below; clamping first gives the same codes as rounding first: both bounds are integers
     and rounding is monotone). On the GPU
     (``FMA_DIV``) one ``cvt.rni`` rounds and converts; the interpreter, which lacks it, adds and subtracts
     ``1.5 * 2**23`` (exact for ``|y| < 2**22``) and converts the integral value. fp32 and bf16 states skip the
-    clamp on the GPU: there ``y = RN(x / scale)`` (correctly rounded) and the scale is ``amax / 127`` rounded to
+    clamp on the GPU: there ``y = RN(x / scale)`` (correctly rounded; bf16: within an ulp of ``x / scale``,
+    see ``_quotients``) and the scale is ``amax / 127`` rounded to
     nearest in fp32 or bf16 (24 or 8 significant bits: never a subnormal above the 1e-8 amax floor), so
     ``|y| <= 127 / (1 - 2**-8) = 127.498...``, which rounds to 127. An fp16 scale can be subnormal (11 bits
     at most, fewer below 2**-14), so ``|y|`` can pass 127.5 there and keeps the clamp."""
@@ -237,9 +322,29 @@ def _pair(n, src_ids_ptr, dst_ids_ptr,
 
 
 @triton.jit
+def _non_finite(amax):
+    """Whether a NaN-keeping amax ``[BLOCK_K]`` (each ``>= 0`` or NaN, the NaN's sign bit clear: it comes
+    from ``|x|``) holds a NaN or an inf: its largest bit pattern as an int32 reaches the exponent mask. One
+    integer max over the block (a warp's is one ``redux`` on sm_90), where a per-channel ``amax - amax != 0``
+    took three instructions a channel, repeated by every thread that shares the channel."""
+    return tl.max(amax.to(tl.int32, bitcast=True), axis=0) >= 0x7F800000
+
+
+@triton.jit
 def _mark(MARK, fin_ptr):
     """The value a non-finite store writes into its slot's flag: ``MARK`` in the flags' dtype."""
     return (tl.zeros((), dtype=tl.int64) + MARK).to(fin_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _head_state_layer(H, N):
+    """Program ``(layer * N + n) * H + h`` of axis 0 -> ``(h, n, layer)``, int64 for the address math: two
+    unsigned 32-bit divisions (axis 0 has fewer than 2**31 programs), where ``%`` and ``//`` on int64 took
+    three signed ones (~20 instructions each, once per program)."""
+    pid = tl.program_id(0).to(tl.uint32)
+    t = pid // H.to(tl.uint32)
+    layer = t // N.to(tl.uint32)
+    return (pid - t * H).to(tl.int64), (t - layer * N).to(tl.int64), layer.to(tl.int64)
 
 
 @triton.jit(do_not_specialize=_NO_SPEC_MARK)
@@ -252,10 +357,7 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
                            MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr,
                            FLAG: tl.constexpr, NA: tl.constexpr):
     # Heads innermost: neighbouring programs read neighbouring bytes of one state's envelope.
-    pid = tl.program_id(0).to(tl.int64)
-    h = pid % H
-    n = (pid // H) % N
-    layer = pid // (H * N)
+    h, n, layer = _head_state_layer(H, N)
     row, slot = _pair(n, rows_ptr, slots_ptr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA)
     offs_v = tl.arange(0, BLOCK_V)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -265,33 +367,23 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
     # Upcast right after the load: all math in fp32 (bf16 arithmetic is wrong in the interpreter).
     src = src + offs_v[:, None] * s_v + offs_k[None, :] * s_k
     if EVEN:  # the tile covers d_v and divides d_k: no masks, so every access is a full-width vector
-        x = tl.load(src).to(tl.float32)
+        x = _to_fp32(tl.load(src), FMA_DIV, KIND)
     else:
-        x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x = _to_fp32(tl.load(src, mask=mask, other=0.0), FMA_DIV, KIND)
     if FLAG:
-        # A NaN-keeping amax: a NaN or inf anywhere in a column shows in the column's amax (``amax - amax``
-        # is NaN), so the check is one per column, not one per element (that cost ~14 % of the store's
+        # A NaN-keeping amax: a NaN or inf anywhere in a column shows in the column's amax, so the check is
+        # one per block of columns (``_non_finite``), not one per element (that cost ~14 % of the store's
         # instructions on sm_90). A flagged slot's codes are not the twin's; a finite slot's are.
         amax = tl.reduce(tl.abs(x), 0, _max_nan)
-        bad = tl.max(((amax - amax) != 0.0).to(tl.int32), axis=0)
-        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=bad > 0)
+        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=_non_finite(amax))
         amax = tl.maximum(amax, 1e-8)
     else:
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
-    scale = _round_to_dtype(_div127(amax, FMA_DIV), KIND)
+    scale = _scale_of(amax, FMA_DIV, KIND)
     if MIN_SCALE > 0.0:
         scale = tl.maximum(scale, MIN_SCALE)
-    if FMA_DIV:
-        # x / scale correctly rounded without a per-element division (Markstein): with r = RN(1/s)
-        # and q0 = RN(x * r) within an ulp, q0 + r * fma(-q0, s, x) rounds to RN(x / s). One div_rn per
-        # k-channel instead of per element: the store runs ~1.5x faster on an H200 and stays bit-exact
-        # (checked on 4e8 random and near-tie cases against IEEE division, and by the GPU tests).
-        rcp = tl.broadcast_to(tl.math.div_rn(1.0, scale)[None, :], (BLOCK_V, BLOCK_K))
-        q0 = x * rcp
-        y = tl.fma(tl.fma(-q0, tl.broadcast_to(scale[None, :], (BLOCK_V, BLOCK_K)), x), rcp, q0)
-    else:
-        # The interpreter has no exact fma (numpy): divide.
-        y = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], (BLOCK_V, BLOCK_K)))
+    hi, lo = _reciprocal(scale, FMA_DIV, KIND)
+    y = _quotients(x, scale, hi, lo, FMA_DIV, KIND)
     code = _codes(y, FMA_DIV, KIND)
     q_dst = q_ptr + layer * q_l + slot * q_s + h * q_h
     q_dst = q_dst + offs_v[:, None] * q_v + offs_k[None, :] * q_k
@@ -325,10 +417,7 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
     kernel holds its whole tile in registers and, with 2-byte states, half the bytes per SM. The math is
     the one-pass kernel's, step for step: the codes are bit-identical. Non-finite inputs show as a NaN
     or inf amax of their column (NaN-keeping max), which marks the slot's flag."""
-    pid = tl.program_id(0).to(tl.int64)
-    h = pid % H
-    n = (pid // H) % N
-    layer = pid // (H * N)
+    h, n, layer = _head_state_layer(H, N)
     row, slot = _pair(n, rows_ptr, slots_ptr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < D_K
@@ -338,16 +427,15 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
     for v0 in range(0, D_V, SUB_V):
         offs_v = v0 + tl.arange(0, SUB_V)
         if EVEN:
-            x = tl.load(src + offs_v[:, None] * s_v).to(tl.float32)
+            x = _to_fp32(tl.load(src + offs_v[:, None] * s_v), FMA_DIV, KIND)
         else:
             m = (offs_v[:, None] < D_V) & mask_k[None, :]
-            x = tl.load(src + offs_v[:, None] * s_v, mask=m, other=0.0).to(tl.float32)
+            x = _to_fp32(tl.load(src + offs_v[:, None] * s_v, mask=m, other=0.0), FMA_DIV, KIND)
         amax = _max_nan(amax, tl.reduce(tl.abs(x), 0, _max_nan))
     if FLAG:
-        bad = tl.max(((amax - amax) != 0.0).to(tl.int32), axis=0)  # NaN or inf in some column
-        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=bad > 0)
+        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=_non_finite(amax))  # NaN or inf in some column
     amax = tl.maximum(amax, 1e-8)
-    scale = _round_to_dtype(_div127(amax, FMA_DIV), KIND)
+    scale = _scale_of(amax, FMA_DIV, KIND)
     if MIN_SCALE > 0.0:
         scale = tl.maximum(scale, MIN_SCALE)
     s_dst = s_ptr + layer * c_l + slot * c_s + h * c_h + offs_k * c_k
@@ -355,20 +443,15 @@ def _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fi
         tl.store(s_dst, scale.to(s_ptr.dtype.element_ty))
     else:
         tl.store(s_dst, scale.to(s_ptr.dtype.element_ty), mask=mask_k)
-    rcp = tl.math.div_rn(1.0, scale)
+    hi, lo = _reciprocal(scale, FMA_DIV, KIND)
     for v0 in range(0, D_V, SUB_V):
         offs_v = v0 + tl.arange(0, SUB_V)
         if EVEN:
-            x = tl.load(src + offs_v[:, None] * s_v).to(tl.float32)
+            x = _to_fp32(tl.load(src + offs_v[:, None] * s_v), FMA_DIV, KIND)
         else:
             m = (offs_v[:, None] < D_V) & mask_k[None, :]
-            x = tl.load(src + offs_v[:, None] * s_v, mask=m, other=0.0).to(tl.float32)
-        if FMA_DIV:  # as the one-pass kernel: x / scale correctly rounded, one div_rn per channel
-            r = tl.broadcast_to(rcp[None, :], (SUB_V, BLOCK_K))
-            q0 = x * r
-            y = tl.fma(tl.fma(-q0, tl.broadcast_to(scale[None, :], (SUB_V, BLOCK_K)), x), r, q0)
-        else:
-            y = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], (SUB_V, BLOCK_K)))
+            x = _to_fp32(tl.load(src + offs_v[:, None] * s_v, mask=m, other=0.0), FMA_DIV, KIND)
+        y = _quotients(x, scale, hi, lo, FMA_DIV, KIND)
         if EVEN:
             tl.store(q_dst + offs_v[:, None] * q_v, _codes(y, FMA_DIV, KIND))
         else:
@@ -383,10 +466,7 @@ def _dequantize_load_kernel(q_ptr, s_ptr, slots_ptr, dst_ptr, rows_ptr, N, H, D_
                             d_l, d_r, d_h, d_v, d_k,
                             BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr, EVEN: tl.constexpr,
                             NA: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    h = pid % H
-    n = (pid // H) % N
-    layer = pid // (H * N)
+    h, n, layer = _head_state_layer(H, N)
     slot, row = _pair(n, slots_ptr, rows_ptr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA)
     offs_v = tl.arange(0, BLOCK_V)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
