@@ -18,8 +18,9 @@ The engine's path (``--parts api``, GPU): ``store_from_active`` / ``load_to_acti
 state side with virtual ids (host lists), 1, 4, 16 and 64 states a call, ``k`` calls back to back between
 two CUDA events against as many device copies of the same bytes (``api_store_fp32_n16_vs_copy`` ...: host
 time the GPU waits for counts), the host microseconds of one call (``api_host_us_per_call_n1`` ...; per
-op and dtype ``api_store_fp32_n1_host_us`` ...: calls back to back, so a call running ahead of the GPU pays what
-that costs; ``..._host_us_idle``: each call after a sync, its own host work), the device operations one call
+op and dtype ``api_store_fp32_n1_host_us`` ...: the median of ``10 k`` calls back to back, so a call running ahead
+of the GPU pays what that costs; ``..._host_us_idle``: each call after a sync, its own host work), the device
+operations one call
 enqueues as CUPTI records them
 (``api_device_ops_per_call_n1`` ...: kernels, copies, fills), the share of launches that took the bound path
 (``..._bound_launch_share``, ``kernels/launch.py``), device-id variants at 16 (a read-back each call), and for
@@ -262,8 +263,8 @@ def bench_api(dt_name: str, n: int, shape: dict[str, int], conv: tuple, device: 
         ms = gpu_ms_per_call(fn, k, reps)
         out[f"api_{op}_{p}_ms"] = ms
         out[f"api_{op}_{p}_vs_copy"] = copy_ms / ms
-        out[f"api_{op}_{p}_host_us"] = host_us_per_call(fn, 3 * k)
-        out[f"api_{op}_{p}_host_us_idle"] = host_us_per_call_idle(fn, 3 * k)
+        out[f"api_{op}_{p}_host_us"] = host_us_per_call(fn, 10 * k)
+        out[f"api_{op}_{p}_host_us_idle"] = host_us_per_call_idle(fn, 10 * k)
         bound, ordinary = launch.stats["fast"] - bound0, launch.stats["ordinary"] - ordinary0
         # kernels.launch.Bound's path; undefined where no launch went through Bound (a torch path)
         out[f"api_{op}_{p}_bound_launch_share"] = bound / (bound + ordinary) if bound + ordinary else None
