@@ -272,7 +272,7 @@ def full_snapshot(cache) -> tuple:
             nodes.append((pre, tuple(c.key), None if c.value is None else tuple(c.value.tolist()),
                           None if getattr(c.payload, "mamba_value", None) is None else int(c.payload.mamba_value),
                           getattr(c.payload, "state_host", None), c.host_kv,
-                          c.full_lock_ref, c.mamba_lock_ref, c.resumes, c.hit_count,
+                          c.full_lock_ref, c.mamba_lock_ref, c.resumes, c.leaf_resumes, c.hit_count,
                           tuple(pol.stamp(r, c) for r in ("kv", "state")),
                           tuple(c in pol.candidates(r) for r in ("kv", "state", "kv_host", "state_host", "swa"))))
             stack.append((c, pre + tuple(c.key)))

@@ -169,7 +169,8 @@ def test_an_owner_that_never_polls_keeps_a_bounded_list(generic):
 
 def test_a_reported_stores_event_is_recorded_again_and_one_in_flight_never(monkeypatch):
     """The events the flags record themselves come back once their store is reported (fired, held by no one else)
-    and are recorded for later stores; an event still in flight is never taken; the spares stay bounded."""
+    and are recorded for later stores; an event still in flight is never taken, nor one a caller gave; the spares
+    stay bounded."""
     from tiered_cache import device as dev
     from tiered_cache.tiers import finite_flags
 
@@ -195,6 +196,12 @@ def test_a_reported_stores_event_is_recorded_again_and_one_in_flight_never(monke
     for e in made:
         e.done = True
     assert f.poll() == {2: True, 3: False, 4: True}
+    lent = SlowEvent()  # an event the caller gave (an id ring entry's, which the ring still queries): never spare
+    spare = len(f._spare)
+    mark = f.arm(np.array([9]))
+    f.sent(np.array([9]), mark, lent)
+    lent.done = True
+    assert f.poll() == {9: True} and len(f._spare) == spare and lent not in f._spare
     monkeypatch.setattr(finite_flags, "_SPARE", 2)
     for s in (5, 6, 7, 8):
         store(f, [s], set())

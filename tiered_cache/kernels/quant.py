@@ -16,15 +16,15 @@ layers of all N states: grid ``(L*N*H, k-blocks)``; each program holds a whole `
 so the amax over the value axis is one in-register reduction and every byte is read once.
 ``value_axis == 2`` is a transposed view (swapped strides), so one kernel serves GDN and Mamba2 orders.
 
-Portability notes (Triton interpreter on CPU, see docs/platform.md): rounding half-to-even is one
-``cvt.rni`` on the GPU and, in the interpreter, which has no libdevice, the fp32 trick
-``(y + 1.5*2**23) - 1.5*2**23`` (exact for ``|y| < 2**22``; ``|y| <= 127`` here, clamped first); fp32 ->
-bf16 rounding is done on the bits because the interpreter truncates; there values are clamped before the
-float -> int8 cast, which wraps otherwise. Triton's ``/`` on fp32 is the approximate ``div.full.f32`` on
-NVIDIA GPUs, and the int8 codes must be bit-exact with IEEE ``x / scale``: the scale's ``amax / 127`` and
-``x / scale`` are ``div_rn`` in the interpreter and correctly rounded multiply-and-correct steps on the GPU
-(``_div127``, ``_quotients``); bf16 states, whose 8-bit significands leave room, take cheaper steps there
-that give the same scales and codes, checked exhaustively (``_scale_of``, ``_reciprocal``, ``_quotients``).
+Portability notes (Triton interpreter on CPU, see docs/platform.md): rounding half-to-even is one ``cvt.rni`` on the GPU
+and, in the interpreter, which has no libdevice, the fp32 trick ``(y + 1.5*2**23) - 1.5*2**23`` (exact for ``|y| <
+2**22``; ``|y| <= 127`` here, clamped first); fp32 -> bf16 rounding is done on the bits in the interpreter, which
+truncates (``cvt.rn`` on the GPU); there values are clamped before the float -> int8 cast, which wraps otherwise.
+Triton's ``/`` on fp32 is the approximate ``div.full.f32`` on NVIDIA GPUs, and the int8 codes must be bit-exact with
+IEEE ``x / scale``: the scale's ``amax / 127`` and ``x / scale`` are ``div_rn`` in the interpreter and correctly rounded
+multiply-and-correct steps on the GPU (``_div127``, ``_quotients``); bf16 states, whose 8-bit significands leave room,
+take cheaper steps there that give the same scales and codes, checked exhaustively (``_scale_of``, ``_reciprocal``,
+``_quotients``).
 """
 
 from __future__ import annotations
@@ -118,14 +118,13 @@ class _Launches:
                  plain: tuple[str, ...]) -> None:
         self.kernel, self.args, self.meta, self.ids, self.tail, self.plain = kernel, args, meta, ids, tail, plain
         self.by_count: dict[int, launch.Bound] = {}
-        self.dummy: Optional[torch.Tensor] = None
 
     def get(self, na: int) -> launch.Bound:
         b = self.by_count.get(na)
         if b is None:
             names = launch.param_names(self.kernel)
             args = list(self.args)
-            if na:  # the id pointers are not read: bound to one small tensor (one class, whatever the call)
+            if na:  # the id pointers are not read: bound to the first argument (one class, whatever the call)
                 for name in self.ids:
                     args[names.index(name)] = self.args[0]
                 vary, plain, fixed = (*_PARAMS, *self.tail), (*_PARAMS, *self.plain), PACKED
@@ -143,7 +142,7 @@ def _to_fp32(x, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
     """Loaded states -> fp32. bf16 on the GPU: a pair of bf16 in one 32-bit register becomes two fp32 by one
     shift (the low half) and one mask (the high half), where the compiler's widening spends a byte permute
     and a shift on the high half."""
-    if FMA_DIV and KIND == 1:
+    if FMA_DIV and KIND == 1 and x.numel >= 2:  # pairs: a one-element tile (d_v = d_k = 1) takes the cast
         x = tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
                                       dtype=tl.float32, is_pure=True, pack=2)
     else:
@@ -228,16 +227,16 @@ def _quotients(x, scale, hi, lo, FMA_DIV: tl.constexpr, KIND: tl.constexpr):
       ``hi = RN(1/s)`` and ``q0 = RN(x * hi)`` within an ulp, ``q0 + hi * fma(-q0, s, x)`` rounds to ``RN(x /
       s)``: the store runs ~1.5x faster on an H200 and stays bit-exact (checked on 4e8 random and near-tie
       cases against IEEE division, and by the GPU tests).
-    - bf16 states on the GPU: ``fma(x, hi, RN(x * lo))``, one multiply and one fma, not always ``RN(x / s)``
-      but always the same code. x and s have 8 significant bits, so ``x / s`` is a half-integer exactly
-      (a tie) or at least 2**-11 from every half-integer where ``|x / s| <= 128``; before its one rounding
-      the two-float product is within 2**-35 of ``x / s``, so it lands on the tie exactly and, elsewhere,
-      on the same side as IEEE division (ulp 2**-16 at 128). Checked exhaustively by the steps of
-      tests/kernels/test_bf16_codes.py: every bf16 ``amax >= 1e-8``, every bf16 ``x`` with ``|x| <= amax``
-      (9.0e8 pairs), every ``hi`` within 3 ulps of ``RN(1 / s)``: no code differs from ``rint(RN(x / s))``;
-      with ``lo = 0`` (the product alone) 2,170 ties differ. It needs subnormals kept: ``lo`` is subnormal
-      for scales above ~2**103, and flushed, ties of amaxes above ~1e33 differ. Triton's fp32 multiply and
-      fma keep them (sm_90's FMUL / FFMA here carry no ``.FTZ``); the GPU test stores such amaxes.
+    - bf16 states on the GPU: ``fma(x, hi, RN(x * lo))``, one multiply and one fma, not always ``RN(x / s)`` but
+      always the same code. x and s have 8 significant bits, so ``x / s`` is a half-integer exactly (a tie) or at least
+      2**-11 from every half-integer where ``|x / s| <= 128``; before its one rounding the two-float product is within
+      2**-35 of ``x / s``, so it lands on the tie exactly and, elsewhere, on the same side as IEEE division (ulp 2**-16
+      at 128). Checked exhaustively, once, by the steps of tests/kernels/test_bf16_codes.py (which run 5 binades at 1
+      ulp each time): every bf16 ``amax >= 1e-8``, every bf16 ``x`` with ``|x| <= amax`` (9.0e8 pairs), every ``hi``
+      within 3 ulps of ``RN(1 / s)``: no code differs from ``rint(RN(x / s))``; with ``lo = 0`` (the product alone)
+      2,170 ties differ. It needs subnormals kept: ``lo`` is subnormal for scales above ~2**103, and flushed, ties of
+      amaxes above ~1e33 differ. Triton's fp32 multiply and fma keep them (sm_90's FMUL / FFMA here carry no ``.FTZ``);
+      the GPU test stores such amaxes.
     - The interpreter, which has no exact fma (numpy), divides."""
     scale = tl.broadcast_to(scale[None, :], x.shape)
     hi = tl.broadcast_to(hi[None, :], x.shape)
@@ -342,8 +341,8 @@ def _head_state_layer(H, N):
     unsigned 32-bit divisions (axis 0 has fewer than 2**31 programs), where ``%`` and ``//`` on int64 took
     three signed ones (~20 instructions each, once per program)."""
     pid = tl.program_id(0).to(tl.uint32)
-    t = pid // H.to(tl.uint32)
-    layer = t // N.to(tl.uint32)
+    t = pid // tl.cast(H, tl.uint32)  # tl.cast: Triton passes an int argument equal to 1 as a plain constant
+    layer = t // tl.cast(N, tl.uint32)
     return (pid - t * H).to(tl.int64), (t - layer * N).to(tl.int64), layer.to(tl.int64)
 
 

@@ -34,7 +34,7 @@ def tree_dump(cache: Any) -> list[tuple]:
         payload = tuple((name, _plain(getattr(p, name))) for name in type(p).__slots__) if p is not None else ()
         out.append((depth, tuple(x.key), repr(x.ck), _plain(x.value), _plain(x.value_pending), _plain(x.host_kv),
                     _plain(x.host_pending), payload, x.full_lock_ref, x.mamba_lock_ref, len(x.tickets), x.resumes,
-                    x.hit_count))
+                    x.leaf_resumes, x.hit_count))
         kids = sorted(x.children.values(), key=lambda c: repr(c.ck), reverse=True)
         stack.extend((c, depth + 1) for c in kids)
     sizes = [("t0_kv", cache.kv.available_size())]

@@ -51,10 +51,13 @@ class FiniteFlags:
         self._open = np.zeros(capacity, dtype=bool)  # the slot's last store is not reported (nor freed) yet
         self._mark = 0
         self._cpu = device.type == "cpu"
-        # Stores not yet reported, oldest first: (event after their kernels or None on the CPU, mark, slots).
-        # A slot counts in the newest of them only (``_expect``), and in none once reported or freed.
-        self._pending: list[tuple[Any, int, np.ndarray]] = []
-        self._spare: list[Any] = []  # events of reported stores (fired, held by nobody else): recorded again
+        # Stores not yet reported, oldest first: (event after their kernels or None on the CPU, mark, slots, whether
+        # the event is this object's own). A slot counts in the newest of them only (``_expect``), and in none once
+        # reported or freed.
+        self._pending: list[tuple[Any, int, np.ndarray, bool]] = []
+        # events this object recorded for reported stores (fired, held by nobody else): recorded again. An event a
+        # caller gave (an id ring entry's, which the ring still queries) is never one of them.
+        self._spare: list[Any] = []
 
     def arm(self, slots: Any) -> int:
         """Before a store into ``slots`` (a host int64 array, or a CPU tensor): the store's mark, which its
@@ -69,11 +72,12 @@ class FiniteFlags:
         its flags are final."""
         slots = np.array(slots, dtype=np.int64)
         self._open[slots] = True
-        if not self._cpu and event is None:
+        own = event is None
+        if not self._cpu and own:
             event = self._spare.pop() if self._spare else dev.new_event(self.device)
             dev.record_current(event, self.device)
         pending = self._pending
-        pending.append((None if self._cpu else event, mark, slots))
+        pending.append((None if self._cpu else event, mark, slots, own))
         if len(pending) > 2 * self._open.size:  # never polled: drop the stores no slot counts in any more (at
             # most one a slot is left, so this runs once per ``capacity`` stores or more)
             open_, expect = self._open, self._expect
@@ -88,13 +92,13 @@ class FiniteFlags:
         out: dict[int, bool] = {}
         flags, expect = self._flags_np, self._expect
         done = 0
-        for event, mark, slots in self._pending:
+        for event, mark, slots, own in self._pending:
             if event is not None and not event.query():
                 if not want:  # later stores were sent after this one: not done either
                     break
                 event.synchronize()  # waits for this store only
             done += 1
-            if event is not None and len(self._spare) < _SPARE:  # fired: every event here is this object's
+            if own and event is not None and len(self._spare) < _SPARE:  # fired, and this object's own
                 self._spare.append(event)
             live = slots[open_[slots] & (expect[slots] == mark)]
             if live.size:

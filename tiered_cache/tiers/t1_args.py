@@ -11,8 +11,9 @@ cost as much host time as the copy of 16 states took on the GPU.
   ``Layout`` holds its views, so their memory stays allocated and no other tensor can take their address
   while it is cached: a view with the same key reads and writes the same bytes the same way.
 - Ids are checked on the host (range, allocated, distinct: numpy, or plain Python for a short list), virtual
-  ids translated on the side's host table, and rows and slots sent to the GPU as one page-locked array in
-  one non-blocking copy: no device sync, and the kernels follow it on the stream without a gap.
+  ids translated on the side's host table; up to ``quant.PACKED`` (16) rows and slots then go to the kernels as
+  launch arguments (``quant.pack_ids``: nothing copied), more as one page-locked array in one non-blocking copy
+  (``launch.IdRing``): no device sync, and the kernels follow on the stream without a gap.
 - Ids given as device tensors are read back once (the checks need their values: a sync).
 
 Every check runs before the first launch: a bad argument raises and nothing is written.
