@@ -29,6 +29,7 @@ take cheaper steps there that give the same scales and codes, checked exhaustive
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -773,7 +774,27 @@ def _flags_back(finite: Optional[torch.Tensor], used: Optional[torch.Tensor]) ->
         finite.copy_(used)
 
 
-class StorePlan:
+class _Plan:
+    """What the plans share: a call of ``n`` states given as ``pack_ids``' arguments (``packed``), through the
+    plan's launches at that argument count, or unpacked to id tensors on the torch twins' path (``ref``)."""
+
+    ref: bool
+    dev: torch.device
+    __call__: Callable[..., None]  # each plan's call on id tensors
+    _launch: Callable[..., None]  # (argument count or 0, the ids, n, the mark if the plan takes one)
+
+    def packed(self, ids: tuple[int, ...], n: int, *mark: int) -> None:
+        """The move of ``n`` states given as ``pack_ids(sources, destinations)`` (a store: rows, slots; a load:
+        slots, rows); ``mark`` as the plan's call takes it."""
+        if n == 0:
+            return
+        if self.ref:
+            self(*_unpack(ids, n, self.dev), *mark)
+            return
+        self._launch(_count(n), ids, n, *mark)
+
+
+class StorePlan(_Plan):
     """``quantize_store`` bound to its tensors, checked by ``validate_quantize_store`` (``state``: what it
     returned), for callers that validated a layout once: ``plan(src_rows, dst_slots, mark)`` (id tensors on
     the device, checked by the caller) is one launch with nothing checked again, and its host work is the
@@ -786,6 +807,7 @@ class StorePlan:
                  conv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         self.src, self.qdata, self.scale, self.value_axis, self.finite, self.conv = (
             src, qdata, scale, value_axis, finite, conv)
+        self.dev = src.device
         self.ref = not use_triton(src.device, backend)
         if self.ref:
             return
@@ -835,16 +857,7 @@ class StorePlan:
             return
         self._launch(0, (src_rows, dst_slots), n, mark)
 
-    def packed(self, ids: tuple[int, ...], n: int, mark: int = 0) -> None:
-        """The store of ``n`` states given as ``pack_ids``' arguments (rows, slots)."""
-        if n == 0:
-            return
-        if self.ref:
-            self(*_unpack(ids, n, self.src.device), mark)
-            return
-        self._launch(_count(n), ids, n, mark)
-
-    def _launch(self, na: int, ids: tuple, n: int, mark: int) -> None:
+    def _launch(self, na: int, ids: tuple, n: int, mark: int = 0) -> None:
         qp = self.per_state * n
         if self.conv is not None:
             self.launches.get(na)((qp + self.conv_per_state * n, self.kb), *ids, mark, n, qp)
@@ -860,7 +873,7 @@ def dequantize_load(qdata: torch.Tensor, scale: torch.Tensor, src_slots: torch.T
     LoadPlan(qdata, scale, dst, state, value_axis, backend)(src_slots, dst_rows)
 
 
-class LoadPlan:
+class LoadPlan(_Plan):
     """``dequantize_load`` bound to its tensors (``StorePlan``'s terms), checked by
     ``validate_dequantize_load``: ``plan(src_slots, dst_rows)``; ``conv``: ``(T1 conv field, T0 conv
     view)`` checked by ``validate_copy_rows``, copied back by the same launch."""
@@ -868,6 +881,7 @@ class LoadPlan:
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dst: torch.Tensor, state: torch.Tensor,
                  value_axis: int, backend: str, conv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         self.qdata, self.scale, self.dst, self.value_axis, self.conv = qdata, scale, dst, value_axis, conv
+        self.dev = dst.device
         self.ref = not use_triton(dst.device, backend)
         if self.ref:
             return
@@ -896,16 +910,7 @@ class LoadPlan:
             return
         self._launch(0, (src_slots, dst_rows), n)
 
-    def packed(self, ids: tuple[int, ...], n: int) -> None:
-        """The load of ``n`` states given as ``pack_ids``' arguments (slots, rows)."""
-        if n == 0:
-            return
-        if self.ref:
-            self(*_unpack(ids, n, self.dst.device))
-            return
-        self._launch(_count(n), ids, n)
-
-    def _launch(self, na: int, ids: tuple, n: int) -> None:
+    def _launch(self, na: int, ids: tuple, n: int, *mark: int) -> None:
         qp = self.per_state * n
         if self.conv is not None:
             self.launches.get(na)((qp + self.conv_per_state * n, self.kb), *ids, n, qp)
@@ -928,12 +933,13 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     CopyPlan(src, dst, backend, finite)(src_rows, dst_rows, mark)
 
 
-class CopyPlan:
+class CopyPlan(_Plan):
     """``copy_rows`` bound to its tensors (``StorePlan``'s terms), checked by ``validate_copy_rows``:
     ``plan(src_rows, dst_rows, mark)``."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, backend: str, finite: Optional[torch.Tensor]) -> None:
         self.src, self.dst, self.finite = src, dst, finite
+        self.dev = src.device
         self.ref = not use_triton(src.device, backend)
         if self.ref:
             return
@@ -954,13 +960,7 @@ class CopyPlan:
             copy_rows_reference(self.src, src_rows, self.dst, dst_rows, fin, mark)
             _flags_back(self.finite, fin)
             return
-        self.launches.get(0)((self.layers * n, self.cb), src_rows, dst_rows, mark, n)
+        self._launch(0, (src_rows, dst_rows), n, mark)
 
-    def packed(self, ids: tuple[int, ...], n: int, mark: int = 0) -> None:
-        """The copy of ``n`` rows given as ``pack_ids``' arguments (source rows, destination rows)."""
-        if n == 0:
-            return
-        if self.ref:
-            self(*_unpack(ids, n, self.src.device), mark)
-            return
-        self.launches.get(_count(n))((self.layers * n, self.cb), *ids, mark, n)
+    def _launch(self, na: int, ids: tuple, n: int, mark: int = 0) -> None:
+        self.launches.get(na)((self.layers * n, self.cb), *ids, mark, n)
