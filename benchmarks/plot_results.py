@@ -52,7 +52,8 @@ def plot_kernels(rec: dict, path: str) -> None:
 
 def plot_transfer(rec: dict, path: str) -> None:
     rows = rec.get("rows", [])
-    methods = sorted({r["method"] for r in rows}, key=["copy", "staging", "kernel", "auto"].index)
+    order = ["copy", "staging", "kernel", "batch", "kernel+batch", "auto"]  # any other method after these
+    methods = sorted({r["method"] for r in rows}, key=lambda m: (order.index(m) if m in order else len(order), m))
     # sustained (several calls in flight) where the run measured it, else single calls
     sus = any(r["data"].endswith("sustained") for r in rows)
     kinds = ("state sustained", "kv sustained") if sus else ("state", "kv")
