@@ -148,7 +148,8 @@ PAGE_SIZES = {"": 16, "_768k": 32, "_1536k": 64}  # tokens per KV page: 384 KiB,
 KV = KVSpec(num_layers=12, kv_heads=2, head_dim=256, dtype=torch.bfloat16)  # Qwen3-Next-80B's full attention
 STATE = StateSpec(num_layers=36, temporal_shape=(32, 128, 128), temporal_dtype=torch.float32,
                   conv_shapes=((8192, 3),), conv_dtype=torch.bfloat16, value_axis=2)
-MIXES = {"kernel+batch": {"d2h": "kernel", "h2d": "batch"}, "batch+kernel": {"d2h": "batch", "h2d": "kernel"}}
+MIXES = {"kernel+batch": {"d2h": "kernel", "h2d": "batch"}, "batch+kernel": {"d2h": "batch", "h2d": "kernel"},
+         "staging+batch": {"d2h": "staging", "h2d": "batch"}}
 
 
 def _engine(dev, method: str, staging: int, tune=None) -> TransferEngine:
@@ -160,14 +161,48 @@ def _engine(dev, method: str, staging: int, tune=None) -> TransferEngine:
     return eng
 
 
-class KVCase:
-    """Scattered KV pages of one size: ``n`` source pages, ``n`` destination pages, ``2 n`` host slots, all
-    in random order (no two neighbours adjacent on either side), random bytes."""
+HOST_SLOTS = ("scattered", "churn")
+NODE_PAGES_MEAN = 32  # pages a tree node backs up at once in the churned pattern (512 tokens at 16 a page)
 
-    def __init__(self, dev, page_size: int, n: int, g: torch.Generator) -> None:
+
+def churned_host_slots(region, n: int, g: torch.Generator, mean: int = NODE_PAGES_MEAN) -> list[int]:
+    """``n`` host slots as the radix tree's backups get them from ``region``'s allocator (one ``alloc`` per
+    node, lowest free ids first: ``HostCache.backup_path``), after churn: the region is filled with nodes of
+    1 to ``2 mean - 1`` pages and a random half of them freed, so the free slots lie in node-sized holes
+    between live ones (more than half freed where ``region`` holds under ``2 n`` slots; ``5 n`` keep it half)."""
+    nodes = []
+    while region.available_size():
+        k = min(int(torch.randint(1, 2 * mean, (1,), generator=g)), region.available_size())
+        nodes.append(region.alloc(k))
+    for j, i in enumerate(torch.randperm(len(nodes), generator=g).tolist()):
+        if j >= len(nodes) // 2 and region.available_size() >= n:
+            break
+        region.free(nodes[i])  # a random half, more if fewer than n slots are free then
+    out: list[int] = []
+    while len(out) < n:
+        k = min(int(torch.randint(1, 2 * mean, (1,), generator=g)), n - len(out))
+        out += region.alloc(k)
+    return out
+
+
+def mean_run_pages(region, slots: list[int]) -> float:
+    """Mean length of the runs of consecutive host slots in ``slots`` (what one DMA copy can move)."""
+    runs = region.runs(slots)
+    return len(slots) / max(1, len(runs))
+
+
+class KVCase:
+    """Scattered KV pages of one size: ``n`` source pages, ``n`` destination pages (random order on the
+    device: no two neighbours adjacent), random bytes, and ``2 n`` host slots: ``scattered``, in random
+    order (the worst case: every page its own host range), or ``churn``, as the tree's backups get them
+    from the host allocator after churn (``churned_host_slots``: runs as long as the holes they fill)."""
+
+    def __init__(self, dev, page_size: int, n: int, g: torch.Generator, host: str = "scattered") -> None:
         self.pool = UnifiedPool(KV, STATE, low_slots=2 * n, high_slots=1, page_size=page_size, device=dev)
         self.full = self.pool.side("full")
-        self.mirror = HostMirror([RegionSpec("full", self.full.entry_bytes, 2 * n)])
+        self.host = host
+        nslots = 2 * n if host == "scattered" else 6 * n
+        self.mirror = HostMirror([RegionSpec("full", self.full.entry_bytes, nslots)])
         self.region = self.mirror.region("full")
         toks = self.full.alloc(page_size * 2 * n)
         rb = self.full.rows_bytes()
@@ -177,18 +212,22 @@ class KVCase:
         pages = toks.view(-1, page_size)
         perm = torch.randperm(2 * n, generator=g)
         self.src, self.dst = pages[perm[:n]].reshape(-1), pages[perm[n:]].reshape(-1)
-        got = self.region.alloc(2 * n)
-        self.hs = [got[i] for i in torch.randperm(2 * n, generator=g).tolist()]
+        if host == "scattered":
+            got = self.region.alloc(2 * n)
+            self.hs = [got[i] for i in torch.randperm(2 * n, generator=g).tolist()]
+        else:  # pages per node scale with the page: the same tokens a node
+            self.hs = churned_host_slots(self.region, 2 * n, g, max(1, NODE_PAGES_MEAN * 16 // page_size))
+        self.run_pages = mean_run_pages(self.region, self.hs[:n])
         self.n, self.nbytes = n, n * self.full.entry_bytes
         self.src_rows = self.full.translate(self.src[::page_size]) // page_size
         self.dst_rows = self.full.translate(self.dst[::page_size]) // page_size
 
-    def submit(self, eng, direction: str):
+    def submit(self, eng, direction: str, layerwise: bool = False):
         if direction == "d2h":
             return demote_kv(eng, self.full, self.src, self.region, self.hs[:self.n])
         if direction == "d2h_b":
             return demote_kv(eng, self.full, self.src, self.region, self.hs[self.n:])
-        return load_kv(eng, self.region, self.hs[:self.n], self.full, self.dst, layerwise=False)
+        return load_kv(eng, self.region, self.hs[:self.n], self.full, self.dst, layerwise=layerwise)
 
     def run(self, eng, direction: str) -> None:
         if direction == "bidir":
@@ -198,23 +237,23 @@ class KVCase:
         else:
             eng.wait(self.submit(eng, direction))
 
-    def pipelined(self, eng, direction: str) -> None:
+    def pipelined(self, eng, direction: str, layerwise: bool = False) -> None:
         for _ in range(PIPELINE):
             if direction == "bidir":
                 self.submit(eng, "d2h_b")
-                self.submit(eng, "h2d")
+                self.submit(eng, "h2d", layerwise)
             else:
-                self.submit(eng, direction)
+                self.submit(eng, direction, layerwise)
         eng.wait_all()
 
-    def check(self, eng) -> None:
+    def check(self, eng, layerwise: bool = False) -> None:
         """Correctness before timing: demote, poison the destination pages, load; the landed bytes equal
         the source pages' byte for byte (on the device) and every checksum passed."""
         rb = self.full.rows_bytes()
         eng.wait(self.submit(eng, "d2h"))
         eng.wait(self.submit(eng, "d2h_b"))
         rb[self.dst_rows] = 0xA5
-        t = self.submit(eng, "h2d")
+        t = self.submit(eng, "h2d", layerwise)
         eng.wait(t)
         assert all(t.ok), "kv round trip: a checksum failed"
         assert torch.equal(rb[self.dst_rows], rb[self.src_rows]), "kv round trip: landed bytes differ"
@@ -230,6 +269,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds of the headline moves")
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the copy kernel's settings sweep")
+    p.add_argument("--host-slots", choices=(*HOST_SLOTS, "both"), default="both",
+                   help="KV host slots: scattered (random order; keys kv_*), churn (as the tree's backups get them "
+                        "from the allocator after churn; keys kv_churn_*) or both")
+    p.add_argument("--kv-only", action="store_true",
+                   help="KV pages only: no state moves, pinning or checksum rows (the GEMM runs beside KV moves)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -241,7 +285,7 @@ def main() -> None:
     metrics: dict = {}
 
     # pinning: pin_memory vs cudaHostRegister, 1 GiB each
-    for method in ("pin_memory", "register"):
+    for method in ("pin_memory", "register") if not a.kv_only else ():
         t0 = time.perf_counter()
         m = HostMirror([RegionSpec("x", 1 << 20, 1023)], pin=method)
         metrics[f"pin_1GiB_{method}_s"] = time.perf_counter() - t0
@@ -290,7 +334,8 @@ def main() -> None:
                 st_submit(eng, direction)
         eng.wait_all()
 
-    metrics.update(contiguous_baseline("state", st_bytes, dev, a.reps))
+    if not a.kv_only:
+        metrics.update(contiguous_baseline("state", st_bytes, dev, a.reps))
     rows: list[dict] = []
 
     def timed_rows(what, method, one, sustained, nbytes, base):
@@ -314,77 +359,73 @@ def main() -> None:
             metrics[f"{pre}{d}_vs_contiguous{sfx}"] = round(ratio, 3)
             metrics[f"{pre}{d}_vs_contiguous_lowest_round{sfx}"] = round(low, 3)
 
-    # ---- KV pages, each size: the kernel sweep (384 KiB), every method checked then timed, the headline
+    # ---- KV pages, each host pattern and size: the kernel sweep (scattered 384 KiB), every method checked
+    # then timed, the headline
     tune = (16, 2048, 4)  # the kernel's settings unless the sweep runs (its pick on the H200, 2026-12-01)
-    for sfx, ps in PAGE_SIZES.items():
-        case = KVCase(dev, ps, a.pages * 16 // ps, g)
-        base = {k.replace(f"contig_kv{sfx}_", "contig_"): v
-                for k, v in contiguous_baseline(f"kv{sfx}", case.nbytes, dev, a.reps).items()}
-        metrics.update({k.replace("contig_", f"contig_kv{sfx}_"): v for k, v in base.items()})
-        if sfx == "" and a.sweep:
-            eng = _engine(dev, "kernel", staging)
-            case.check(eng)
-            sweep = {}
-            for progs in (8, 16, 32, 132):
-                for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
-                    c = eng.copier
-                    c.kernel_programs, c.kernel_block_words, c.kernel_warps = progs, block, warps
-                    d = case.nbytes / timed(lambda eng=eng, case=case: case.run(eng, "d2h"), a.reps) / 1e9
-                    h = case.nbytes / timed(lambda eng=eng, case=case: case.run(eng, "h2d"), a.reps) / 1e9
-                    metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_d2h_GBps"] = d
-                    metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_h2d_GBps"] = h
-                    sweep[(progs, block, warps)] = d + h
-            # the best setting with at most 32 programs (a quarter of the SMs at most)
-            tune = max((k for k in sweep if k[0] <= 32), key=sweep.get)
-            metrics.update(kernel_programs=tune[0], kernel_block_words=tune[1], kernel_warps=tune[2])
-        for method in methods:
-            eng = _engine(dev, method, staging, tune)
-            try:
+    patterns = HOST_SLOTS if a.host_slots == "both" else (a.host_slots,)
+    bases: dict = {}
+    kv_cases: dict = {}  # the 384 KiB case of each pattern, kept for the checksum overheads and the GEMM
+    for host in patterns:
+        hp = "" if host == "scattered" else f"{host}_"  # key part: kv_d2h_GBps, kv_churn_d2h_GBps
+        label = "kv" if host == "scattered" else f"kv-{host}"
+        for sfx, ps in PAGE_SIZES.items():
+            case = KVCase(dev, ps, a.pages * 16 // ps, g, host)
+            if sfx not in bases:  # the baseline moves the same bytes whatever the host pattern
+                bases[sfx] = {k.replace(f"contig_kv{sfx}_", "contig_"): v
+                              for k, v in contiguous_baseline(f"kv{sfx}", case.nbytes, dev, a.reps).items()}
+                metrics.update({k.replace("contig_", f"contig_kv{sfx}_"): v for k, v in bases[sfx].items()})
+            base = bases[sfx]
+            if sfx == "" and host == "scattered" and a.sweep:
+                eng = _engine(dev, "kernel", staging)
                 case.check(eng)
-            except (AssertionError, RuntimeError) as exc:  # reported, never timed; auto failing ends the run
-                print(f"kv{sfx} {method}: {exc}")
-                metrics[f"kv{sfx}_{method}_round_trip_failed"] = 1.0
-                if method == "auto":
-                    raise
-                continue
-            timed_rows(f"kv{sfx}", method, lambda d, eng=eng, case=case: case.run(eng, d),
-                       lambda d, eng=eng, case=case: case.pipelined(eng, d), case.nbytes, base)
-        eng = _engine(dev, "auto", staging, tune)
-        case.check(eng)
-        interleaved_headline("kv_", sfx, case.nbytes, lambda d, eng=eng, case=case: case.pipelined(eng, d))
-        metrics[f"kv{sfx}_page_bytes"] = case.full.entry_bytes
-        if sfx != "":
-            case.close()
-            del case
-            torch.cuda.empty_cache()
-        else:
-            kv = case  # kept for kv-runs, the checksum overheads and the GEMM
-
-    # KV pages whose host slots are consecutive, as one node's pages get them from the host allocator
-    # (lowest free ids first).
-    eng = _engine(dev, "auto", staging, tune)
-    run_a, run_b = sorted(kv.hs[:kv.n]), sorted(kv.hs[kv.n:])
-    eng.wait(demote_kv(eng, kv.full, kv.src, kv.region, run_a))
-    t = load_kv(eng, kv.region, run_a, kv.full, kv.dst, layerwise=False)
-    eng.wait(t)
-    assert all(t.ok), "kv round trip (runs) broke"
-
-    def kv_runs(d):
-        if d in ("d2h", "bidir"):
-            demote_kv(eng, kv.full, kv.src, kv.region, run_b)
-        if d in ("h2d", "bidir"):
-            load_kv(eng, kv.region, run_a, kv.full, kv.dst, layerwise=False)
-        eng.wait_all()
-
-    for d in ("d2h", "h2d", "bidir"):
-        gbps = (2 if d == "bidir" else 1) * kv.nbytes / timed(lambda d=d: kv_runs(d), a.reps) / 1e9
-        rows.append({"method": "auto", "data": "kv-runs", "direction": d, "GBps": round(gbps, 2),
-                     "vs_contiguous": round(gbps / metrics[f"contig_kv_{d}_GBps"], 3)})
-        metrics[f"kv_runs_{d}_GBps"] = gbps
+                sweep = {}
+                for progs in (8, 16, 32, 132):
+                    for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
+                        c = eng.copier
+                        c.kernel_programs, c.kernel_block_words, c.kernel_warps = progs, block, warps
+                        d = case.nbytes / timed(lambda eng=eng, case=case: case.run(eng, "d2h"), a.reps) / 1e9
+                        h = case.nbytes / timed(lambda eng=eng, case=case: case.run(eng, "h2d"), a.reps) / 1e9
+                        metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_d2h_GBps"] = d
+                        metrics[f"kv_kernel_{progs}prog_{block}w_{warps}warps_h2d_GBps"] = h
+                        sweep[(progs, block, warps)] = d + h
+                # the best setting with at most 32 programs (a quarter of the SMs at most)
+                tune = max((k for k in sweep if k[0] <= 32), key=sweep.get)
+                metrics.update(kernel_programs=tune[0], kernel_block_words=tune[1], kernel_warps=tune[2])
+            for method in methods:
+                eng = _engine(dev, method, staging, tune)
+                try:
+                    case.check(eng)
+                except (AssertionError, RuntimeError) as exc:  # reported, never timed; auto failing ends the run
+                    print(f"{label}{sfx} {method}: {exc}")
+                    metrics[f"{label}{sfx}_{method}_round_trip_failed"] = 1.0
+                    if method == "auto":
+                        raise
+                    continue
+                timed_rows(f"{label}{sfx}", method, lambda d, eng=eng, case=case: case.run(eng, d),
+                           lambda d, eng=eng, case=case: case.pipelined(eng, d), case.nbytes, base)
+            eng = _engine(dev, "auto", staging, tune)
+            case.check(eng)
+            interleaved_headline(f"kv_{hp}", sfx, case.nbytes, lambda d, eng=eng, case=case: case.pipelined(eng, d))
+            # the engine's loads go layer by layer (``load_kv``'s default: compute waits per layer)
+            case.check(eng, layerwise=True)
+            gbps = PIPELINE * case.nbytes / timed(lambda eng=eng, case=case: case.pipelined(eng, "h2d", True),
+                                                  a.reps) / 1e9
+            rows.append({"method": "auto", "data": f"{label}{sfx} sustained layerwise", "direction": "h2d",
+                         "GBps": round(gbps, 2), "vs_contiguous": round(gbps / base["contig_h2d_sustained_GBps"], 3)})
+            metrics[f"kv_{hp}h2d_layerwise_GBps{sfx}"] = round(gbps, 2)
+            metrics[f"kv{sfx}_page_bytes"] = case.full.entry_bytes
+            metrics[f"kv_{hp}host_run_pages{sfx}"] = case.run_pages
+            if sfx == "":
+                kv_cases[host] = case
+            else:
+                case.close()
+                del case
+                torch.cuda.empty_cache()
+    kv = kv_cases.get("churn", kv_cases.get("scattered"))  # the engine's pattern where measured
 
     # ---- states: every method checked then timed, then the interleaved headline
     sbase = {k.replace("contig_state_", "contig_"): v for k, v in metrics.items() if k.startswith("contig_state_")}
-    for method in [m for m in methods if m not in MIXES]:
+    for method in [m for m in methods if m not in MIXES] if not a.kv_only else []:
         eng = _engine(dev, method, staging, tune)
         eng.wait(st_submit(eng, "d2h"))
         eng.wait(st_submit(eng, "d2h_b"))
@@ -393,20 +434,21 @@ def main() -> None:
         assert all(t.ok) and torch.equal(t1.envelopes[dst_st], t1.envelopes[src_st]), "state round trip broke"
         timed_rows("state", method, lambda d, eng=eng: run_states(eng, d), lambda d, eng=eng: st_pipelined(eng, d),
                    st_bytes, sbase)
-    eng_i = _engine(dev, "auto", staging, tune)
-    interleaved_headline("", "", st_bytes, lambda d: st_pipelined(eng_i, d))
+    if not a.kv_only:
+        eng_i = _engine(dev, "auto", staging, tune)
+        interleaved_headline("", "", st_bytes, lambda d: st_pipelined(eng_i, d))
     for r in rows:
         metrics[f"{r['data'].replace(' ', '_')}_{r['direction']}_{r['method']}_GBps"] = r["GBps"]
 
     # checksum overhead: the same scattered state moves and KV pages, both ways, against themselves
     # with the checksum kernels switched off, in interleaved rounds (``checksum_overheads``).
     eng = _engine(dev, "auto", staging, tune)
-    metrics.update(checksum_overheads(eng, {
-        "checksum_overhead": lambda: st_pipelined(eng, "bidir"),
-        "checksum_overhead_single_call": lambda: run_states(eng, "bidir"),
-        "checksum_overhead_kv": lambda: kv.pipelined(eng, "bidir"),
-        "checksum_overhead_kv_single_call": lambda: kv.run(eng, "bidir"),
-    }, a.rounds))
+    moves = {"checksum_overhead_kv": lambda: kv.pipelined(eng, "bidir"),
+             "checksum_overhead_kv_single_call": lambda: kv.run(eng, "bidir")}
+    if not a.kv_only:
+        moves.update(checksum_overhead=lambda: st_pipelined(eng, "bidir"),
+                     checksum_overhead_single_call=lambda: run_states(eng, "bidir"))
+    metrics.update(checksum_overheads(eng, moves, a.rounds))
 
     # GEMM alone vs with transfers running on the copy streams (a thread keeps them going), and the
     # rate those transfers reached while the GEMMs ran
@@ -438,8 +480,9 @@ def main() -> None:
 
     def mover():
         while not stop.is_set():  # both kinds: DMA copies for states, KV pages by the default method
-            run_states(eng, "bidir")
-            moved[0] += 2 * st_bytes
+            if not a.kv_only:
+                run_states(eng, "bidir")
+                moved[0] += 2 * st_bytes
             kv.run(eng, "bidir")
             moved[0] += 2 * kv.nbytes
 
@@ -458,15 +501,21 @@ def main() -> None:
     metrics["gemm_slowdown_wall"] = busy / alone - 1  # wall clock: includes the GIL the mover thread holds
     metrics["transfer_GBps_during_gemm"] = (b1 - b0) / (t1_ - t0) / 1e9  # both ways, moves finished meanwhile
     metrics["state_envelope_bytes"] = t1.slot_bytes
+    metrics["gemm_kv_host_slots_churn"] = float(kv.host == "churn")
     path = write_results("transfer", metrics, rows=rows, out_dir=a.out,
-                         notes=f"{n_st} scattered state envelopes, {a.pages} scattered 384 KiB KV pages per call "
-                               "(as many bytes of 768 KiB and 1.5 MiB pages).")
+                         notes=(f"{n_st} scattered state envelopes, " if not a.kv_only else "KV pages only: ")
+                         + f"{a.pages} scattered 384 KiB KV pages per call (as many bytes of 768 KiB and 1.5 MiB "
+                         f"pages), host slots {' and '.join(patterns)} (kv_* scattered in random order, kv_churn_* "
+                         f"as the tree's backups get them from the host allocator after churn, nodes of "
+                         f"{NODE_PAGES_MEAN} pages on average). The GEMM ran beside the "
+                         f"{kv.host} KV moves{'' if a.kv_only else ' and state moves'}.")
     for r in rows:
         print(r)
     for k, v in metrics.items():
         print(f"{k:36s} {v:,.4f}")
     print("wrote", path)
-    kv.close()
+    for c in kv_cases.values():
+        c.close()
     smirror.close()
 
 
