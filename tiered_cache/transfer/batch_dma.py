@@ -129,3 +129,72 @@ class BatchDMA:
         d, s, n = coalesce(dst, src, nbytes)
         self.submit(d, s, n, stream)
         return int(d.size)
+
+
+class Dma2D:
+    """Strided DMA: ``height`` rows of ``width`` bytes, ``spitch`` apart at the source and ``dpitch`` apart at
+    the destination, as one ``cudaMemcpy2DAsync`` (one copy-engine job, no SMs).
+
+    What it is for: one layer of a run of consecutive host KV slots. A host slot holds a page's layers one
+    after the other (``L0 K | L0 V | L1 K | ...``), so one layer of ``k`` consecutive slots is ``k`` ranges
+    one slot apart: one 2D copy moves them into (or out of) a compact staging buffer, where a kernel
+    scatters them to (or gathers them from) the pages' scattered device rows. Reached through the optional
+    ``cuda-bindings`` like ``BatchDMA``; ``available`` is decided once by a probe copy checked byte for byte,
+    and is false on CPU or wherever the call is missing or fails.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._rt: Optional[Any] = None
+        self._checked = False
+        self._ok = False
+        self.error: Optional[str] = None
+
+    @property
+    def available(self) -> bool:
+        if not self._checked:
+            self._checked = True
+            self._ok = self.device.type == "cuda" and self._probe()
+        return self._ok
+
+    def _probe(self) -> bool:
+        try:
+            from cuda.bindings import runtime  # type: ignore[import-not-found]
+        except Exception:
+            self.error = "cuda.bindings.runtime not importable"
+            return False
+        try:
+            self._rt = runtime
+            host = torch.arange(4 * 64, dtype=torch.int32).view(torch.uint8).pin_memory()  # 4 rows of 256 B
+            dst = torch.zeros(4 * 48, dtype=torch.uint8, device=self.device)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            # bytes [16, 64) of each 256-byte row -> rows of 48, packed
+            self.copy(dst.data_ptr(), 48, host.data_ptr() + 16, 256, 48, 4, "h2d", stream.cuda_stream)
+            back = torch.zeros(4 * 256, dtype=torch.uint8, pin_memory=True)
+            self.copy(back.data_ptr() + 16, 256, dst.data_ptr(), 48, 48, 4, "d2h", stream.cuda_stream)
+            stream.synchronize()
+            want = host.view(4, 256)[:, 16:64]
+            if not (torch.equal(dst.cpu().view(4, 48), want) and torch.equal(back.view(4, 256)[:, 16:64], want)):
+                self.error = "cudaMemcpy2DAsync probe copy came back different"
+                return False
+        except Exception as exc:
+            self.error = f"cudaMemcpy2DAsync probe failed: {exc!r}"
+            self._rt = None
+            return False
+        return True
+
+    def copy(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, direction: str,
+             stream: int) -> None:
+        """One 2D copy on the raw CUDA stream handle ``stream`` (not the legacy default stream); raises
+        ``RuntimeError`` naming the CUDA error if the runtime refuses it."""
+        if width == 0 or height == 0:
+            return
+        rt = self._rt
+        assert rt is not None
+        kind = (rt.cudaMemcpyKind.cudaMemcpyHostToDevice if direction == "h2d"
+                else rt.cudaMemcpyKind.cudaMemcpyDeviceToHost)
+        res = rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, rt.cudaStream_t(stream))
+        err = res[0] if isinstance(res, tuple) else res
+        if err != rt.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaMemcpy2DAsync of {height} x {width} bytes failed: {err}")

@@ -5,7 +5,9 @@ consecutive ids (``HostRegion.runs``). Three ways to move them (``method``):
 
     copy      one ``cudaMemcpyAsync`` per row: DMA, no SMs, a fixed cost per call
     staging   one gather kernel into a device staging buffer, then one DMA copy per host run (or the
-              reverse): few calls, but the bytes cross HBM twice
+              reverse): few calls, but the bytes cross HBM twice. A sub-range of each row (one layer of
+              KV pages) is packed in the buffer and moved by one strided DMA per host run
+              (``cudaMemcpy2DAsync``, ``Dma2D``) where ``cuda-bindings`` offers it, else by the kernel
     kernel    a few programs that read or write the mapped pinned host memory directly
               (``kernels/hostcopy.py``): no per-call cost, takes a few SMs from compute
     batch     every row (or run of rows adjacent on both sides) as one entry of one
@@ -27,7 +29,7 @@ from tiered_cache import device as dev
 from tiered_cache.kernels import use_triton
 from tiered_cache.kernels.hostcopy import copy_items
 from tiered_cache.tiers.host_mirror import HostRegion
-from tiered_cache.transfer.batch_dma import BatchDMA
+from tiered_cache.transfer.batch_dma import BatchDMA, Dma2D
 
 # ``auto`` picks by row size and direction, from bench_transfer.py on the H200 (benchmarks/results/transfer-h200.md):
 # rows of AUTO_COPY_MIN_BYTES or more (state envelopes, ~21 MB for Qwen3-Next-80B) go as one DMA copy
@@ -65,6 +67,7 @@ class ScatterCopier:
         self._staging: dict[str, torch.Tensor] = {}
         self._staging_bytes = staging_bytes
         self.batch = BatchDMA(device)  # probed on first use; unavailable on CPU and without cuda-bindings
+        self.dma2d = Dma2D(device)  # likewise: a layer's sub-range of a host run as one strided DMA
 
     def pick(self, direction: str, row_bytes: int, runs: list, sub: bool) -> str:
         """The method for one copy call; ``sub``: whether it moves a sub-range (one layer) of each row."""
@@ -82,8 +85,8 @@ class ScatterCopier:
             method = "staging" if run_bytes >= AUTO_COPY_MIN_BYTES and not sub else "kernel"
         if method == "batch" and not self.batch.available:
             method = "kernel"  # no cuda-bindings (or no CUDA): the few-program kernel instead
-        if method == "staging" and sub:
-            method = "kernel"  # a layer's sub-range of each row has no contiguous staging form
+        if method == "staging" and sub and not self.dma2d.available:
+            method = "kernel"  # a layer's sub-range of a host run is strided: without 2D DMA, the kernel
         if method == "kernel" and not use_triton(self.device, self.backend):
             return "copy"  # CPU without the interpreter: the kernel cannot run here
         return method
@@ -101,7 +104,7 @@ class ScatterCopier:
             self._kernel(direction, rows_view, rows_l, region, slots, off, n, keep)
             return
         if method == "staging":
-            self._staging_copy(direction, rows_view, rows_t, region, slots, keep)
+            self._staging_copy(direction, rows_view, rows_t, region, slots, keep, sub)
             return
         if method == "batch":
             self._batch(direction, rows_view, rows_l, region, slots, off, n)
@@ -116,35 +119,47 @@ class ScatterCopier:
                 else:
                     devrow.copy_(host, non_blocking=True)
 
-    def _staging_copy(self, direction, rows_view, rows_t, region, slots, keep):
+    def _staging_copy(self, direction, rows_view, rows_t, region, slots, keep, sub=None):
         """Gather device rows into a staging buffer (one kernel), then one DMA copy per run of
-        consecutive host slots (or the reverse), in groups that fit the buffer."""
+        consecutive host slots (or the reverse), in groups that fit the buffer. With ``sub`` (``(offset,
+        nbytes)`` of each row: one layer of KV pages) only that range of each row is packed in the buffer,
+        and each run moves as one strided DMA (``Dma2D``): its ranges lie one host slot apart."""
         e = region.slot_bytes
-        staging = self._get_staging(direction, e)
-        per = staging.numel() // e
+        off, n = sub if sub is not None else (0, e)
+        staging = self._get_staging(direction, n)
+        per = staging.numel() // n
+        stream = dev.current_stream(self.device)
         for g0 in range(0, len(slots), per):
             g1 = min(len(slots), g0 + per)
-            stage = staging[: (g1 - g0) * e].view(g1 - g0, e)
+            stage = staging[: (g1 - g0) * n].view(g1 - g0, n)
             if direction == "d2h":
-                self._stage_rows(rows_view, rows_t[g0:g1], stage, True, keep)
+                self._stage_rows(rows_view, rows_t[g0:g1], stage, True, keep, off)
             for pos, s0, k in region.runs(slots[g0:g1]):
+                if sub is not None:
+                    host, dst = int(region.slot_addresses([s0])[0]) + off, stage.data_ptr() + pos * n
+                    if direction == "d2h":
+                        self.dma2d.copy(host, e, dst, n, n, k, "d2h", _raw(stream))
+                    else:
+                        self.dma2d.copy(dst, n, host, e, n, k, "h2d", _raw(stream))
+                    continue
                 host, dev_part = region.run_view(s0, k), stage[pos:pos + k].reshape(-1)
                 if direction == "d2h":
                     host.copy_(dev_part, non_blocking=True)
                 else:
                     dev_part.copy_(host, non_blocking=True)
             if direction == "h2d":
-                self._stage_rows(rows_view, rows_t[g0:g1], stage, False, keep)
+                self._stage_rows(rows_view, rows_t[g0:g1], stage, False, keep, off)
 
-    def _stage_rows(self, rows_view, ids, stage, to_stage: bool, keep) -> None:
-        """``stage[i] = rows_view[ids[i]]`` (``to_stage``) or the reverse, on the current (side) stream.
-        With Triton: one ``copy_items`` launch over many programs (device to device) that reads the row
-        offsets from page-locked host memory, since a host-to-device copy of the ids would queue in the
-        H2D copy engine behind the large loads in flight. Without: torch's index ops."""
+    def _stage_rows(self, rows_view, ids, stage, to_stage: bool, keep, off: int = 0) -> None:
+        """``stage[i] = rows_view[ids[i], off:off + w]`` (``to_stage``) or the reverse, ``w`` the stage's
+        width, on the current (side) stream. With Triton: one ``copy_items`` launch over many programs
+        (device to device) that reads the row offsets from page-locked host memory, since a host-to-device
+        copy of the ids would queue in the H2D copy engine behind the large loads in flight. Without:
+        torch's index ops."""
         e = stage.shape[1]
-        if use_triton(self.device, self.backend) and e % 4 == 0:
+        if use_triton(self.device, self.backend) and e % 4 == 0 and off % 4 == 0:
             rows_w, stage_w = rows_view.view(torch.int32), stage.view(torch.int32)
-            r_off = ids.cpu() * rows_w.stride(0)
+            r_off = ids.cpu() * rows_w.stride(0) + off // 4
             s_off = torch.arange(len(ids), dtype=torch.int64) * stage_w.stride(0)
             if self.device.type == "cuda":
                 r_off, s_off = r_off.pin_memory(), s_off.pin_memory()
@@ -153,10 +168,11 @@ class ScatterCopier:
             copy_items(src[0], src[1], dst[0], dst[1], e // 4, self.staging_programs, 4096, 8)
             return
         idx = ids.to(self.device, non_blocking=True)
+        part = rows_view[:, off:off + e]
         if to_stage:
-            torch.index_select(rows_view, 0, idx, out=stage)
+            torch.index_select(part, 0, idx, out=stage)
         else:
-            rows_view.index_copy_(0, idx, stage)
+            part.index_copy_(0, idx, stage)
 
     def _kernel(self, direction, rows_view, rows_l, region, slots, off, n, keep):
         """One few-program launch per host chunk touched (``kernels/hostcopy.py``). The item offsets stay
@@ -199,3 +215,8 @@ class ScatterCopier:
             buf = torch.empty(max(self._staging_bytes, row_bytes), dtype=torch.uint8, device=self.device)
             self._staging[direction] = buf
         return buf
+
+
+def _raw(stream) -> int:
+    """The raw CUDA handle of ``stream`` (0 for the CPU's ``NullStream``: only stand-ins run there)."""
+    return int(getattr(stream, "cuda_stream", 0))
