@@ -159,7 +159,7 @@ class Dma2D:
 
     def _probe(self) -> bool:
         try:
-            from cuda.bindings import runtime  # type: ignore[import-not-found]
+            from cuda.bindings import runtime
         except Exception:
             self.error = "cuda.bindings.runtime not importable"
             return False
