@@ -128,3 +128,31 @@ def test_dma2d_staging_on_cuda_round_trip():
     t = load_kv(eng, region, slots[::-1], full, toks, layerwise=True)
     assert eng.wait(t, timeout=10) and t.ok == [True] * 8
     assert torch.equal(rb[rows], saved.flip(0))
+
+
+def test_auto_sends_long_host_runs_through_staging_and_short_ones_as_before():
+    """Where the copier runs on CUDA (a stand-in device here) with batched and 2D DMA: long runs of host
+    slots take the staging buffer both ways, a layer of them too (a 2D copy per run), where each run
+    carries at least AUTO_2D_MIN_BYTES of the layer; scattered slots keep batched DMA H2D and the kernel
+    D2H, and large rows one copy each."""
+    from tiered_cache.transfer.scatter import AUTO_2D_MIN_BYTES
+
+    eng = TransferEngine("cpu")
+    c = eng.copier
+    c.device = torch.device("cuda")
+    c.batch = type("B", (), {"available": True})()
+    c.dma2d = _Memmove2D()
+    page, layer = 384 << 10, 32 << 10
+    long_runs, strays = [(0, 1, 64), (64, 100, 64)], [(0, 1, 1), (1, 9, 1)]
+    for d in ("d2h", "h2d"):
+        assert c.pick(d, page, long_runs, False) == "staging"
+        assert c.pick(d, page, long_runs, True, layer) == "staging"
+    assert c.pick("h2d", page, strays, False) == "batch"
+    assert c.pick("d2h", page, strays, False) == "kernel"
+    assert c.pick("h2d", page, strays, True, layer) == "kernel"
+    k = AUTO_2D_MIN_BYTES // layer
+    assert c.pick("h2d", page, [(0, 1, k)], True, layer) == "staging"
+    assert c.pick("h2d", page, [(0, 1, k - 1)], True, layer) == "kernel"
+    assert c.pick("h2d", 21 << 20, long_runs, False) == "copy"
+    c.dma2d = Dma2D(torch.device("cpu"))  # no 2D DMA: a layer of long runs goes through the kernel
+    assert c.pick("h2d", page, long_runs, True, layer) == "kernel"

@@ -43,6 +43,9 @@ from tiered_cache.transfer.batch_dma import BatchDMA, Dma2D
 DEFAULT_METHOD = {"d2h": "auto", "h2d": "auto"}
 METHODS = ("auto", "copy", "staging", "kernel", "batch")
 AUTO_COPY_MIN_BYTES = 2 << 20
+# A strided DMA of one layer per host run (``Dma2D``) where a run's share of the layer is at least this:
+# each call costs a few us of CPU and driver time, about what 1 MiB takes on PCIe at 55 GB/s (19 us).
+AUTO_2D_MIN_BYTES = 1 << 20
 
 
 class ScatterCopier:
@@ -69,20 +72,26 @@ class ScatterCopier:
         self.batch = BatchDMA(device)  # probed on first use; unavailable on CPU and without cuda-bindings
         self.dma2d = Dma2D(device)  # likewise: a layer's sub-range of a host run as one strided DMA
 
-    def pick(self, direction: str, row_bytes: int, runs: list, sub: bool) -> str:
-        """The method for one copy call; ``sub``: whether it moves a sub-range (one layer) of each row."""
+    def pick(self, direction: str, row_bytes: int, runs: list, sub: bool, sub_bytes: int = 0) -> str:
+        """The method for one copy call; ``sub``: whether it moves a sub-range (one layer) of each row,
+        ``sub_bytes`` long (0: not given)."""
         method = self.method[direction]
         if method == "auto":
             if self.device.type != "cuda" or row_bytes >= AUTO_COPY_MIN_BYTES:
                 return "copy"
-            # Small rows: H2D of whole rows by batched DMA where it exists (a layer's sub-range of each
-            # row, 32 KiB for the engine's pages, was not measured that way: it stays on the kernel);
-            # otherwise consecutive host slots go as one DMA copy per run through the staging buffer
-            # when runs are long, and scattered ones through the few-program kernel.
+            # Small rows (KV pages). Consecutive host slots in long runs (a node's pages, as the host
+            # allocator hands them out) go as one DMA copy per run through the staging buffer, a layer's
+            # sub-range of each as one strided DMA per run where 2D DMA exists; otherwise whole rows H2D by
+            # batched DMA where it exists, and the rest through the few-program kernel.
+            per_run = sum(k for _, _, k in runs) / max(1, len(runs))
+            if sub:
+                if self.dma2d.available and per_run * (sub_bytes or row_bytes) >= AUTO_2D_MIN_BYTES:
+                    return "staging"
+            elif per_run * row_bytes >= AUTO_COPY_MIN_BYTES:
+                return "staging"
             if direction == "h2d" and not sub and self.batch.available:
                 return "batch"
-            run_bytes = row_bytes * sum(k for _, _, k in runs) / max(1, len(runs))
-            method = "staging" if run_bytes >= AUTO_COPY_MIN_BYTES and not sub else "kernel"
+            method = "kernel"
         if method == "batch" and not self.batch.available:
             method = "kernel"  # no cuda-bindings (or no CUDA): the few-program kernel instead
         if method == "staging" and sub and not self.dma2d.available:
@@ -99,7 +108,7 @@ class ScatterCopier:
         kernel reads after this returns (held until the ticket ends)."""
         off, n = sub if sub is not None else (0, region.slot_bytes)
         runs = region.runs(slots)
-        method = self.pick(direction, region.slot_bytes, runs, sub is not None)
+        method = self.pick(direction, region.slot_bytes, runs, sub is not None, n if sub is not None else 0)
         if method == "kernel":
             self._kernel(direction, rows_view, rows_l, region, slots, off, n, keep)
             return
