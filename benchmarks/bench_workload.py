@@ -533,6 +533,8 @@ def _load(name: str, args: argparse.Namespace, answer: Optional[int]) -> dict:
     for key, val in (("gpu_budget_mib", args.gpu_mib), ("host_budget_mib", args.host_mib)):
         if val is not None:
             sec[key] = val
+    if getattr(args, "max_running", None) is not None:  # every configuration alike: T0's running reservation too
+        sec["engine"]["max_running"] = args.max_running
     return sec
 
 
@@ -1116,6 +1118,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--gpu-mib", type=float, default=None, help="the GPU budget (MiB) instead of the file's")
     p.add_argument("--host-mib", type=float, default=None, help="the host budget (MiB) of (2b) and (4) instead of "
                                                                  "the file's")
+    p.add_argument("--max-running", type=int, default=None, metavar="N",
+                   help="requests the engine runs at once (decoded in one batch) instead of the file's max_running, "
+                        "in every configuration alike; T0 reserves a state slot and the longest request's KV pages "
+                        "for each (workload_common.split_budget), so the GPU budget must cover N of them")
     p.add_argument("--gpu-budgets", nargs="*", type=float, default=[], metavar="MIB",
                    help="also run each workload at these GPU budgets (MiB, split as at the file's budget) with "
                         "--budget-configs (metrics <workload>_gpu<MIB>_*; (1) needs no pools: the main run's)")
@@ -1177,6 +1183,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--policy-gpu-budgets: MiB > 0, got {args.policy_gpu_budgets}")
     if any(v is not None and not v > 0 for v in (args.gpu_mib, args.host_mib)):
         p.error(f"--gpu-mib / --host-mib: MiB > 0, got {args.gpu_mib} / {args.host_mib}")
+    if args.max_running is not None and args.max_running < 1:
+        p.error(f"--max-running: at least 1, got {args.max_running}")
     if args.trace_start < 0 or args.trace_limit < 1 or not 0.0 < args.trace_sample <= 1.0:
         p.error(f"--trace-start >= 0, --trace-limit >= 1, --trace-sample in (0, 1] expected, got {args.trace_start}, "
                 f"{args.trace_limit}, {args.trace_sample}")

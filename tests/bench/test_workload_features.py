@@ -189,3 +189,20 @@ def test_trace_window_with_block_admission_and_a_second_pass_calibration(tmp_pat
     with pytest.raises(ValueError, match="page size"):
         main(["--scale", "small", "--trace", str(tmp_path / "t.jsonl"), "--trace-block", "24", "--repeats", "1",
               "--out", str(tmp_path), "--no-progress"])
+
+
+def test_max_running_sets_the_running_batch_and_t0_reservation_of_every_configuration(tmp_path, keep_threads):
+    from benchmarks import workload_common as wc
+    from benchmarks.bench_workload import _load, main, parse_args
+
+    assert _load("multi_turn", parse_args(["--max-running", "2"]), None)["engine"]["max_running"] == 2
+    assert _load("multi_turn", parse_args([]), None)["engine"]["max_running"] == 4  # the file's
+    with pytest.raises(SystemExit):
+        parse_args(["--max-running", "0"])
+    rec = main(["--scale", "small", "--workloads", "multi_turn", "--set", "clients=3", "rounds=2", "--answers", "3",
+                "--repeats", "1", "--no-warm-each", "--max-running", "2", "--configs", "gpu_only_host",
+                "int8_t1_t2", "--out", str(tmp_path), "--no-progress"])
+    wl = rec["info"]["workloads"]["multi_turn_ans3"]
+    assert wl["engine"]["max_running"] == 2
+    assert {t["t0_states"] for c, t in wl["tiers"].items() if c in wc.CONFIGS[1:]} == {2}
+    assert rec["metrics"]["multi_turn_ans3_hit_rate_gpu_only_host"] > 0
