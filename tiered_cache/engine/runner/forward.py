@@ -8,11 +8,17 @@ left-padded batch gathered from their caches, and hands each cache its results b
 Continuing on a restored cache always passes ``position_ids``: some models derive positions from the
 cache length otherwise, which a restored cache may not report as the caller means.
 
-transformers versions: tested on 5.24 and 5.17 (CPU). They differ in the cache keyword of
+transformers versions: tested on 5.24 and 5.17 (CPU); 5.25 is not supported yet (pyproject caps it). They differ in the cache keyword of
 ``forward`` (``cache`` in 5.24, where ``past_key_values`` is deprecated; ``past_key_values`` in 5.17:
 ``cache_kwarg``) and in how Qwen3-Next asks whether a layer has a state (``Cache.has_previous_state``
 in 5.17, the layer's ``has_previous_state`` dict through ``get_conv_state`` in 5.24); filling fresh
-layers through their own ``update*`` methods, as here, sets both.
+layers through their own ``update*`` methods, as here, sets both. Toward 5.25: it gives each linear layer a token
+counter (``cumulative_length_linear``, grown by the columns of every conv-state update) that its
+``get_seq_length`` reports, and ``Cache.get_seq_length`` asks layer 0, a linear layer in Qwen3-Next:
+a state restored or gathered here counts its conv window's columns, not the positions it holds. So the
+positions are read off the attention layers (``seen_tokens``) and the counters set to them before every
+forward (``sync_linear_lengths``), where the model reads them for its masks. What 5.25 still breaks is
+the split forward (``split_forward.py``): its GatedDeltaNet no longer calls the functions it wraps by name.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ def forward_chunk(model, cache, input_ids: torch.Tensor, start_pos: int) -> tupl
         for i, kind in enumerate(layer_kinds(model.config)):
             if kind in STATE_KINDS and not all(cache.layers[i].has_previous_state.values()):
                 raise InvalidArgumentError("cache", f"a state in linear layer {i} to continue from", "none")
+    sync_linear_lengths(cache, start_pos)
     ids = ids.to(model.device)
     pos = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device).unsqueeze(0)
     out = model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
@@ -120,6 +127,7 @@ def decode_batch(model, caches: Sequence, tokens: Sequence[int], positions: Sequ
             target.update_conv_state(conv.clone(), 0, conv_kernel_size=k_conv)
             if kind in RECURRENT_KINDS:  # a conv layer (Lfm2) has its window only
                 target.update_recurrent_state(torch.cat([lay.recurrent_states[0] for lay in layers]), 0)
+    sync_linear_lengths(batch, width)  # every row left-padded to ``width`` positions
     mask = torch.zeros((n, width + 1), dtype=torch.long, device=dev)
     for b, p in enumerate(positions):
         mask[b, width - p:] = 1
@@ -160,6 +168,15 @@ def store_decoded(caches: Sequence, kinds: Sequence[str], k_conv: int, keys: dic
                 src.append(rec[i][b:b + 1])
     if dst:
         torch._foreach_copy_(dst, src)
+    for c in caches:  # 5.25+: the linear layers' token counters count the decoded token too
+        n = seen_tokens(c)
+        if n is not None:
+            sync_linear_lengths(c, n)
+        else:
+            for i, kind in enumerate(kinds):
+                cnt = getattr(c.layers[i], "cumulative_length_linear", None)
+                if kind in STATE_KINDS and isinstance(cnt, torch.Tensor):
+                    cnt.add_(1)
 
 
 def conv_width(cache, kinds: Sequence[str]) -> int:
@@ -185,10 +202,30 @@ def conv_width(cache, kinds: Sequence[str]) -> int:
 
 def seen_tokens(cache) -> Optional[int]:
     """The positions ``cache`` holds; None for a cache of linear layers only (it tracks no length)."""
+    layers = getattr(cache, "layers", ())
+    if any(hasattr(lay, "cumulative_length_linear") for lay in layers):
+        # 5.25+: a linear layer reports its own counter (module docstring); the attention layers (a hybrid
+        # layer is one) hold the positions
+        from transformers.cache_utils import DynamicLayer
+
+        for lay in layers:
+            if isinstance(lay, DynamicLayer):
+                return int(lay.get_seq_length())
+        return None
     try:
         return int(cache.get_seq_length())
     except ValueError:  # a cache of linear layers only tracks no length
         return None
 
 
-__all__ = ["cache_kwarg", "conv_width", "decode_batch", "forward_chunk", "new_cache", "seen_tokens", "store_decoded"]
+def sync_linear_lengths(cache, n: int) -> None:
+    """Set the token counter of each linear layer of ``cache`` (transformers 5.25+) to ``n``, the positions
+    the cache holds: restoring or gathering a state writes its conv window, which counts its columns."""
+    for lay in getattr(cache, "layers", ()):
+        c = getattr(lay, "cumulative_length_linear", None)
+        if isinstance(c, torch.Tensor):
+            c.fill_(n)
+
+
+__all__ = ["cache_kwarg", "conv_width", "decode_batch", "forward_chunk", "new_cache", "seen_tokens", "store_decoded",
+           "sync_linear_lengths"]
