@@ -8,8 +8,8 @@ left-padded batch gathered from their caches, and hands each cache its results b
 Continuing on a restored cache always passes ``position_ids``: some models derive positions from the
 cache length otherwise, which a restored cache may not report as the caller means.
 
-transformers versions: tested on 5.24 and 5.17 (CPU); 5.25 is not supported yet (pyproject caps it). They differ in the cache keyword of
-``forward`` (``cache`` in 5.24, where ``past_key_values`` is deprecated; ``past_key_values`` in 5.17:
+transformers versions: tested on 5.24 and 5.17 (CPU); 5.25 is not supported yet (pyproject caps it).
+5.24 and 5.17 differ in the cache keyword of ``forward`` (``cache`` in 5.24, where ``past_key_values`` is deprecated; ``past_key_values`` in 5.17:
 ``cache_kwarg``) and in how Qwen3-Next asks whether a layer has a state (``Cache.has_previous_state``
 in 5.17, the layer's ``has_previous_state`` dict through ``get_conv_state`` in 5.24); filling fresh
 layers through their own ``update*`` methods, as here, sets both. Toward 5.25: it gives each linear layer a token
