@@ -9,16 +9,17 @@ Continuing on a restored cache always passes ``position_ids``: some models deriv
 cache length otherwise, which a restored cache may not report as the caller means.
 
 transformers versions: tested on 5.24 and 5.17 (CPU); 5.25 is not supported yet (pyproject caps it).
-5.24 and 5.17 differ in the cache keyword of ``forward`` (``cache`` in 5.24, where ``past_key_values`` is deprecated; ``past_key_values`` in 5.17:
-``cache_kwarg``) and in how Qwen3-Next asks whether a layer has a state (``Cache.has_previous_state``
-in 5.17, the layer's ``has_previous_state`` dict through ``get_conv_state`` in 5.24); filling fresh
-layers through their own ``update*`` methods, as here, sets both. Toward 5.25: it gives each linear layer a token
-counter (``cumulative_length_linear``, grown by the columns of every conv-state update) that its
-``get_seq_length`` reports, and ``Cache.get_seq_length`` asks layer 0, a linear layer in Qwen3-Next:
-a state restored or gathered here counts its conv window's columns, not the positions it holds. So the
-positions are read off the attention layers (``seen_tokens``) and the counters set to them before every
-forward (``sync_linear_lengths``), where the model reads them for its masks. What 5.25 still breaks is
-the split forward (``split_forward.py``): its GatedDeltaNet no longer calls the functions it wraps by name.
+5.24 and 5.17 differ in the cache keyword of ``forward`` (``cache`` in 5.24, where ``past_key_values``
+is deprecated; ``past_key_values`` in 5.17: ``cache_kwarg``) and in how Qwen3-Next asks whether a
+layer has a state (``Cache.has_previous_state`` in 5.17, the layer's ``has_previous_state`` dict through
+``get_conv_state`` in 5.24); filling fresh layers through their own ``update*`` methods, as here, sets
+both. Toward 5.25: it gives each linear layer a token counter (``cumulative_length_linear``, grown by
+the columns of every conv-state update) that its ``get_seq_length`` reports, and
+``Cache.get_seq_length`` asks layer 0, a linear layer in Qwen3-Next: a state restored or gathered here
+counts its conv window's columns, not the positions it holds. So the positions are read off the
+attention layers (``seen_tokens``) and the counters set to them before every forward
+(``sync_linear_lengths``), where the model reads them for its masks. What 5.25 still breaks is the
+split forward (``split_forward.py``): its GatedDeltaNet no longer calls the functions it wraps by name.
 """
 
 from __future__ import annotations
