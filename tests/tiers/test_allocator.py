@@ -154,9 +154,10 @@ def _translate_spec(table, ids):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_translate_host_common_case_is_the_contract(seed):
-    """``translate_host`` takes a small int64 array in one test and one bounds pair; anything else (other dtypes,
-    empty or > 64 ids, an id out of range) the checked path: over random ids, valid or not, both give the rows
-    the contract says, or its error."""
+    """``translate_host`` takes an int64 array at a page size > 1 by ``take``'s own bounds check (a negative id read
+    as unsigned, the most negative too), a small one at page size 1 in one test and one bounds pair; anything else
+    (other dtypes, an id out of range) the checked path: over random ids, valid or not, both give the rows the
+    contract says, or its error."""
     from tiered_cache.errors import InvalidArgumentError
     from tiered_cache.tiers.page_table import PageTable
 
@@ -170,7 +171,7 @@ def test_translate_host_common_case_is_the_contract(seed):
             n = int(rng.choice([0, 1, 2, 5, 64, 65, 100]))
             ids = rng.integers(0, end, size=n)
             if n and rng.random() < 0.3:
-                ids[rng.integers(n)] = rng.choice([-1, end, end + 7, -end])
+                ids[rng.integers(n)] = rng.choice([-1, end, end + 7, -end, -2**63, 2**63 - 1])
             ids = ids.astype(rng.choice([np.int64, np.int32, np.uint16])) if (ids >= 0).all() else ids
             if rng.random() < 0.2 and n % 5 == 0 and n:
                 ids = ids.reshape(5, -1)

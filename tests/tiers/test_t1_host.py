@@ -16,13 +16,14 @@ from tiered_cache.tiers.checkpoint_pool import ActiveViews, Int8CheckpointPool
 ROWS, SLOTS = 12, 9
 
 
-def case(seed: int):
-    """A random spec, codec and T0 views (never zeros), from ``seed``."""
+def case(seed: int, big: bool = False):
+    """A random spec, codec and T0 views (never zeros), from ``seed``; ``big``: more values a state than
+    ``t1_host._FEW``, so the finiteness checks take numpy's sum rather than Python's."""
     g = torch.Generator().manual_seed(seed)
     pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
     dtype, conv_dtype = pick([torch.float32, torch.float16]), pick([torch.float32, torch.float16])
-    shape = (pick([1, 2]), pick([3, 4, 16]), pick([4, 5, 8]))
-    convs = pick([(), ((6, 3),), ((6, 3), (4, 2))])
+    shape = (pick([5, 8]), pick([16, 24]), pick([16, 20])) if big else (pick([1, 2]), pick([3, 4, 16]), pick([4, 5, 8]))
+    convs = pick([((6, 3),), ((32, 4), (4, 2))]) if big else pick([(), ((6, 3),), ((6, 3), (4, 2))])
     spec = StateSpec(pick([1, 2]), shape, dtype, conv_shapes=convs, conv_dtype=conv_dtype, value_axis=pick([1, 2]))
     # magnitudes over decades: tiny amaxes hit the 1e-8 clamp (fp16: the scale floor), large ones round
     scale = 10.0 ** torch.randint(-9, 4, (ROWS, spec.num_layers, *shape[:1], 1, 1), generator=g).float()
@@ -46,16 +47,18 @@ def clone(views):
     return ActiveViews(views.temporal.clone(), tuple(c.clone() for c in views.convs))
 
 
+@pytest.mark.parametrize("big", [False, True])
 @pytest.mark.parametrize("seed", range(24))
-def test_numpy_moves_equal_the_torch_twins(seed, poison):
-    spec, codec, views, g = case(seed)
+def test_numpy_moves_equal_the_torch_twins(seed, big, poison):
+    spec, codec, views, g = case(seed, big)
     fast, ref = (Int8CheckpointPool(spec, SLOTS, "cpu", codec=codec, backend="torch") for _ in range(2))
     lay, _ = twins_layout(fast, views)
     _, lay_ref = twins_layout(ref, views)
     assert lay.host is not None and lay_ref.host is None
     for pool in (fast, ref):
         pool.raw.copy_(torch.randint(0, 256, pool.raw.shape, dtype=torch.uint8, generator=torch.Generator()))
-    n = int(torch.randint(1, 6, (1,), generator=g))
+    # one state (every other seed: the numpy path's one-slot views) or a few
+    n = 1 if seed % 2 else int(torch.randint(1, 6, (1,), generator=g))
     rows = torch.randint(ROWS, (n,), generator=g).tolist()  # a store may read one row twice
     slots = (torch.randperm(SLOTS - 1, generator=g)[:n] + 1).tolist()
     store(fast, lay, rows, slots)
@@ -88,6 +91,29 @@ def test_a_non_finite_state_goes_through_the_twins_and_is_flagged(bad):
     store(ref, lay_ref, [1, 2], [3, 4])
     assert torch.equal(fast.raw, ref.raw) and torch.equal(fast.flags.flags, ref.flags.flags)
     assert fast.flags.flags[[3, 4]].tolist() == [0, fast.flags._mark]  # slot 4 holds the store's mark
+
+
+@pytest.mark.parametrize("big", [False, True])
+@pytest.mark.parametrize("where", ["temporal", "conv"])
+@pytest.mark.parametrize("codec", ["int8", "lossless"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_any_non_finite_value_is_refused_by_the_numpy_path(bad, codec, where, big):
+    """One NaN or +-inf anywhere in a state, its temporal part or a conv window, at either size of finiteness
+    check: the numpy store refuses it and writes nothing; the twins store it and flag it, as they do alone."""
+    spec, _, views, g = case(5, big)
+    fast, ref = (Int8CheckpointPool(spec, SLOTS, "cpu", codec=codec, backend="torch") for _ in range(2))
+    t = views.temporal if where == "temporal" else views.convs[-1]
+    row = t[:, 2]
+    row.reshape(-1)[int(torch.randint(row.numel(), (1,), generator=g))] = bad
+    lay, _ = twins_layout(fast, views)
+    _, lay_ref = twins_layout(ref, views)
+    assert not lay.host.store(torch.tensor([2]).numpy(), torch.tensor([4]).numpy())  # refused, nothing written
+    assert torch.equal(fast.raw, ref.raw)
+    assert lay.host.store(torch.tensor([1]).numpy(), torch.tensor([3]).numpy())  # a finite row still goes
+    store(ref, lay_ref, [1], [3])
+    store(fast, lay, [2], [4])
+    store(ref, lay_ref, [2], [4])
+    assert torch.equal(fast.raw, ref.raw) and fast.flags.flags[4] == fast.flags._mark
 
 
 def test_no_numpy_path_where_it_does_not_apply():

@@ -51,13 +51,13 @@ def insert_args(params: Any, page_size: int, device: Any, ids: tuple[str, ...],
     return toks, salt, int(params.prev_prefix_len), n // page_size * page_size
 
 
-def req_slot(states: StateSide, validate: bool, req: Any) -> tuple[torch.Tensor, bool]:
-    """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and whether ``validate``
-    checked it is allocated (its row is read where it is used: a side may compact before)."""
+def req_slot(states: StateSide, validate: bool, req: Any) -> tuple[torch.Tensor, Optional[np.ndarray]]:
+    """``req.mamba_pool_idx`` (set), checked: a T0 state slot the request holds, and where ``validate`` checked it
+    is allocated, its id as a host array [1] (``check_state_allocated``), else None (its row is read where it is
+    used: a side may compact before)."""
     slot = state_slot(states, "req.mamba_pool_idx", req.mamba_pool_idx)
-    if validate:
-        check_state_allocated(states, slot, "req.mamba_pool_idx")
-    return slot, validate
+    vid = check_state_allocated(states, slot, "req.mamba_pool_idx") if validate else None
+    return slot, vid
 
 
 def check_prev_prefix_len(prev: Any, n: int, page_size: int) -> None:
@@ -128,13 +128,14 @@ def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:
 
 
 def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mamba_value") -> np.ndarray:
-    """-> the slot's physical row as a host array [1] (checked: T1's trusted moves take it, with no second
-    translate)."""
+    """-> the slot's id as a host int64 array [1], checked: the caller reads its physical row with it where it
+    uses it (``states.translate_host``: a side may compact in between), without reading the tensor again."""
     v = int(slot)
-    rows = states.translate_host(np.array([v], dtype=np.int64)) if 0 < v < states.capacity else None  # no launch
+    vid = np.array([v], dtype=np.int64)
+    rows = states.translate_host(vid) if 0 < v < states.capacity else None  # no launch
     if rows is None or rows[0] < 0:
         raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
-    return rows
+    return vid
 
 
 def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0,
@@ -146,10 +147,10 @@ def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0
     ps = tree.page_size
     toks = v.numpy()[lo:hi] if v.is_cpu else v[lo:hi].cpu().numpy()
     first = toks[::ps]
-    pages = first // ps
+    pages = first // tree.ps0  # a 0-d operand: numpy's cheaper path for an array than for a Python int
     # whole pages: the ids equal page*ps + 0..ps-1, compared as bytes (one memcmp, no bool array; a step-1
     # slice of a 1-D tensor's view is contiguous)
-    if ps > 1 and toks.tobytes() != ((pages * ps)[:, None] + tree.offsets).tobytes():
+    if ps > 1 and toks.tobytes() != ((pages * tree.ps0)[:, None] + tree.offsets).tobytes():
         raise InvalidArgumentError(arg, f"whole KV pages (page*{ps} + 0..{ps - 1})", toks[:16].tolist())
     lst = pages.tolist()  # a few dozen pages: Python's min, max and set beat numpy's calls
     if lst and (min(lst) < 1 or max(lst) >= tree.kv.capacity):

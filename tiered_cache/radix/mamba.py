@@ -219,12 +219,12 @@ class MambaRule:
         if not isinstance(cow, bool):
             raise InvalidTypeError("cow_mamba", "a bool", cow)
         dst: Any = None
-        dst_checked = False  # validate checked it is allocated: the load then takes the trusted path
+        dst_vid = None  # validate checked it is allocated (its host id): the load then takes the trusted path
         if cow:
             if req is None or not hasattr(req, "mamba_pool_idx"):
                 raise InvalidArgumentError("req", "a request with .mamba_pool_idx when cow_mamba is set", req)
             if req.mamba_pool_idx is not None:
-                dst, dst_checked = req_slot(self.states, tree.validate, req)
+                dst, dst_vid = req_slot(self.states, tree.validate, req)
         # Every check is done: what follows may change the tree.
         if host.t3 is not None:  # T3 -> T2 for pages past the tree's match (wait policies: before the walk)
             host.t3.maybe_prefetch(toks.tolist(), salt, req)
@@ -263,9 +263,9 @@ class MambaRule:
             remember(tree, dev, salt, kb, dev_len)
         if cow and dev is not root:
             self.fresh_slot(dst)  # overwritten with dev's state next
-        if cow and dev is not root and dst_checked:  # both ids checked: no second check in T1
+        if cow and dev is not root and dst_vid is not None:  # both ids checked: no second check in T1
             # dst's row read again now: the walk's drops (NaN states) free KV, and a side may compact on a free
-            row = self.states.translate_host(np.array([int(dst)], dtype=np.int64))
+            row = self.states.translate_host(dst_vid)
             self.ckpt.load_rows(np.array([dev.payload.t1_slot]), self.states, row)
         elif cow and dev is not root:
             self.ckpt.load_to_active(dev.payload.mamba_value, self.states, dst)
@@ -298,10 +298,7 @@ class MambaRule:
         pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
         # the slot checked now, before anything changes; its physical row is read only at the store: the T1
         # allocation between may evict, and a state side may compact (move rows) on any free or alloc
-        vid = None
-        if tree.validate and slot is not None:
-            check_state_allocated(self.states, slot)
-            vid = np.array([int(slot)], dtype=np.int64)
+        vid = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
         if self.host.settle_loads(path, prev, pending):  # the caller computed on what a load brings: done, or nearly
             path, end_node, lead, _ = tree.probe(toks, salt, aligned, prev, kb, hint)
         if stale_mark:  # every check passed: the slot holds another computation than the failed load's
@@ -377,9 +374,9 @@ class MambaRule:
         stored = False
         if i < aligned:
             if t1 is not None:
-                node = tree.new_leaf(node, toks[i:aligned], value[i:aligned], salt,
+                node = tree.new_leaf(node, toks[i:aligned], value, salt,
                                      lambda leaf: self.set_state(leaf, t1, t1_id, sync=False),
-                                     None if pages is None else pages[(i - prev) // ps:])
+                                     None if pages is None else pages[(i - prev) // ps:], lo=i)
                 stored, i = True, aligned
         elif node is not root:
             if not node.payload.resumable and t1 is not None:

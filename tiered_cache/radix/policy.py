@@ -104,17 +104,19 @@ class LRUPolicy(EvictionPolicy):
                 self._push(r, t, node)
 
     def touch_all(self, resource: str, nodes: list[Any]) -> None:
-        """``touch`` inlined over ``nodes``: the same stamps, in order, and the same pushes (only the sharing
-        resources with candidates are looked at: a push changes no candidate set). A subclass that overrides
-        ``touch`` overrides this too."""
+        """``touch`` over ``nodes`` (distinct) in C: the same stamps, in order (``zip`` stops at the last node
+        before it takes another tick), and a push for each node that is a candidate of a sharing resource (a
+        path's nodes are few and mostly not: the candidate set is intersected with them, not tested node by
+        node in Python). The pushes' order among nodes may differ from ``touch``'s: their stamps differ, so no
+        pop order does. A subclass that overrides ``touch`` overrides this too."""
         base = RECENCY[resource]
-        stamps, clock, push = self._stamp[base], self._clock, self._push
-        shared = [(r, c) for r in _SHARING[base] if (c := self._cand[r])]
-        for node in nodes:
-            t = stamps[node] = next(clock)
-            for r, cand in shared:
-                if node in cand:
-                    push(r, t, node)
+        stamps = self._stamp[base]
+        stamps.update(zip(nodes, self._clock))
+        for r in _SHARING[base]:
+            cand = self._cand[r]
+            if cand:
+                for node in cand.intersection(nodes):
+                    self._push(r, stamps[node], node)
 
     def add(self, resource: str, node: Any) -> None:
         cand = self._cand[resource]

@@ -37,6 +37,14 @@ from tiered_cache.radix.walks import Hints, hinted, probe_bytes, probe_list
 from tiered_cache.tiers.protocols import KVSide
 
 
+def copy_ids(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """A copy of ``value[lo:hi]`` (int64 ids) the tree owns: on the CPU through a numpy view, one copy and no torch
+    slice (8 k instructions against 18 k for ``value[lo:hi].clone()``, callgrind, 384 ids); elsewhere ``clone``."""
+    if value.is_cpu:
+        return torch.from_numpy(value.numpy()[lo:hi].copy())
+    return value[lo:hi].clone()
+
+
 class RadixTree:
     """Nodes over the KV side ``kv`` of T0, victims ranked by ``policy``. Public state the components read:
     ``root``, ``page_size``, ``device``, ``policy``, ``stats`` (event counts of the whole cache), ``freed``
@@ -58,6 +66,7 @@ class RadixTree:
         # host-side: the tree's bookkeeping is host code, and a page list indexes numpy without a launch
         self.owned = np.zeros(kv.capacity, dtype=bool)
         self.offsets = np.arange(ps, dtype=np.int64)
+        self.ps0 = np.array(ps, dtype=np.int64)  # the page size as a 0-d array: numpy's cheaper operand
         self.stats: collections.Counter = collections.Counter()
         self.sinks: dict[str, Any] = {}
         self.host_on = False
@@ -201,11 +210,12 @@ class RadixTree:
         return x
 
     def new_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, salt: Optional[str],
-                 fill: Any = None, pages: Optional[np.ndarray] = None) -> TreeNode:
-        """A device leaf taking a copy of the caller's ids ``value`` (``pages``: theirs, if checked); ``fill(leaf)``
-        gives it its payload."""
-        leaf = self.link(parent, key, value.clone(), salt)
-        self.owned[pages_of(value, self.page_size) if pages is None else pages] = True
+                 fill: Any = None, pages: Optional[np.ndarray] = None, lo: int = 0) -> TreeNode:
+        """A device leaf for ``key`` taking a copy of the caller's ids ``value[lo:lo + len(key)]`` (``pages``: theirs,
+        if checked); ``fill(leaf)`` gives it its payload."""
+        ids = copy_ids(value, lo, lo + len(key))
+        leaf = self.link(parent, key, ids, salt)
+        self.owned[pages_of(ids, self.page_size) if pages is None else pages] = True
         self.full_evictable += len(key)
         self.policy.touch("kv", leaf)
         if fill is not None:

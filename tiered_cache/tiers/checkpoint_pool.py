@@ -108,6 +108,7 @@ class Int8CheckpointPool:
         self.fields, self.slot_bytes = envelope_layout(spec, codec)
         self.spec, self.codec, self.num_slots = spec, codec, num_slots
         self.device = dev.resolve(device)
+        self._cpu = self.device.type == "cpu"
         use_triton(self.device, backend)  # validates backend
         self.backend = backend
         self.capacity = num_slots + 1
@@ -184,8 +185,11 @@ class Int8CheckpointPool:
 
     def _ids_tensor(self, ids: list[int]) -> torch.Tensor:
         """Slot ids as an int64 tensor on ``device``; one id (an insert's state) by ``torch.full``, about half
-        the host time of ``torch.tensor``'s list parse."""
+        the host time of ``torch.tensor``'s list parse, and on the CPU by ``from_numpy`` of a fresh array (the
+        tensor owns it), about 70 % of ``torch.full``'s (7.5 k against 10.8 k instructions, callgrind)."""
         if len(ids) == 1:
+            if self._cpu:
+                return torch.from_numpy(np.array(ids, dtype=np.int64))
             return torch.full((1,), ids[0], dtype=torch.int64, device=self.device)
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
 

@@ -19,7 +19,7 @@ from tiered_cache.errors import InvalidArgumentError, InvalidTypeError, OutOfRan
 from tiered_cache.validate import int_list, is_int
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_I64 = np.dtype(np.int64)
+_I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
 
 
 class PageTable:
@@ -36,6 +36,7 @@ class PageTable:
         else:
             self._table = torch.full((capacity,), -1, dtype=torch.int64, device=device)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+        self._ps, self._ps_u = np.array(page_size, dtype=np.int64), np.array(page_size, dtype=np.uint64)
         self._dirty: set[int] = set()
         self.reset()
 
@@ -64,13 +65,24 @@ class PageTable:
 
     def translate_host(self, ids: np.ndarray) -> np.ndarray:
         """``translate`` on the host table (no device work): free ids map to negative rows."""
-        if type(ids) is np.ndarray and ids.dtype is _I64 and 0 < ids.size <= 64:
-            # the common case (a request's slot, a prompt's pages) in one test and one bounds pair: the same rows
-            # as below, any id out of range takes the path below (its error)
-            small = ids.ravel().tolist()
-            if min(small) >= 0 and max(small) < self.v2p.shape[0] * self.page_size:
-                ps = self.page_size
-                return self.v2p[ids] if ps == 1 else self.v2p[ids // ps] * ps + ids % ps
+        if type(ids) is np.ndarray and ids.dtype is _I64:
+            # the common case (a request's slot, a prompt's pages): the same rows as below; any id out of range takes
+            # the path below (its error)
+            if self.page_size > 1:
+                # read as unsigned, a negative id's page is past the table (>= 2^63 / page_size), so ``take``'s own
+                # bounds check (IndexError) refuses it with the ids past the end: no bounds pass of our own
+                try:
+                    rows = self.v2p.take((ids.view(_U64) // self._ps_u).view(_I64))
+                except IndexError:
+                    pass
+                else:  # 0-d operands: numpy's cheaper path for an array operand than for a Python int
+                    rows *= self._ps
+                    rows += ids % self._ps
+                    return rows
+            elif 0 < ids.size <= 64:  # one test and one bounds pair
+                small = ids.ravel().tolist()
+                if min(small) >= 0 and max(small) < self.v2p.shape[0]:
+                    return self.v2p[ids]
         if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
             ids = ids.astype(np.int64, copy=False)  # a uint64 past int64 wraps negative: refused below
         elif is_int(ids):

@@ -79,6 +79,12 @@ class SlotAllocator(BusyMarks):
 
     def alloc(self, n: int = 1) -> Optional[list[int]]:
         """``n`` slot ids, or ``None`` when fewer are free (nothing changes)."""
+        if type(n) is int and n == 1:  # one slot (an insert's state): no list index into the flags
+            if not self._free:
+                return None
+            i = heapq.heappop(self._free)
+            self._allocated[i] = True
+            return [i]
         n = int_arg("n", n, lo=0)
         if n > len(self._free):
             return None
@@ -120,7 +126,10 @@ class SlotAllocator(BusyMarks):
         if self._busy and any(i in self._busy for i in ids):
             busy = [i for i in ids if i in self._busy]
             raise SlotBusyError(f"{self.name}: slots {busy[:16]} are read or written by a transfer in flight")
-        self._allocated[ids] = False
+        if len(ids) == 1:
+            self._allocated[ids[0]] = False  # one id: no list index into the flags
+        else:
+            self._allocated[ids] = False
         for i in ids:
             heapq.heappush(self._free, i)
 
