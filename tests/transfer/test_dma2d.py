@@ -130,13 +130,10 @@ def test_dma2d_staging_on_cuda_round_trip():
     assert torch.equal(rb[rows], saved.flip(0))
 
 
-def test_auto_sends_long_host_runs_through_staging_and_short_ones_as_before():
-    """Where the copier runs on CUDA (a stand-in device here) with batched and 2D DMA: long runs of host
-    slots take the staging buffer both ways, a layer of them too (a 2D copy per run), where each run
-    carries at least AUTO_2D_MIN_BYTES of the layer; scattered slots keep batched DMA H2D and the kernel
-    D2H, and large rows one copy each."""
-    from tiered_cache.transfer.scatter import AUTO_2D_MIN_BYTES
-
+def test_auto_keeps_its_measured_picks_until_the_staging_of_layers_is_measured():
+    """``auto`` (on a stand-in CUDA device with batched and 2D DMA): whole pages H2D by batched DMA, long
+    D2H runs through the staging buffer, scattered D2H and every layer through the kernel; the 2D path is
+    taken only when asked for (``staging``)."""
     eng = TransferEngine("cpu")
     c = eng.copier
     c.device = torch.device("cuda")
@@ -144,15 +141,11 @@ def test_auto_sends_long_host_runs_through_staging_and_short_ones_as_before():
     c.dma2d = _Memmove2D()
     page, layer = 384 << 10, 32 << 10
     long_runs, strays = [(0, 1, 64), (64, 100, 64)], [(0, 1, 1), (1, 9, 1)]
-    for d in ("d2h", "h2d"):
-        assert c.pick(d, page, long_runs, False) == "staging"
-        assert c.pick(d, page, long_runs, True, layer) == "staging"
-    assert c.pick("h2d", page, strays, False) == "batch"
+    assert c.pick("h2d", page, long_runs, False) == "batch"
+    assert c.pick("d2h", page, long_runs, False) == "staging"
     assert c.pick("d2h", page, strays, False) == "kernel"
-    assert c.pick("h2d", page, strays, True, layer) == "kernel"
-    k = AUTO_2D_MIN_BYTES // layer
-    assert c.pick("h2d", page, [(0, 1, k)], True, layer) == "staging"
-    assert c.pick("h2d", page, [(0, 1, k - 1)], True, layer) == "kernel"
-    assert c.pick("h2d", 21 << 20, long_runs, False) == "copy"
-    c.dma2d = Dma2D(torch.device("cpu"))  # no 2D DMA: a layer of long runs goes through the kernel
+    assert c.pick("h2d", page, long_runs, True, layer) == "kernel"
+    c.method = {"d2h": "staging", "h2d": "staging"}
+    assert c.pick("h2d", page, long_runs, True, layer) == "staging"
+    c.dma2d = Dma2D(torch.device("cpu"))  # no 2D DMA: a layer goes through the kernel even when asked
     assert c.pick("h2d", page, long_runs, True, layer) == "kernel"

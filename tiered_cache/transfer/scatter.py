@@ -43,9 +43,6 @@ from tiered_cache.transfer.batch_dma import BatchDMA, Dma2D
 DEFAULT_METHOD = {"d2h": "auto", "h2d": "auto"}
 METHODS = ("auto", "copy", "staging", "kernel", "batch")
 AUTO_COPY_MIN_BYTES = 2 << 20
-# A strided DMA of one layer per host run (``Dma2D``) where a run's share of the layer is at least this:
-# each call costs a few us of CPU and driver time, about what 1 MiB takes on PCIe at 55 GB/s (19 us).
-AUTO_2D_MIN_BYTES = 1 << 20
 
 
 class ScatterCopier:
@@ -79,19 +76,15 @@ class ScatterCopier:
         if method == "auto":
             if self.device.type != "cuda" or row_bytes >= AUTO_COPY_MIN_BYTES:
                 return "copy"
-            # Small rows (KV pages). Consecutive host slots in long runs (a node's pages, as the host
-            # allocator hands them out) go as one DMA copy per run through the staging buffer, a layer's
-            # sub-range of each as one strided DMA per run where 2D DMA exists; otherwise whole rows H2D by
-            # batched DMA where it exists, and the rest through the few-program kernel.
-            per_run = sum(k for _, _, k in runs) / max(1, len(runs))
-            if sub:
-                if self.dma2d.available and per_run * (sub_bytes or row_bytes) >= AUTO_2D_MIN_BYTES:
-                    return "staging"
-            elif per_run * row_bytes >= AUTO_COPY_MIN_BYTES:
-                return "staging"
+            # Small rows: H2D of whole rows by batched DMA where it exists (a layer's sub-range of each
+            # row stays on the kernel); otherwise consecutive host slots go as one DMA copy per run through
+            # the staging buffer when runs are long, and scattered ones through the few-program kernel. Not
+            # yet measured, so not picked here: long runs H2D through the staging buffer, and a layer of them
+            # by one 2D DMA per run (``staging`` with ``Dma2D``; bench_transfer's churn rows time both).
             if direction == "h2d" and not sub and self.batch.available:
                 return "batch"
-            method = "kernel"
+            run_bytes = row_bytes * sum(k for _, _, k in runs) / max(1, len(runs))
+            method = "staging" if run_bytes >= AUTO_COPY_MIN_BYTES and not sub else "kernel"
         if method == "batch" and not self.batch.available:
             method = "kernel"  # no cuda-bindings (or no CUDA): the few-program kernel instead
         if method == "staging" and sub and not self.dma2d.available:
