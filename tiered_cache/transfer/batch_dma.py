@@ -57,18 +57,14 @@ def _runtime() -> Optional[Any]:
     return runtime if hasattr(runtime, "cudaMemcpyBatchAsync") else None
 
 
-class BatchDMA:
-    """Submits coalesced copy lists on a CUDA stream with one ``cudaMemcpyBatchAsync`` each.
-
-    ``available`` is decided once, on first use: the runtime API is there and one probe copy (a device
-    buffer to pinned host memory and back, compared byte for byte) came back exact. A machine without
-    it keeps ``available`` false and never calls into it.
-    """
+class _Probed:
+    """A DMA call reached through ``cuda-bindings``: ``available`` is decided once, on first use, by the
+    subclass's ``_probe`` (the call is there and one probe copy came back exact); a machine without it
+    keeps ``available`` false and never calls into it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._rt: Optional[Any] = None
-        self._attrs: Optional[list[Any]] = None
         self._checked = False
         self._ok = False
         self.error: Optional[str] = None  # why it is unavailable, for benchmarks and logs
@@ -79,6 +75,21 @@ class BatchDMA:
             self._checked = True
             self._ok = self.device.type == "cuda" and self._probe()
         return self._ok
+
+    def _probe(self) -> bool:
+        raise NotImplementedError
+
+
+class BatchDMA(_Probed):
+    """Submits coalesced copy lists on a CUDA stream with one ``cudaMemcpyBatchAsync`` each.
+
+    The probe: the runtime API is there and one copy (a device buffer to pinned host memory and back,
+    compared byte for byte) came back exact.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._attrs: Optional[list[Any]] = None
 
     def _probe(self) -> bool:
         rt = _runtime()
@@ -131,7 +142,7 @@ class BatchDMA:
         return int(d.size)
 
 
-class Dma2D:
+class Dma2D(_Probed):
     """Strided DMA: ``height`` rows of ``width`` bytes, ``spitch`` apart at the source and ``dpitch`` apart at
     the destination, as one ``cudaMemcpy2DAsync`` (one copy-engine job, no SMs).
 
@@ -139,23 +150,8 @@ class Dma2D:
     after the other (``L0 K | L0 V | L1 K | ...``), so one layer of ``k`` consecutive slots is ``k`` ranges
     one slot apart: one 2D copy moves them into (or out of) a compact staging buffer, where a kernel
     scatters them to (or gathers them from) the pages' scattered device rows. Reached through the optional
-    ``cuda-bindings`` like ``BatchDMA``; ``available`` is decided once by a probe copy checked byte for byte,
-    and is false on CPU or wherever the call is missing or fails.
+    ``cuda-bindings`` like ``BatchDMA``; the probe: 2D copies both ways checked byte for byte.
     """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._rt: Optional[Any] = None
-        self._checked = False
-        self._ok = False
-        self.error: Optional[str] = None
-
-    @property
-    def available(self) -> bool:
-        if not self._checked:
-            self._checked = True
-            self._ok = self.device.type == "cuda" and self._probe()
-        return self._ok
 
     def _probe(self) -> bool:
         try:
