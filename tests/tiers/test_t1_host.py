@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,3 +127,37 @@ def test_no_numpy_path_where_it_does_not_apply():
     pool = Int8CheckpointPool(spec, 3, "cpu", backend="triton")
     views = ActiveViews(torch.randn(1, 2, 1, 4, 4), (torch.randn(1, 2, 4, 3),))
     assert t1_args.make_layout(pool, views).host is None
+
+
+@pytest.mark.parametrize("codec", ["int8", "lossless"])
+def test_a_rows_kept_views_read_and_write_its_current_bytes(codec, poison):
+    """``HostMoves`` keeps each T0 row's views after its first move: a store after the row was written again reads
+    the new values, and a load writes the row itself (the twins' T1 bytes and T0 rows, move by move)."""
+    spec, _, views, g = case(7)
+    fast, ref = (Int8CheckpointPool(spec, SLOTS, "cpu", codec=codec, backend="torch") for _ in range(2))
+    lay, _ = twins_layout(fast, views)
+    _, lay_ref = twins_layout(ref, views)
+
+    def store_np(pool, layout, row, slot):  # host arrays, as ``store_rows`` passes them
+        slots = np.array([slot], dtype=np.int64)
+        t1_args.kernels_store(pool, layout, np.array([row], dtype=np.int64), slots, pool.flags.arm(slots), 1)
+
+    for k, slot in enumerate((1, 2, 3)):
+        views.temporal[:, 4] = torch.randn(views.temporal[:, 4].shape, generator=g).to(spec.temporal_dtype) * (k + 1)
+        for c in views.convs:
+            c[:, 4] = torch.randn(c[:, 4].shape, generator=g).to(spec.conv_dtype)
+        store_np(fast, lay, 4, slot)
+        store_np(ref, lay_ref, 4, slot)
+        assert torch.equal(fast.raw, ref.raw)
+    assert 4 in lay.host._rows  # the row's views were kept
+    outs = []
+    for pool in (fast, ref):
+        out = clone(views)
+        out_lay = twins_layout(pool, out)[0 if pool is fast else 1]  # one layout: the fast one keeps row 4's views
+        loaded = []
+        for slot in (2, 1):  # the same row loaded twice: each load's values land in it
+            out.temporal[:, 4] = poison.value(spec.temporal_dtype)
+            t1_args.kernels_load(pool, out_lay, np.array([slot], dtype=np.int64), np.array([4], dtype=np.int64), 1)
+            loaded.append(out.temporal[:, 4].clone())
+        outs.append(loaded)
+    assert all(torch.equal(a, b) for a, b in zip(*outs)) and not torch.equal(outs[0][0], outs[0][1])

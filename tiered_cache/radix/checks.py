@@ -139,13 +139,14 @@ def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mam
 
 
 def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0,
-                     hi: Optional[int] = None) -> np.ndarray:
+                     hi: Optional[int] = None, host: Optional[np.ndarray] = None) -> np.ndarray:
     """``v[lo:hi]`` (whole pages) must be allocated in T0, distinct, and not already the ``RadixTree``'s. One
     host copy of it (a device sync on a GPU; a numpy view on the CPU, sliced there: a torch slice costs
-    more), then vectorised numpy over its pages. ``arg``: the caller's name for ``v`` in errors. -> its
-    page ids (checked: the tree may free them through the trusted ``free_pages``)."""
+    more), then vectorised numpy over its pages. ``arg``: the caller's name for ``v`` in errors; ``host``:
+    ``v.numpy()`` on the CPU, where the caller made it (one torch call less). -> its page ids (checked: the tree
+    may free them through the trusted ``free_pages``)."""
     ps = tree.page_size
-    toks = v.numpy()[lo:hi] if v.is_cpu else v[lo:hi].cpu().numpy()
+    toks = host[lo:hi] if host is not None else v.numpy()[lo:hi] if v.is_cpu else v[lo:hi].cpu().numpy()
     first = toks[::ps]
     pages = first // tree.ps0  # a 0-d operand: numpy's cheaper path for an array than for a Python int
     # whole pages: the ids equal page*ps + 0..ps-1, compared as bytes (one memcmp, no bool array; a step-1

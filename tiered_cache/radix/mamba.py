@@ -295,7 +295,9 @@ class MambaRule:
         kb, hint = toks.tobytes(), params.last_node  # insert_args checked it
         path, end_node, lead, pending = tree.probe(toks, salt, aligned, prev, kb, hint)
         # the caller's pages, checked once: duplicates and new leaves use them without another check
-        pages = check_callers_kv(tree, value, lo=prev, hi=aligned) if tree.validate and prev < aligned else None
+        vh = value.numpy() if value.is_cpu else None  # the ids' host view, made once: the check and the new leaf
+        pages = check_callers_kv(tree, value, lo=prev, hi=aligned, host=vh) if tree.validate and prev < aligned \
+            else None
         # the slot checked now, before anything changes; its physical row is read only at the store: the T1
         # allocation between may evict, and a state side may compact (move rows) on any free or alloc
         vid = check_state_allocated(self.states, slot) if tree.validate and slot is not None else None
@@ -324,7 +326,7 @@ class MambaRule:
                 raise
         # path[-1] was locked while states were evicted for room: the probed path is the tree's still
         res = self._insert_walk(toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, slot is not None, pages,
-                                path, lead)
+                                vh, path, lead)
         node = res.last_device_node
         if node is not tree.root:  # the request's next insert (a chunk) may start here
             remember(tree, node, salt, kb, res.cached_len)
@@ -335,12 +337,13 @@ class MambaRule:
             self.host.t3.on_state(node, demoted=False)  # T3 is shared: a NaN state never goes there
         return res
 
-    def _insert_walk(self, toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, offered, pages,
+    def _insert_walk(self, toks, salt, value, aligned, prev, t1, t1_id, mamba_exist, offered, pages, vh,
                      path, lead) -> InsertResult:
         """``pages``: the page ids of ``value[prev:aligned]`` as ``check_callers_kv`` checked them, or None
         (``validate`` off: the duplicates go back through the checked ``free``). ``path``: ``probe``'s: each
         node matched whole but the last, so the walk looks up no child and compares no key again; ``lead``: its
-        (leading nodes with device KV, the token where the last node starts, whether the last matched whole)."""
+        (leading nodes with device KV, the token where the last node starts, whether the last matched whole);
+        ``vh``: ``value.numpy()`` on the CPU (the new leaf's ids are copied from it), or None."""
         tree = self.tree
         root, touch, ps = tree.root, tree.policy.touch, tree.page_size
         node, i, prefix = root, 0, None
@@ -376,7 +379,7 @@ class MambaRule:
             if t1 is not None:
                 node = tree.new_leaf(node, toks[i:aligned], value, salt,
                                      lambda leaf: self.set_state(leaf, t1, t1_id, sync=False),
-                                     None if pages is None else pages[(i - prev) // ps:], lo=i)
+                                     None if pages is None else pages[(i - prev) // ps:], lo=i, host=vh)
                 stored, i = True, aligned
         elif node is not root:
             if not node.payload.resumable and t1 is not None:

@@ -37,11 +37,12 @@ from tiered_cache.radix.walks import Hints, hinted, probe_bytes, probe_list
 from tiered_cache.tiers.protocols import KVSide
 
 
-def copy_ids(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """A copy of ``value[lo:hi]`` (int64 ids) the tree owns: on the CPU through a numpy view, one copy and no torch
-    slice (8 k instructions against 18 k for ``value[lo:hi].clone()``, callgrind, 384 ids); elsewhere ``clone``."""
-    if value.is_cpu:
-        return torch.from_numpy(value.numpy()[lo:hi].copy())
+def copy_ids(value: torch.Tensor, lo: int, hi: int, host: Optional[np.ndarray] = None) -> torch.Tensor:
+    """A copy of ``value[lo:hi]`` (int64 ids) the tree owns: on the CPU through a numpy view (``host``: the caller's
+    ``value.numpy()``, if it made one), one copy and no torch slice (8 k instructions against 18 k for
+    ``value[lo:hi].clone()``, callgrind, 384 ids); elsewhere ``clone``."""
+    if host is not None or value.is_cpu:
+        return torch.from_numpy((value.numpy() if host is None else host)[lo:hi].copy())
     return value[lo:hi].clone()
 
 
@@ -210,10 +211,12 @@ class RadixTree:
         return x
 
     def new_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, salt: Optional[str],
-                 fill: Any = None, pages: Optional[np.ndarray] = None, lo: int = 0) -> TreeNode:
+                 fill: Any = None, pages: Optional[np.ndarray] = None, lo: int = 0,
+                 host: Optional[np.ndarray] = None) -> TreeNode:
         """A device leaf for ``key`` taking a copy of the caller's ids ``value[lo:lo + len(key)]`` (``pages``: theirs,
-        if checked); ``fill(leaf)`` gives it its payload."""
-        ids = copy_ids(value, lo, lo + len(key))
+        if checked; ``host``: ``value.numpy()`` on the CPU, if the caller made it); ``fill(leaf)`` gives it its
+        payload."""
+        ids = copy_ids(value, lo, lo + len(key), host)
         leaf = self.link(parent, key, ids, salt)
         self.owned[pages_of(ids, self.page_size) if pages is None else pages] = True
         self.full_evictable += len(key)

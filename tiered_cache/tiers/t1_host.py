@@ -16,7 +16,7 @@ finiteness flags are marked there. Ids are checked before (``t1_args``); nothing
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -73,11 +73,26 @@ class HostMoves:
     convs: tuple[tuple[np.ndarray, np.ndarray], ...]
     dtype: Any  # numpy dtype of the temporal state
     min_scale: Any  # the dtype's scale floor (``_ref_quant.min_scale``), 0 for none
+    # T0 row -> its views (state, temporal, each conv window's), made on first use: a row's window of the fixed T0
+    # views never changes (compaction moves the data, not the views), and a view costs a numpy call (~1 us, several
+    # in the middle of an insert); bounded by T0's rows
+    _rows: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def row_views(self, rows: Any) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """(state, temporal, conv views) of T0 ``rows`` (``_ix``'s: one row's slice is looked up, not indexed; an
+        array of rows: gathered copies, to read)."""
+        if type(rows) is slice:
+            got = self._rows.get(rows.start)
+            if got is None:
+                got = self._rows[rows.start] = (self.state[:, rows], self.temporal[:, rows],
+                                                [t0[:, rows] for t0, _ in self.convs])
+            return got
+        return self.state[:, rows], self.temporal[:, rows], [t0[:, rows] for t0, _ in self.convs]
 
     def store(self, rows: np.ndarray, slots: np.ndarray) -> bool:
         """T0 rows -> T1 slots (slots distinct). False, with nothing written: a value is NaN or inf."""
         rows, slots = _ix(rows), _ix(slots)
-        x = self.state[:, rows]
+        x, temporal, srcs = self.row_views(rows)
         if self.int8:
             xf = x if x.dtype == np.float32 else x.astype(np.float32)
             # the scale's amax is NaN or inf exactly when a value is (max propagates NaN): one pass, not two
@@ -86,7 +101,7 @@ class HostMoves:
                 return False
         elif not _finite(x):
             return False
-        convs = [(src[:, rows], dst) for src, dst in self.convs]
+        convs = [(src, dst) for src, (_, dst) in zip(srcs, self.convs)]
         for c, _ in convs:
             if c.dtype.kind == "f" and not _finite(c):
                 return False
@@ -107,7 +122,7 @@ class HostMoves:
                 qdata[:, slots] = np.rint(q, out=q)
             scale[:, slots] = s
         else:
-            self.t1[0][:, slots] = self.temporal[:, rows]
+            self.t1[0][:, slots] = temporal
         for vals, dst in convs:
             dst[:, slots] = vals
         return True
@@ -119,7 +134,7 @@ class HostMoves:
             qdata, scale = self.t1
             s = scale[:, slots]
             if type(rows) is slice and self.dtype is np.float32:  # one row: int8 * fp32 straight into its T0 view
-                np.multiply(qdata[:, slots], s, out=self.state[:, rows])  # (int8 -> fp32 is exact: the same values)
+                np.multiply(qdata[:, slots], s, out=self.row_views(rows)[0])  # (int8 -> fp32 is exact)
             else:
                 x = qdata[:, slots].astype(np.float32)
                 x *= s if s.dtype == np.float32 else s.astype(np.float32)
