@@ -11,7 +11,7 @@ T1 slots the tree owns go back by host id through the pool's trusted ``free_owne
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -24,6 +24,15 @@ def pages_of(ids: torch.Tensor, page_size: int) -> np.ndarray:
     costs ~5 us)."""
     first = ids.numpy()[::page_size] if ids.is_cpu else ids[::page_size].cpu().numpy()
     return first // page_size
+
+
+def copy_ids(value: torch.Tensor, lo: int, hi: int, host: Optional[np.ndarray] = None) -> torch.Tensor:
+    """A copy of ``value[lo:hi]`` (int64 ids) the tree owns: on the CPU through a numpy view (``host``: the caller's
+    ``value.numpy()``, if it made one), one copy and no torch slice (8 k instructions against 18 k for
+    ``value[lo:hi].clone()``, callgrind, 384 ids); elsewhere ``clone``."""
+    if host is not None or value.is_cpu:
+        return torch.from_numpy((value.numpy() if host is None else host)[lo:hi].copy())
+    return value[lo:hi].clone()
 
 
 class Frees:

@@ -28,22 +28,13 @@ import torch
 
 from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.radix.checks import common_len
-from tiered_cache.radix.frees import Frees, pages_of
+from tiered_cache.radix.frees import Frees, copy_ids, pages_of
 from tiered_cache.radix.hooks import KindHooks
 from tiered_cache.radix.node import TreeNode
 from tiered_cache.radix.params import MatchResult
 from tiered_cache.radix.policy import EvictionPolicy, LRUPolicy
 from tiered_cache.radix.walks import Hints, hinted, probe_bytes, probe_list
 from tiered_cache.tiers.protocols import KVSide
-
-
-def copy_ids(value: torch.Tensor, lo: int, hi: int, host: Optional[np.ndarray] = None) -> torch.Tensor:
-    """A copy of ``value[lo:hi]`` (int64 ids) the tree owns: on the CPU through a numpy view (``host``: the caller's
-    ``value.numpy()``, if it made one), one copy and no torch slice (8 k instructions against 18 k for
-    ``value[lo:hi].clone()``, callgrind, 384 ids); elsewhere ``clone``."""
-    if host is not None or value.is_cpu:
-        return torch.from_numpy((value.numpy() if host is None else host)[lo:hi].copy())
-    return value[lo:hi].clone()
 
 
 class RadixTree:
@@ -210,12 +201,10 @@ class RadixTree:
         parent.children[x.ck] = x
         return x
 
-    def new_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, salt: Optional[str],
-                 fill: Any = None, pages: Optional[np.ndarray] = None, lo: int = 0,
-                 host: Optional[np.ndarray] = None) -> TreeNode:
+    def new_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, salt: Optional[str], fill: Any = None,
+                 pages: Optional[np.ndarray] = None, lo: int = 0, host: Optional[np.ndarray] = None) -> TreeNode:
         """A device leaf for ``key`` taking a copy of the caller's ids ``value[lo:lo + len(key)]`` (``pages``: theirs,
-        if checked; ``host``: ``value.numpy()`` on the CPU, if the caller made it); ``fill(leaf)`` gives it its
-        payload."""
+        if checked; ``host``: ``value.numpy()`` on the CPU, if the caller made it); ``fill(leaf)`` its payload."""
         ids = copy_ids(value, lo, lo + len(key), host)
         leaf = self.link(parent, key, ids, salt)
         self.owned[pages_of(ids, self.page_size) if pages is None else pages] = True
