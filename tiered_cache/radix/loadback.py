@@ -73,6 +73,12 @@ class Loads:
 
     def __init__(self, tree: RadixTree, host: HostTier, rule: LoadHooks, room: Any) -> None:
         self.tree, self.host, self.rule, self.room = tree, host, rule, room
+        # Whole pages, one event at the end (``wait_layer`` then waits for the whole load), unless a caller
+        # overlaps compute with the load layer by layer and sets this: no caller in this package does (the
+        # engine waits for the load; SGLang's per-layer buffers take the layered path, one event anyway),
+        # and layer-by-layer loads ran at 17-25 GB/s against 36-41 for whole pages (H100, 2026-12-07,
+        # benchmarks/results/transfer-h100-*.md: each layer's 32 KiB of every page goes through the kernel).
+        self.layerwise = False
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
         """See ``RadixCacheFacade.init_load_back``."""
@@ -150,7 +156,7 @@ class Loads:
         op = Op("load", {}, list(load), self.apply_load, lock=best)
         for s, ys, ids in got:
             hs = [h for y in ys for h in s.get(y, "host")]
-            op.tickets[s.name] = load_kv(self.host.engine, s.region, hs, s.side, ids, layerwise=True)
+            op.tickets[s.name] = load_kv(self.host.engine, s.region, hs, s.side, ids, layerwise=self.layerwise)
             k = 0
             for y in ys:
                 s.set(y, "pending", ids[k:k + len(y.key)])
