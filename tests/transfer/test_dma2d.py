@@ -45,15 +45,15 @@ def test_dma2d_is_unavailable_on_cpu_and_staging_of_a_layer_falls_back_to_the_ke
     assert eng.copier.pick("h2d", 4096, [(0, 1, 8)], False) == "staging"
 
 
-def _setup(seed: int):
-    pool = UnifiedPool(KV, ST, low_slots=16, high_slots=4, page_size=4, device="cpu")
+def _setup(seed: int, device: str = "cpu"):
+    pool = UnifiedPool(KV, ST, low_slots=16, high_slots=4, page_size=4, device=device)
     # chunks of 5 slots: a run of consecutive slot ids is cut at a chunk border (two host ranges)
     mirror = HostMirror([RegionSpec("full", pool.low.entry_bytes, 14)], chunk_bytes=pool.low.entry_bytes * 5)
     full, region = pool.side("full"), mirror.region("full")
     g = torch.Generator().manual_seed(seed)
     toks = full.alloc(4 * 8)
     rb = full.rows_bytes()
-    rb.copy_(torch.randint(0, 256, rb.shape, dtype=torch.uint8, generator=g))
+    rb.copy_(torch.randint(0, 256, rb.shape, dtype=torch.uint8, generator=g).to(device))
     rows = full.translate(toks[::4]) // 4
     hs = region.alloc(12)
     # runs (one across a chunk border), strays, one out of order
@@ -113,22 +113,14 @@ def test_dma2d_staging_on_cuda_round_trip():
     eng = TransferEngine("cuda", method={"d2h": "staging", "h2d": "staging"})
     if not eng.copier.dma2d.available:
         pytest.skip(f"no 2D DMA here: {eng.copier.dma2d.error}")
-    pool = UnifiedPool(KV, ST, low_slots=16, high_slots=4, page_size=4, device="cuda")
-    mirror = HostMirror([RegionSpec("full", pool.low.entry_bytes, 14)], chunk_bytes=pool.low.entry_bytes * 5)
-    full, region = pool.side("full"), mirror.region("full")
-    toks = full.alloc(4 * 8)
-    rb = full.rows_bytes()
-    rb.copy_(torch.randint(0, 256, rb.shape, dtype=torch.uint8, device="cuda"))
-    rows = full.translate(toks[::4]) // 4
+    full, region, toks, rb, rows, slots = _setup(6, "cuda")
     saved = rb[rows].clone()
-    hs = region.alloc(12)
-    slots = [hs[0], hs[1], hs[2], hs[3], hs[4], hs[5], hs[11], hs[8]]
     assert eng.wait(demote_kv(eng, full, toks, region, slots), timeout=10)
     rb[rows] = 0
-    t = load_kv(eng, region, slots[::-1], full, toks, layerwise=True)
+    # the slots in their order (runs kept) into the pages in reverse order, layer by layer
+    t = load_kv(eng, region, slots, full, toks.view(-1, 4).flip(0).reshape(-1), layerwise=True)
     assert eng.wait(t, timeout=10) and t.ok == [True] * 8
     assert torch.equal(rb[rows], saved.flip(0))
-
 
 def test_auto_keeps_its_measured_picks_until_the_staging_of_layers_is_measured():
     """``auto`` (on a stand-in CUDA device with batched and 2D DMA): whole pages H2D by batched DMA, long
@@ -139,13 +131,13 @@ def test_auto_keeps_its_measured_picks_until_the_staging_of_layers_is_measured()
     c.device = torch.device("cuda")
     c.batch = type("B", (), {"available": True})()
     c.dma2d = _Memmove2D()
-    page, layer = 384 << 10, 32 << 10
+    page = 384 << 10
     long_runs, strays = [(0, 1, 64), (64, 100, 64)], [(0, 1, 1), (1, 9, 1)]
     assert c.pick("h2d", page, long_runs, False) == "batch"
     assert c.pick("d2h", page, long_runs, False) == "staging"
     assert c.pick("d2h", page, strays, False) == "kernel"
-    assert c.pick("h2d", page, long_runs, True, layer) == "kernel"
+    assert c.pick("h2d", page, long_runs, True) == "kernel"
     c.method = {"d2h": "staging", "h2d": "staging"}
-    assert c.pick("h2d", page, long_runs, True, layer) == "staging"
+    assert c.pick("h2d", page, long_runs, True) == "staging"
     c.dma2d = Dma2D(torch.device("cpu"))  # no 2D DMA: a layer goes through the kernel even when asked
-    assert c.pick("h2d", page, long_runs, True, layer) == "kernel"
+    assert c.pick("h2d", page, long_runs, True) == "kernel"

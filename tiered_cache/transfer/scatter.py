@@ -69,9 +69,8 @@ class ScatterCopier:
         self.batch = BatchDMA(device)  # probed on first use; unavailable on CPU and without cuda-bindings
         self.dma2d = Dma2D(device)  # likewise: a layer's sub-range of a host run as one strided DMA
 
-    def pick(self, direction: str, row_bytes: int, runs: list, sub: bool, sub_bytes: int = 0) -> str:
-        """The method for one copy call; ``sub``: whether it moves a sub-range (one layer) of each row,
-        ``sub_bytes`` long (0: not given)."""
+    def pick(self, direction: str, row_bytes: int, runs: list, sub: bool) -> str:
+        """The method for one copy call; ``sub``: whether it moves a sub-range (one layer) of each row."""
         method = self.method[direction]
         if method == "auto":
             if self.device.type != "cuda" or row_bytes >= AUTO_COPY_MIN_BYTES:
@@ -79,8 +78,11 @@ class ScatterCopier:
             # Small rows: H2D of whole rows by batched DMA where it exists (a layer's sub-range of each
             # row stays on the kernel); otherwise consecutive host slots go as one DMA copy per run through
             # the staging buffer when runs are long, and scattered ones through the few-program kernel. Not
-            # yet measured, so not picked here: long runs H2D through the staging buffer, and a layer of them
-            # by one 2D DMA per run (``staging`` with ``Dma2D``; bench_transfer's churn rows time both).
+            # picked here, on one short H100 run (transfer-h100-churn.md, 2026-12-07): long runs H2D through
+            # the staging buffer (40.3 GB/s against batched DMA's 36.4, inside that run's spread) and a layer of
+            # them by one 2D DMA per run (``staging`` with ``Dma2D``: 15.2 against the kernel's 22.0). That run
+            # also had this D2H pick of staging for long runs behind the kernel (28.4 against 36.0): for an H200
+            # run to settle, not changed on it.
             if direction == "h2d" and not sub and self.batch.available:
                 return "batch"
             run_bytes = row_bytes * sum(k for _, _, k in runs) / max(1, len(runs))
@@ -101,7 +103,7 @@ class ScatterCopier:
         kernel reads after this returns (held until the ticket ends)."""
         off, n = sub if sub is not None else (0, region.slot_bytes)
         runs = region.runs(slots)
-        method = self.pick(direction, region.slot_bytes, runs, sub is not None, n if sub is not None else 0)
+        method = self.pick(direction, region.slot_bytes, runs, sub is not None)
         if method == "kernel":
             self._kernel(direction, rows_view, rows_l, region, slots, off, n, keep)
             return
