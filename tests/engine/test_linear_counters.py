@@ -57,3 +57,27 @@ def test_caches_without_counters_keep_the_cache_s_own_length():
     assert seen_tokens(cache) == 7
     sync_linear_lengths(cache, 3)  # nothing to set
     assert seen_tokens(cache) == 7
+
+
+def test_store_decoded_counts_the_decoded_token_in_the_counters():
+    """After a batched decode step each cache's linear counters equal the positions its attention layers hold
+    (the step appended one); a cache without attention layers counts one more."""
+    from tiered_cache.engine.models import FULL, LINEAR
+    from tiered_cache.engine.runner.forward import store_decoded
+
+    def linear(count):
+        lay = _Linear525(count)
+        lay.conv_states = {0: torch.randn(1, 6, 4)}
+        lay.recurrent_states = {0: torch.randn(1, 2, 3, 3)}
+        return lay
+
+    caches = [_Cache([linear(4), _attention(n)]) for n in (5, 9)]
+    keys = {1: torch.randn(2, 2, 1, 8)}
+    conv = {0: torch.randn(2, 6, 4)}
+    rec = {0: torch.randn(2, 2, 3, 3)}
+    store_decoded(caches, [LINEAR, FULL], 4, keys, {1: torch.randn(2, 2, 1, 8)}, conv, rec)
+    assert [seen_tokens(c) for c in caches] == [6, 10]
+    assert [int(c.layers[0].cumulative_length_linear) for c in caches] == [6, 10]
+    only = [_Cache([linear(7)])]
+    store_decoded(only, [LINEAR], 4, {}, {}, {0: torch.randn(1, 6, 4)}, {0: torch.randn(1, 2, 3, 3)})
+    assert int(only[0].layers[0].cumulative_length_linear) == 8

@@ -169,6 +169,8 @@ def store_decoded(caches: Sequence, kinds: Sequence[str], k_conv: int, keys: dic
                 src.append(rec[i][b:b + 1])
     if dst:
         torch._foreach_copy_(dst, src)
+    if not caches or not _counts_tokens(caches[0]):
+        return  # 5.24 and 5.17: no counters to keep (every decode step passes here: no per-cache scan)
     for c in caches:  # 5.25+: the linear layers' token counters count the decoded token too
         n = seen_tokens(c)
         if n is not None:
@@ -204,7 +206,7 @@ def conv_width(cache, kinds: Sequence[str]) -> int:
 def seen_tokens(cache) -> Optional[int]:
     """The positions ``cache`` holds; None for a cache of linear layers only (it tracks no length)."""
     layers = getattr(cache, "layers", ())
-    if any(hasattr(lay, "cumulative_length_linear") for lay in layers):
+    if _counts_tokens(cache):
         # 5.25+: a linear layer reports its own counter (module docstring); the attention layers (a hybrid
         # layer is one) hold the positions
         from transformers.cache_utils import DynamicLayer
@@ -217,6 +219,11 @@ def seen_tokens(cache) -> Optional[int]:
         return int(cache.get_seq_length())
     except ValueError:  # a cache of linear layers only tracks no length
         return None
+
+
+def _counts_tokens(cache) -> bool:
+    """Whether ``cache``'s linear layers keep token counters (transformers 5.25+)."""
+    return any(hasattr(lay, "cumulative_length_linear") for lay in getattr(cache, "layers", ()))
 
 
 def sync_linear_lengths(cache, n: int) -> None:
