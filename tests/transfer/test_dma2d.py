@@ -122,10 +122,10 @@ def test_dma2d_staging_on_cuda_round_trip():
     assert eng.wait(t, timeout=10) and t.ok == [True] * 8
     assert torch.equal(rb[rows], saved.flip(0))
 
-def test_auto_keeps_its_measured_picks_until_the_staging_of_layers_is_measured():
-    """``auto`` (on a stand-in CUDA device with batched and 2D DMA): whole pages H2D by batched DMA, long
-    D2H runs through the staging buffer, scattered D2H and every layer through the kernel; the 2D path is
-    taken only when asked for (``staging``)."""
+def test_auto_keeps_its_measured_picks():
+    """``auto`` (on a stand-in CUDA device with batched and 2D DMA): whole pages H2D by batched DMA, every
+    D2H (long runs or scattered) and every layer through the kernel; the 2D path is taken only when asked
+    for (``staging``); without batched DMA, long H2D runs through the staging buffer."""
     eng = TransferEngine("cpu")
     c = eng.copier
     c.device = torch.device("cuda")
@@ -134,9 +134,13 @@ def test_auto_keeps_its_measured_picks_until_the_staging_of_layers_is_measured()
     page = 384 << 10
     long_runs, strays = [(0, 1, 64), (64, 100, 64)], [(0, 1, 1), (1, 9, 1)]
     assert c.pick("h2d", page, long_runs, False) == "batch"
-    assert c.pick("d2h", page, long_runs, False) == "staging"
+    assert c.pick("d2h", page, long_runs, False) == "kernel"
     assert c.pick("d2h", page, strays, False) == "kernel"
     assert c.pick("h2d", page, long_runs, True) == "kernel"
+    c.batch = type("B", (), {"available": False})()
+    assert c.pick("h2d", page, long_runs, False) == "staging"
+    assert c.pick("h2d", page, strays, False) == "kernel"
+    assert c.pick("d2h", page, long_runs, False) == "kernel"
     c.method = {"d2h": "staging", "h2d": "staging"}
     assert c.pick("h2d", page, long_runs, True) == "staging"
     c.dma2d = Dma2D(torch.device("cpu"))  # no 2D DMA: a layer goes through the kernel even when asked

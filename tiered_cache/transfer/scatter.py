@@ -76,17 +76,17 @@ class ScatterCopier:
             if self.device.type != "cuda" or row_bytes >= AUTO_COPY_MIN_BYTES:
                 return "copy"
             # Small rows: H2D of whole rows by batched DMA where it exists (a layer's sub-range of each
-            # row stays on the kernel); otherwise consecutive host slots go as one DMA copy per run through
-            # the staging buffer when runs are long, and scattered ones through the few-program kernel. Not
-            # picked here, on one short H100 run (transfer-h100-churn.md, 2026-12-07): long runs H2D through
-            # the staging buffer (40.3 GB/s against batched DMA's 36.4, inside that run's spread) and a layer of
-            # them by one 2D DMA per run (``staging`` with ``Dma2D``: 15.2 against the kernel's 22.0). That run
-            # also had this D2H pick of staging for long runs behind the kernel (28.4 against 36.0): for an H200
-            # run to settle, not changed on it.
+            # row stays on the kernel); without it, consecutive host slots H2D go as one DMA copy per run
+            # through the staging buffer when runs are long. D2H always through the few-program kernel:
+            # measured on an H100 (transfer-h100.md, 1,024 pages, 2026-12-07), long runs D2H by staging
+            # reached 39.3 GB/s against the kernel's 40.6 alone, and both ways beside batched DMA H2D
+            # 49.1 against the kernel's 72.0 (the short run before it: 28.4 against 36.0). A layer of a run
+            # by one 2D DMA (``staging`` with ``Dma2D``) only when asked: 36.3 against the kernel's 40.4.
             if direction == "h2d" and not sub and self.batch.available:
                 return "batch"
             run_bytes = row_bytes * sum(k for _, _, k in runs) / max(1, len(runs))
-            method = "staging" if run_bytes >= AUTO_COPY_MIN_BYTES and not sub else "kernel"
+            long_h2d = direction == "h2d" and run_bytes >= AUTO_COPY_MIN_BYTES and not sub
+            method = "staging" if long_h2d else "kernel"
         if method == "batch" and not self.batch.available:
             method = "kernel"  # no cuda-bindings (or no CUDA): the few-program kernel instead
         if method == "staging" and sub and not self.dma2d.available:
