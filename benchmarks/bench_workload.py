@@ -65,16 +65,20 @@ def gated_delta_impl(model) -> str:
     """Which chunked gated-delta function the model's linear layers call (module.name)."""
     import importlib
 
+    from tiered_cache.engine.runner.split_forward import hub_function
+
     mod = importlib.import_module(type(model).__module__)
     layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
     # 5.17: the layer holds ``chunk_gated_delta_rule`` (fla's, or the torch one); 5.24: the module-level
-    # ``torch_chunk_gated_delta_rule`` is a wrapper that picked its implementation at import.
+    # ``torch_chunk_gated_delta_rule`` is a wrapper that picked its implementation at import (5.25 with the
+    # ``kernels`` package: inside an nn.Module standing for it).
     fn = (getattr(layer, "chunk_gated_delta_rule", None) or getattr(mod, "chunk_gated_delta_rule", None)
           or getattr(mod, "torch_chunk_gated_delta_rule", None))
     if fn is None:
         return "unknown"
     while hasattr(fn, "__tiered_cache_split__"):  # the split forward's wrapper (engine.runner.split_forward)
         fn = fn.__tiered_cache_split__
+    fn = hub_function(fn) or fn  # 5.25 with ``kernels``: the function under its nn.Module
     try:
         import inspect
 
@@ -254,7 +258,7 @@ def summarize(st: dict, base: Optional[dict]) -> dict[str, float]:
     tok, hits, by = st["tokens"], st["hits"], st["bytes"]
     prompt = max(1, tok["prompt"])
     late = [t.summary["ttft_s"] for t in st["turns"] if t.round >= 2]
-    agree = 1.0
+    agree: Optional[float] = None  # undefined without a no-cache run to compare with
     if base is not None:
         ref = {(t.client, t.round): t.argmax for t in base["turns"]}
         n = same = 0
@@ -761,7 +765,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
                 with open(os.path.join(args.timeline, f"timeline-{label}-{key}.json"), "w") as f:
                     json.dump(raw[key]["timeline"], f)
         raw_p = {k: raw.pop(k) for k in keys if k not in configs}
-        s_rep = {c: summarize(raw[c], raw.get("no_cache") if c != "no_cache" else None) for c in configs}
+        s_rep = {c: summarize(raw[c], raw.get("no_cache")) for c in configs}  # (1) against itself: 1
         s_pol = {k: summarize(st, raw.get("no_cache")) for k, st in raw_p.items()}
         fb = {c: why for c, st in {**raw, **raw_p}.items() if (why := fell_back(st))}
         for c, why in fb.items():
@@ -786,7 +790,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, mode
         raw_r = {c: run_config(model, engine_config(serve, cache, tiers[c]), drive_for(wr), n_req,
                                f"{label} {wc.LABELS[c]} @ {rate_r:g}/s", args.progress)
                  for c in wc.CONFIGS if c in args.sweep_configs}
-        sr = {c: summarize(raw_r[c], raw_r.get("no_cache") if c != "no_cache" else None) for c in raw_r}
+        sr = {c: summarize(raw_r[c], raw_r.get("no_cache")) for c in raw_r}
         fb = {c: why for c in raw_r if (why := fell_back(raw_r[c]))}
         sweep.append({"rate": float(rate_r), "summary": sr, "ratios": ratios(sr, fb), "fell_back": fb})
     budget_sweep = []
@@ -924,6 +928,11 @@ def _row(workload: str, c: str, s: dict, fell: Optional[dict] = None, answer: Op
             "ttft_p90_ms": 1000 * (s["ttft_p90_s"] or 0), "req_per_s": s["requests_per_s"],
             "req_per_s_r3+": s["requests_per_s_round3plus"], "pcie_MiB": s["pcie_bytes"] / 2**20,
             "argmax_agree": s["argmax_agreement_vs_nocache"]}
+
+
+def _fmt3(v: Optional[float]) -> str:
+    """A value to 3 places, or ``n/a`` where it is undefined."""
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def _values(r: dict) -> dict[str, float]:
@@ -1251,7 +1260,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                   f"T2 {s['hit_rate_t2']:.3f}), "
                   f"TTFT p50 {1000 * (s['ttft_p50_s'] or 0):.1f} ms p90 {1000 * (s['ttft_p90_s'] or 0):.1f} ms, "
                   f"{s['requests_per_s']:.2f} req/s, PCIe {s['pcie_bytes'] / 2**20:.1f} MiB, "
-                  f"argmax agree {s['argmax_agreement_vs_nocache']:.3f}")
+                  f"argmax agree {_fmt3(s['argmax_agreement_vs_nocache'])}")
             phases = sorted(((k[6:-2], v) for k, v in s.items() if k.startswith("phase_")), key=lambda kv: -kv[1])
             if phases:
                 print(f"   {'':>24}  phases (s, of {s['wall_s']:.1f} s): "

@@ -183,3 +183,44 @@ def test_the_split_wrappers_leave_the_gated_delta_implementation_named(model, mo
     sf.install(model)
     assert hasattr(mod.torch_chunk_gated_delta_rule, "__tiered_cache_split__")  # the wrapper is in place
     assert gated_delta_impl(model) == plain and "split_forward" not in plain, plain
+
+
+def _layer_forward_525(self, hidden_states, cache):
+    """The calls of transformers 5.25's ``Qwen3NextGatedDeltaNet.forward`` (its source is what is read)."""
+    mixed = causal_conv1d_forward(self.conv1d, hidden_states, cache, self.layer_idx)  # noqa: F821
+    return torch_chunk_gated_delta_rule(mixed, mixed, mixed)  # noqa: F821
+
+
+def _conv_forward_525(conv1d, hidden_states, cache, layer_idx):
+    return causal_conv1d_fn(hidden_states, conv1d.weight.squeeze(1))  # noqa: F821
+
+
+def _conv_forward_inline(conv1d, hidden_states, cache, layer_idx):
+    return torch.nn.functional.conv1d(hidden_states, conv1d.weight, groups=hidden_states.shape[1])
+
+
+def test_a_conv_called_through_causal_conv1d_forward_is_followed_there():
+    """5.25's layers call the conv through the module's ``causal_conv1d_forward``: the split forward is
+    supported where that function calls ``causal_conv1d_fn`` by name (the wrapper sees the conv's inputs),
+    and not where it convolves some other way or the module has none (checked under every version)."""
+    import tiered_cache.engine.runner.split_forward as sf
+
+    assert sf._calls_by_name(_layer_forward_525, _conv_forward_525)
+    assert not sf._calls_by_name(_layer_forward_525, _conv_forward_inline)
+    assert not sf._calls_by_name(_layer_forward_525, None)
+
+
+def test_hub_function_finds_the_function_a_kernels_module_stands_for():
+    """With the ``kernels`` package, 5.25 makes a modeling module's kernel-routed function an ``nn.Module``
+    instance (``use_kernel_forward_from_hub`` on a function): the source read and the torch function
+    restored for tests are the function's under it."""
+    kernels = pytest.importorskip("kernels")
+    import tiered_cache.engine.runner.split_forward as sf
+
+    def plus_one(x):
+        return x + 1
+
+    standing = kernels.use_kernel_forward_from_hub("tiered_cache_test_plus_one")(plus_one)
+    assert isinstance(standing, torch.nn.Module)
+    assert sf.hub_function(standing) is plus_one and sf._bare(standing) is plus_one
+    assert sf.hub_function(plus_one) is plus_one and sf.hub_function(torch.nn.Linear(2, 2)) is None

@@ -8,7 +8,7 @@ left-padded batch gathered from their caches, and hands each cache its results b
 Continuing on a restored cache always passes ``position_ids``: some models derive positions from the
 cache length otherwise, which a restored cache may not report as the caller means.
 
-transformers versions: tested on 5.24 and 5.17 (CPU); 5.25 is not supported yet (pyproject caps it).
+transformers versions: tested on 5.25, 5.24 and 5.17 (CPU).
 5.24 and 5.17 differ in the cache keyword of ``forward`` (``cache`` in 5.24, where ``past_key_values``
 is deprecated; ``past_key_values`` in 5.17: ``cache_kwarg``) and in how Qwen3-Next asks whether a
 layer has a state (``Cache.has_previous_state`` in 5.17, the layer's ``has_previous_state`` dict through
@@ -18,8 +18,9 @@ the columns of every conv-state update) that its ``get_seq_length`` reports, and
 ``Cache.get_seq_length`` asks layer 0, a linear layer in Qwen3-Next: a state restored or gathered here
 counts its conv window's columns, not the positions it holds. So the positions are read off the
 attention layers (``seen_tokens``) and the counters set to them before every forward
-(``sync_linear_lengths``), where the model reads them for its masks. What 5.25 still breaks is the
-split forward (``split_forward.py``): its GatedDeltaNet no longer calls the functions it wraps by name.
+(``sync_linear_lengths``), where the model reads them for its masks. 5.25's short conv also counts each
+decode token on the cache (``increase_count``: ``graph_decode``'s static cache answers it) and its
+GatedDeltaNet calls the conv through ``causal_conv1d_forward`` (``split_forward`` follows it there).
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ forwards.
 
 The model sees the buffers through ``_StaticCache``, which answers the cache calls Qwen3-Next makes
 while decoding in transformers 5.17 (``has_previous_state``, ``layers[i].conv_states``,
-``update_recurrent_state``) and 5.24 (``get_conv_state``, ``get_recurrent_state``,
-``is_recording_past``), and ``update`` for attention. The attention mask goes in as the
-``{"full_attention": mask, "linear_attention": None, "conv": None}`` mapping both versions accept, so no
-mask is built inside the captured region. SDPA attention only; models with sliding-window layers are not
-handled (they decode through ``decode_batch``'s fallback in the engine).
+``update_recurrent_state``), 5.24 (``get_conv_state``, ``get_recurrent_state``,
+``is_recording_past``) and 5.25 (``increase_count``), and ``update`` for attention. The attention mask
+goes in as the ``{"full_attention": mask, "linear_attention": None, "conv": None}`` mapping all three
+accept, so no mask is built inside the captured region. SDPA attention only; models with sliding-window
+layers are not handled (they decode through ``decode_batch``'s fallback in the engine).
 
 Attention in the step goes through ``gqa_sdpa`` (registered with transformers as ``GQA_ATTENTION`` and
 switched on around the step's forward only): each key/value head's query heads are packed into the rows
@@ -140,6 +140,11 @@ class _StaticCache:
     def update_recurrent_state(self, recurrent_states, layer_idx: int, *args, **kwargs):
         self.rec[layer_idx].copy_(recurrent_states)
         return self.rec[layer_idx]
+
+    # linear attention, 5.25: the short conv's decode path counts its token on the layer; the buffers keep
+    # no counters (positions are passed), and ``store_decoded`` sets each request cache's after the step
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        pass
 
     def update_conv_state(self, *args, **kwargs):  # only prefill calls it; a decode step never does
         raise InvalidArgumentError("input_ids", "one token per request (decode)", "a prefill")

@@ -13,8 +13,11 @@ which keeps a state at every block boundary: before, a chunk ran as one forward 
 a forward of this model costs about its launch time however few tokens it runs.
 
 It works by wrapping two functions of the model's modeling module, which its gated-delta layers call
-by their module-level names (transformers 5.17 and 5.24 both do): ``torch_chunk_gated_delta_rule``
-(flash-linear-attention's kernel where installed) and ``causal_conv1d_fn``. The wrappers act only
+by their module-level names: ``torch_chunk_gated_delta_rule`` (flash-linear-attention's kernel where
+installed) and ``causal_conv1d_fn``. transformers 5.17 and 5.24 call both from the layer's ``forward``;
+5.25 calls the conv through the module's ``causal_conv1d_forward`` (which reads and writes the cache and
+calls ``causal_conv1d_fn`` by name), and, where the ``kernels`` package is installed, makes each such
+function an ``nn.Module`` instance, still called by its module-level name. The wrappers act only
 inside ``forward_chunk_split``; elsewhere they pass every call through untouched (the chunk rule's to a
 ``graph_prefill.GraphChunkRule`` where the engine made one active). ``split_supported``
 says whether a model's layers call them so; where they do not, the engine runs two forwards.
@@ -71,22 +74,55 @@ def _module_of(model):
 
 
 def split_supported(model) -> bool:
-    """The model's gated-delta layers call the two functions by their module-level names."""
+    """The model's gated-delta layers call the two functions by their module-level names (the conv
+    either from the layer itself or from the module's ``causal_conv1d_forward``, 5.25)."""
     layer, mod = _linear_layer(model), _module_of(model)
     if layer is None or mod is None or not all(hasattr(mod, n) for n in _NAMES):
         return False
-    return _calls_by_name(type(layer).forward)
+    conv_forward = getattr(mod, "causal_conv1d_forward", None)
+    return _calls_by_name(type(layer).forward, None if conv_forward is None else _bare(conv_forward))
 
 
 @functools.cache
-def _calls_by_name(forward) -> bool:
-    """Whether ``forward``'s source calls both functions by name (read once per function: reading the
-    source tokenizes its whole module, milliseconds that every split forward paid before)."""
-    try:
-        src = inspect.getsource(forward)
-    except (OSError, TypeError):
+def _calls_by_name(forward, conv_forward) -> bool:
+    """Whether ``forward``'s source calls the chunk rule and the conv by name, the conv perhaps through
+    ``conv_forward`` (read once per function: reading the source tokenizes its whole module, milliseconds
+    that every split forward paid before)."""
+    src, rule, conv = _source(forward), f"{_NAMES[0]}(", f"{_NAMES[1]}("
+    if src is None or rule not in src:
         return False
-    return all(f"{n}(" in src for n in _NAMES)
+    if conv in src:  # 5.17, 5.24
+        return True
+    inner = _source(conv_forward)
+    return "causal_conv1d_forward(" in src and inner is not None and conv in inner
+
+
+def _source(fn) -> Optional[str]:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+
+
+def hub_function(fn):
+    """The function a modeling module's name stands for. transformers 5.25 with the ``kernels`` package
+    installed makes each kernel-routed function an ``nn.Module`` instance, whose class's ``forward`` calls
+    the function (its free variable ``func``): that function; ``fn`` itself otherwise (5.17, 5.24, or
+    without ``kernels``), or None for a module that calls none."""
+    forward = getattr(type(fn), "forward", None)
+    if not isinstance(fn, torch.nn.Module) or forward is None:
+        return fn
+    code = getattr(forward, "__code__", None)
+    if code is None or "func" not in code.co_freevars:
+        return None
+    return forward.__closure__[code.co_freevars.index("func")].cell_contents
+
+
+def _bare(fn):
+    """A modeling module's function without what wraps it: ours, the ``kernels`` module (``hub_function``)
+    and transformers' kernel routing (``__wrapped__``)."""
+    fn = hub_function(getattr(fn, "__tiered_cache_split__", fn))
+    return inspect.unwrap(fn) if callable(fn) else None
 
 
 def _wrap_chunk_rule(orig):
@@ -175,4 +211,4 @@ def forward_chunk_split(model, cache, input_ids: torch.Tensor, start_pos: int, s
     return logits, cache, list(sps)
 
 
-__all__ = ["SplitStates", "forward_chunk_split", "install", "split_supported"]
+__all__ = ["SplitStates", "forward_chunk_split", "hub_function", "install", "split_supported"]
