@@ -128,6 +128,9 @@ def test_repeats_answers_budgets_and_efficiency(tmp_path, keep_threads):
     assert wl["answer"] == 3 and wl["budget_sweep_tiers"]["3"]["gpu_only_host"]["host_states"] > 0
     assert wl["host_budget_mib"] == 12 and wl["gpu_budget_mib"] == 2.5
     assert {r["answer"] for r in rec["rows"]} == {"3 (prefill-node)"} and all(r["valid"] == "yes" for r in rec["rows"])
+    # measured against the no-cache run; the budget sweep's rows have none at their budget: undefined
+    agree = [r["argmax_agree"] for r in rec["rows"]]
+    assert [a is None for a in agree] == [False] * 3 + [True] * 2 and all(0 <= a <= 1 for a in agree[:3])
 
 
 def test_trace_through_the_engine(tmp_path, keep_threads):
@@ -206,3 +209,6 @@ def test_max_running_sets_the_running_batch_and_t0_reservation_of_every_configur
     assert wl["engine"]["max_running"] == 2
     assert {t["t0_states"] for c, t in wl["tiers"].items() if c in wc.CONFIGS[1:]} == {2}
     assert rec["metrics"]["multi_turn_ans3_hit_rate_gpu_only_host"] > 0
+    # no no-cache run here: the argmax agreement with it is undefined, never a made-up 1.0
+    assert not any(k.endswith("argmax_agreement_vs_nocache") for k in rec["metrics"])
+    assert [r["argmax_agree"] for r in rec["rows"]] == [None, None]
