@@ -128,14 +128,33 @@ def state_slot(states: StateSide, arg: str, slot: Any) -> torch.Tensor:
 
 
 def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mamba_value") -> np.ndarray:
-    """-> the slot's id as a host int64 array [1], checked: the caller reads its physical row with it where it
-    uses it (``states.translate_host``: a side may compact in between), without reading the tensor again."""
+    """-> the slot's id as a host int64 array [1] (``one_id``'s: read-only), checked: the caller reads its physical
+    row with it where it uses it (``states.translate_host``: a side may compact in between), without reading the
+    tensor again."""
     v = int(slot)
-    vid = np.array([v], dtype=np.int64)
-    rows = states.translate_host(vid) if 0 < v < states.capacity else None  # no launch
-    if rows is None or rows[0] < 0:
-        raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
-    return vid
+    if 0 < v < states.capacity:
+        vid = one_id(v)
+        if states.translate_host(vid)[0] >= 0:  # no launch
+            return vid
+    raise InvalidArgumentError(arg, "an allocated T0 state slot (slot 0 is the sink)", v)
+
+
+_ONE: dict[int, np.ndarray] = {}
+try:  # np.count_nonzero's C function, without its Python wrapper
+    from numpy._core.multiarray import count_nonzero as _COUNT
+except ImportError:  # numpy < 2
+    from numpy.core.multiarray import count_nonzero as _COUNT  # type: ignore[no-redef]
+
+
+def one_id(v: int) -> np.ndarray:
+    """``np.array([v], dtype=np.int64)``, read-only, made once per id and kept: its dtype discovery is a numpy call
+    of 1-5 us in the middle of each match and insert (a T0 state slot's id, a T1 slot's). ``v``: a slot id of a
+    pool, checked in range by the caller (one array per slot: bounded by the pools' sizes)."""
+    a = _ONE.get(v)
+    if a is None:
+        a = _ONE[v] = np.array([v], dtype=np.int64)
+        a.flags.writeable = False
+    return a
 
 
 def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0,
@@ -146,8 +165,9 @@ def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0
     ``v.numpy()`` on the CPU, where the caller made it (one torch call less). -> its page ids (checked: the tree
     may free them through the trusted ``free_pages``)."""
     ps = tree.page_size
-    toks = host[lo:hi] if host is not None else v.numpy()[lo:hi] if v.is_cpu else v[lo:hi].cpu().numpy()
-    first = toks[::ps]
+    if host is None:
+        host, lo, hi = (v.numpy(), lo, hi) if v.is_cpu else (v[lo:hi].cpu().numpy(), 0, None)
+    toks, first = host[lo:hi], host[lo:hi:ps]  # each page's first id: one view, not a slice of the slice
     pages = first // tree.ps0  # a 0-d operand: numpy's cheaper path for an array than for a Python int
     # whole pages: the ids equal page*ps + 0..ps-1, compared as bytes (one memcmp, no bool array; a step-1
     # slice of a 1-D tensor's view is contiguous)
@@ -156,8 +176,9 @@ def check_callers_kv(tree: Any, v: torch.Tensor, arg: str = "value", lo: int = 0
     lst = pages.tolist()  # a few dozen pages: Python's min, max and set beat numpy's calls
     if lst and (min(lst) < 1 or max(lst) >= tree.kv.capacity):
         raise InvalidArgumentError(arg, f"KV ids of pages in [1, {tree.kv.capacity})", toks[:16].tolist())
-    # np.count_nonzero and Python's min over the list: ndarray.any() and .min() go through Python wrappers
-    if lst and (len(set(lst)) != len(lst) or np.count_nonzero(tree.owned[pages])
+    # count_nonzero's C function (np.count_nonzero is a Python wrapper) and Python's min over the list: ndarray.any()
+    # and .min() go through Python wrappers
+    if lst and (len(set(lst)) != len(lst) or _COUNT(tree.owned[pages])
                 or min(tree.kv.translate_host(first).tolist()) < 0):
         raise InvalidArgumentError(arg, "KV ids the caller owns (allocated, distinct, not cached)", toks[:16].tolist())
     return pages

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-import numpy as np
 import torch
 
 from tiered_cache.errors import IntegrityError, InvalidArgumentError, InvalidTypeError
@@ -24,6 +23,7 @@ from tiered_cache.radix.checks import (
     check_callers_kv,
     check_state_allocated,
     insert_args,
+    one_id,
     parse_key_array,
     req_slot,
     state_slot,
@@ -266,7 +266,7 @@ class MambaRule:
         if cow and dev is not root and dst_vid is not None:  # both ids checked: no second check in T1
             # dst's row read again now: the walk's drops (NaN states) free KV, and a side may compact on a free
             row = self.states.translate_host(dst_vid)
-            self.ckpt.load_rows(np.array([dev.payload.t1_slot]), self.states, row)
+            self.ckpt.load_rows(one_id(dev.payload.t1_slot), self.states, row)
         elif cow and dev is not root:
             self.ckpt.load_to_active(dev.payload.mamba_value, self.states, dst)
         idx = tree.empty if dev_k == 0 else values[0] if dev_k == 1 else torch.cat(values[:dev_k])
@@ -318,7 +318,7 @@ class MambaRule:
             t1, (t1_id,) = got
             try:
                 if vid is not None:  # checked above, and a slot just allocated: the trusted store, at today's row
-                    self.ckpt.store_rows(self.states, self.states.translate_host(vid), np.array(got[1]))
+                    self.ckpt.store_rows(self.states, self.states.translate_host(vid), one_id(t1_id))
                 else:
                     self.ckpt.store_from_active(self.states, slot, t1)
             except BaseException:

@@ -318,8 +318,11 @@ def _repeats(given: Any, host: np.ndarray) -> bool:
 
 
 def ids_tensor(ids: Any) -> torch.Tensor:
-    """Ids from ``CallArgs.to_device`` as a tensor (a CPU array is wrapped, not copied)."""
-    return torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
+    """Ids from ``CallArgs.to_device`` as a tensor (a CPU array is wrapped, not copied; a read-only one, the radix
+    tree's kept id of one slot (``radix.checks.one_id``), copied: torch has no read-only tensors)."""
+    if isinstance(ids, np.ndarray):
+        return torch.from_numpy(ids if ids.flags.writeable else ids.copy())
+    return ids
 
 
 def _plans(pool, lay: Layout, op: str) -> list[Any]:
