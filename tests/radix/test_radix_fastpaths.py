@@ -22,6 +22,7 @@ from tiered_cache.config import CacheConfig
 from tiered_cache.errors import InvalidArgumentError, OutOfRangeError
 from tiered_cache.radix import EvictParams, InsertParams, MatchPrefixParams, RadixKey
 from tiered_cache.radix.checks import check_state_allocated, one_id
+from tiered_cache.radix.policy import LRUPolicy
 from tiered_cache.stack import TieredCache
 from tiered_cache.tiers.holes import HoleMap
 from tiered_cache.tiers.page_table import PageTable
@@ -184,3 +185,32 @@ def test_hole_trim_drops_exactly_the_holes_at_the_top(seed):
             top -= 1
         assert holes.trim(n) == top
         assert holes.count == len([r for r in ranks if r < top]) and holes.ranks() == {r for r in ranks if r < top}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lru_heap_rebuilt_in_c_pops_least_recent_first(seed):
+    """The lazy heap is rebuilt from the live candidates (``zip`` over ``map``) once it holds 3x as many entries as
+    candidates: over random adds, discards, touches and pops (many rebuilds), each pop is the least recently
+    touched candidate, as a plain model of stamps says."""
+    rng = random.Random(seed)
+    pol, stamp, cand, rebuilds = LRUPolicy(), {}, set(), 0
+    nodes = [object() for _ in range(30)]
+    for step in range(4000):
+        op, x, heap = rng.random(), rng.choice(nodes), pol._heap["state"]
+        if op < 0.85:
+            pol.touch("state", x)
+            stamp[x] = step
+        elif op < 0.95:
+            if x not in cand and x not in stamp:
+                stamp[x] = step
+            pol.add("state", x)
+            cand.add(x)
+        elif op < 0.98:
+            pol.discard("state", x)
+            cand.discard(x)
+        else:
+            got = pol.pop("state")
+            assert got is (min(cand, key=stamp.__getitem__) if cand else None)
+            cand.discard(got)
+        rebuilds += pol._heap["state"] is not heap
+    assert rebuilds > 10

@@ -181,6 +181,8 @@ class LRUPolicy(EvictionPolicy):
         heap = self._heap[resource]
         heapq.heappush(heap, (t, next(self._seq), node))
         if len(heap) > 64 and len(heap) > 3 * len(self._cand[resource]):
-            stamps = self._stamp[RECENCY[resource]]
-            self._heap[resource] = [(stamps[n], next(self._seq), n) for n in self._cand[resource]]
+            # the live entries again, built in C (zip over map: no Python step per candidate; the same entries and
+            # sequence numbers, in the set's order, as a comprehension would make)
+            cand = list(self._cand[resource])
+            self._heap[resource] = list(zip(map(self._stamp[RECENCY[resource]].__getitem__, cand), self._seq, cand))
             heapq.heapify(self._heap[resource])
