@@ -140,10 +140,10 @@ def check_state_allocated(states: StateSide, slot: torch.Tensor, arg: str = "mam
 
 
 _ONE: dict[int, np.ndarray] = {}
-try:  # np.count_nonzero's C function, without its Python wrapper
+try:  # np.count_nonzero's C function, without its Python wrapper (a private module: numpy 2's layout)
     from numpy._core.multiarray import count_nonzero as _COUNT
-except ImportError:  # numpy < 2
-    from numpy.core.multiarray import count_nonzero as _COUNT  # type: ignore[no-redef]
+except ImportError:  # numpy < 2, or a later layout: the public wrapper (the same counts, ~1 us slower)
+    _COUNT = np.count_nonzero
 
 
 def one_id(v: int) -> np.ndarray:
