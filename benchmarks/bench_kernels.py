@@ -398,40 +398,56 @@ def bench_host(dt_name: str, n: int, conv: tuple, k: int, reps: int) -> dict[str
 
 
 def _sweep_dtype(dt_name: str, shape: dict[str, int], device: torch.device, n: int = 16) -> dict[str, float]:
+    """One dtype's store formulations in three layouts: ``va1`` (states ``[H, d_v, d_k]``, SGLang's temporal
+    order, codes in the pool's ``[d_v, d_k]``), ``va2`` (states ``[H, d_k, d_v]``, FLA / transformers' order,
+    codes transposed into ``[d_v, d_k]``: the pool's layout today) and ``va2q`` (the same states, codes kept in
+    the states' own ``[d_k, d_v]`` order: a transposed view of ``qdata``, no layout change in the kernel)."""
     dtype = DTYPES[dt_name]
     L, H, dv, dk = shape["layers"], shape["heads"], shape["dv"], shape["dk"]
-    src = torch.randn((2 * n, L, H, dv, dk), device=device, dtype=dtype).transpose(0, 1)
-    rows = torch.randperm(2 * n, device=device)[:n]
-    pool = Int8CheckpointPool(StateSpec(L, (H, dv, dk), dtype), n, device)
-    slots = pool.alloc(n)
-    q_ref, s_ref = torch.empty_like(pool.qdata), torch.empty_like(pool.scale)
-    quantize_store_reference(src, rows, q_ref, s_ref, slots)
     elems = n * L * H * dv * dk
     moved = elems * dtype.itemsize + elems + n * L * H * dk * dtype.itemsize
     a_ = torch.empty(moved // 2, dtype=torch.uint8, device=device)
     b_ = torch.empty_like(a_)
     copy_ms = time_ms(lambda: b_.copy_(a_), device, 1)
-    configs: list[tuple[str, Optional[tuple[int, int, int]], int, int]] = [("one_pass", None, 8192, 4)]
-    if dt_name == "fp32":
-        configs += [("two_pass", c, 0, 0) for c in ((32, 64, 4), (64, 64, 8))]
-    else:
-        configs += [("one_pass", None, 16384, 8)]
-        configs += [("two_pass", c, 0, 0) for c in ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8), (32, 32, 4))]
+    configs: list[tuple[str, Optional[tuple[int, int, int]], int, int]] = [
+        ("one_pass", None, t, w) for t, w in ((8192, 4), (4096, 4), (4096, 2), (4096, 1), (2048, 1), (2048, 2),
+                                               (8192, 8), (16384, 8))]
+    configs += [("two_pass", c, 0, 0) for c in ((32, 64, 4), (64, 64, 8))]
+    out: dict[str, float] = {}
+    for layout in ("va1", "va2", "va2q"):
+        out.update(_sweep_layout(dt_name, layout, shape, device, n, copy_ms, configs))
+    return out
+
+
+def _sweep_layout(dt_name: str, layout: str, shape: dict[str, int], device: torch.device, n: int, copy_ms: float,
+                  configs: list[tuple[str, Optional[tuple[int, int, int]], int, int]]) -> dict[str, float]:
+    dtype = DTYPES[dt_name]
+    L, H, dv, dk = shape["layers"], shape["heads"], shape["dv"], shape["dk"]
+    inner = (H, dv, dk) if layout == "va1" else (H, dk, dv)
+    src = torch.randn((2 * n, L, *inner), device=device, dtype=dtype).transpose(0, 1)
+    va = 1 if layout == "va1" else 2
+    rows = torch.randperm(2 * n, device=device)[:n]
+    pool = Int8CheckpointPool(StateSpec(L, (H, dv, dk), dtype), n, device)
+    slots = pool.alloc(n)
+    q_ref, s_ref = torch.empty_like(pool.qdata), torch.empty_like(pool.scale)
+    quantize_store_reference(src, rows, q_ref, s_ref, slots, va)
+    # va2q: the codes' storage [L, S, H, d_k, d_v], seen as [L, S, H, d_v, d_k] (strides swapped)
+    qdata = (pool.qdata if layout != "va2q" else
+             torch.zeros((L, n + 1, H, dk, dv), dtype=torch.int8, device=device).transpose(3, 4))
     out: dict[str, float] = {}
     for kind, stream, tile, warps in configs:
         quant._STREAM_STORE[dtype] = stream
         if stream is None:
             quant._STORE_TILE, quant._STORE_WARPS = tile, warps
-        tag = f"{tile}_w{warps}" if stream is None else f"{stream[0]}x{stream[1]}_w{stream[2]}"
-        pool.qdata[:, slots] = 0
-        quant.quantize_store(src, rows, pool.qdata, pool.scale, slots, backend="triton")
-        exact = torch.equal(pool.qdata[:, slots], q_ref[:, slots]) and torch.equal(pool.scale[:, slots],
-                                                                                  s_ref[:, slots])
+        tag = f"{layout}_{tile}_w{warps}" if stream is None else f"{layout}_{stream[0]}x{stream[1]}_w{stream[2]}"
+        qdata[:, slots] = 0
+        quant.quantize_store(src, rows, qdata, pool.scale, slots, va, backend="triton")
+        exact = torch.equal(qdata[:, slots], q_ref[:, slots]) and torch.equal(pool.scale[:, slots], s_ref[:, slots])
         out[f"sweep_store_{dt_name}_{kind}_{tag}_bit_exact"] = float(exact)
         if not exact:  # reported, not timed: a formulation that differs from the reference is no candidate
             print(f"sweep: {dt_name} {kind} {tag} differs from the reference")
             continue
-        ms = time_ms(lambda: quant.quantize_store(src, rows, pool.qdata, pool.scale, slots, backend="triton",
+        ms = time_ms(lambda: quant.quantize_store(src, rows, qdata, pool.scale, slots, va, backend="triton",
                                                   check_ids=False), device, 1)
         out[f"sweep_store_{dt_name}_{kind}_{tag}_vs_copy"] = copy_ms / ms
     return out
