@@ -123,11 +123,15 @@ def test_store_load_through_views(poison, value_axis, dtype):
     views = make_views(spec, 6)
     slots = pool.alloc(3)
     pool.store_from_active(views, torch.tensor([5, 0, 2]), slots)
-    # Envelope bytes: one slot's bytes hold exactly the reference codes and the conv window.
+    # Envelope bytes: one slot's bytes hold exactly the reference codes, in the state's own axis order
+    # ([H, d_k, d_v] for value axis 2: the kernels then read and write along one innermost axis), and the
+    # conv window.
     q, s = quantize_reference(canonical(views.temporal[:, [0]], spec))
     env = pool.envelope(int(slots[1]))
     qf, sf, cf = pool.fields
-    assert torch.equal(env[qf.offset: qf.offset + qf.nbytes].view(torch.int8).view(qf.shape), q[:, 0])
+    assert qf.shape == (spec.num_layers, *spec.temporal_shape)
+    stored = env[qf.offset: qf.offset + qf.nbytes].view(torch.int8).view(qf.shape)
+    assert torch.equal(stored, q[:, 0] if value_axis == 1 else q[:, 0].transpose(-1, -2))
     assert torch.equal(env[sf.offset: sf.offset + sf.nbytes].view(dtype).view(sf.shape), s[:, 0])
     assert torch.equal(env[cf.offset: cf.offset + cf.nbytes].view(spec.conv_dtype).view(cf.shape),
                        views.convs[0][:, 0])

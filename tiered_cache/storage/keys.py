@@ -36,7 +36,8 @@ from tiered_cache.errors import InvalidArgumentError, InvalidTypeError
 from tiered_cache.validate import int_arg, int_list
 
 # Bump when the byte layout of any stored envelope changes (specs.py field order, alignment, codec).
-LAYOUT_VERSION = 1
+# 2: the int8 codes of value-axis-2 states kept in the state's [d_k, d_v] order (were [d_v, d_k]).
+LAYOUT_VERSION = 2
 KEY_BYTES = 32
 
 Salt = Union[str, bytes, None]

@@ -10,13 +10,19 @@ range: T2 (the host mirror) copies a slot byte for byte and a promoted state is 
 demoted one. Inside an envelope each field holds all layers and starts on a 16-byte boundary::
 
     raw:      | slot 0 (reserved sink) | slot 1 | slot 2 | ...            slot_bytes each
-    int8:     | qdata [L, H, d_v, d_k] int8 | scale [L, H, 1, d_k] state dtype | conv0 [L, *c0] | conv1 ..
+    int8:     | qdata [L, H, a, b] int8 | scale [L, H, 1, d_k] state dtype | conv0 [L, *c0] | conv1 ..
     lossless: | data  [L, H, a, b] state dtype (T0's axis order)          | conv0 [L, *c0] | conv1 ..
     conv only (a ``StateSpec`` without a temporal state, either codec):   | conv0 [L, *c0] | conv1 ..
 
-Typed strided views ``qdata [L, S, H, d_v, d_k]``, ``scale [L, S, H, 1, d_k]``, ``data [L, S, H, a, b]``
-and ``conv[i] [L, S, *conv_shape]`` alias the buffer (layer stride: one layer's field; slot stride:
-``slot_bytes``); ``fields`` gives each field's byte offset, size, dtype and shape inside an envelope.
+The codes keep the state's own axis order (``[H, a, b]``, T0's: ``[d_v, d_k]`` for value axis 1, ``[d_k, d_v]``
+for value axis 2), so a store and a load read and write both sides along the same innermost axis and the kernels
+move no tile between layouts: with the codes in ``[d_v, d_k]``, a ``[d_k, d_v]`` state's store went through an 8 KiB
+shared-memory transpose and reduced its amax across lanes (sm_90, one 8,192-element program: 856 instructions a
+thread for bf16, 1,296 for fp32; in the state's order 656 and 816, 128-256 B of shared memory).
+Typed strided views ``qdata [L, S, H, d_v, d_k]`` (for value axis 2 a transposed view: swapped strides),
+``scale [L, S, H, 1, d_k]``, ``data [L, S, H, a, b]`` and ``conv[i] [L, S, *conv_shape]`` alias the buffer
+(layer stride: one layer's field; slot stride: ``slot_bytes``); ``fields`` gives each field's byte offset,
+size, dtype and shape inside an envelope (the stored order: ``qdata``'s is ``[L, H, a, b]``).
 
 Non-finite states: every store also marks a per-slot flag when a value it reads is NaN or +-inf, nearly
 free, without a sync or a launch of its own (``finite_flags.py``); ``poll_nonfinite`` reports the non-finite
@@ -74,7 +80,7 @@ def envelope_layout(spec: StateSpec, codec: str = "int8") -> tuple[tuple[Envelop
     if not spec.has_temporal:
         pass  # conv windows only (Lfm2): every codec keeps them in conv_dtype
     elif codec == "int8":
-        parts = [("qdata", torch.int8, (L, spec.num_heads, spec.d_v, spec.d_k)),
+        parts = [("qdata", torch.int8, (L, *spec.temporal_shape)),  # the state's order: [H, a, b]
                  ("scale", spec.temporal_dtype, (L, spec.num_heads, 1, spec.d_k))]
     else:
         parts = [("data", spec.temporal_dtype, (L, *spec.temporal_shape))]
@@ -123,6 +129,8 @@ class Int8CheckpointPool:
         # Zeros: the sink and never-written slots dequantize to an all-zero state, never to garbage.
         self.raw = torch.zeros(need, dtype=torch.uint8, device=self.device)
         views = {f.name: self._view(f) for f in self.fields}
+        if "qdata" in views and spec.value_axis == 2:  # stored [L, S, H, d_k, d_v]: seen as [.., d_v, d_k]
+            views["qdata"] = views["qdata"].transpose(3, 4)
         self.qdata: Optional[torch.Tensor] = views.get("qdata")
         self.scale: Optional[torch.Tensor] = views.get("scale")
         self.data: Optional[torch.Tensor] = views.get("data")
