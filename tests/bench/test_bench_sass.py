@@ -1,0 +1,67 @@
+"""bench_sass: the T1 kernels compiled for sm_90 on the CPU, and the structure two formulations claim.
+
+The bf16 pairs store (``quant._quantize_store_pairs_kernel``) says its amax is reduced in registers, and the
+pool's code order since 4623ffd says a ``[d_k, d_v]`` state's store needs no shared-memory transpose: both show
+in the compiled code (cross-lane shuffles, shared bytes), whatever a GPU would time. The script runs in its own
+process: the tests' Triton interpreter (``TRITON_INTERPRET=1``) compiles nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from benchmarks import bench_sass  # noqa: E402
+
+if not os.path.exists(bench_sass._nvdisasm()):
+    pytest.skip("this triton wheel carries no nvdisasm (bench_sass reads the SASS with it)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sass")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sass.py"), "--quick", "--out", str(out)],
+                   check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+    record = json.load(open(out / "sass-cpu.json"))
+    assert (out / "sass-cpu.md").exists()
+    got = {r["kernel"]: r for r in record["rows"]}
+    for name, r in got.items():
+        assert record["metrics"][f"{name}_instructions"] == r["instructions"] > 0
+    return got
+
+
+def test_every_layout_and_dtype_is_compiled(rows):
+    for dt in ("fp32", "bf16"):
+        for lay in ("va1", "va2", "va2q"):
+            assert any(k.startswith(f"store_{dt}_{lay}_") for k in rows)
+            assert any(k.startswith(f"load_{dt}_{lay}_") for k in rows)
+    assert any(k.startswith("store_bf16_va1_pairs_") for k in rows)
+
+
+def _one(rows, prefix):
+    (row,) = [r for k, r in rows.items() if k.startswith(prefix)]
+    return row
+
+
+def test_pairs_store_reduces_in_registers(rows):
+    one, pairs = _one(rows, "store_bf16_va1_8"), _one(rows, "store_bf16_va1_pairs_")
+    # the one-pass bf16 tile: 16 channels a thread, reduced across 8 lanes (3 shuffles each) and 4 warps
+    assert one["SHFL"] >= 48
+    # the pairs tile: one word a lane, the value axis down each thread; only the flag's block max shuffles
+    assert pairs["SHFL"] <= 8
+    assert pairs["instructions"] < one["instructions"]
+
+
+def test_codes_in_the_states_order_need_no_transpose(rows):
+    for dt in ("fp32", "bf16"):
+        transposed, own = _one(rows, f"store_{dt}_va2_"), _one(rows, f"store_{dt}_va2q_")
+        assert transposed["shared_bytes"] >= 8192  # the whole tile through shared memory
+        assert own["shared_bytes"] <= 256
+        assert own["instructions"] < transposed["instructions"]
