@@ -397,7 +397,8 @@ def bench_host(dt_name: str, n: int, conv: tuple, k: int, reps: int) -> dict[str
     return out
 
 
-def _sweep_dtype(dt_name: str, shape: dict[str, int], device: torch.device, n: int = 16) -> dict[str, float]:
+def _sweep_dtype(dt_name: str, shape: dict[str, int], device: torch.device, n: int = 16,
+                 quick: bool = False) -> dict[str, float]:
     """One dtype's store formulations in three layouts: ``va1`` (states ``[H, d_v, d_k]``, SGLang's temporal
     order, codes in the pool's ``[d_v, d_k]``), ``va2`` (states ``[H, d_k, d_v]``, FLA / transformers' order,
     codes transposed into ``[d_v, d_k]``: the pool's layout today) and ``va2q`` (the same states, codes kept in
@@ -415,6 +416,8 @@ def _sweep_dtype(dt_name: str, shape: dict[str, int], device: torch.device, n: i
     configs += [("two_pass", c, 0, 0) for c in ((32, 64, 4), (64, 64, 8))]
     if dtype == torch.bfloat16:  # the one-pass kernel in bf16 pairs (quant._PAIR_STORE; va1 only, below)
         configs += [("pairs", None, t, w) for t, w in ((8192, 4), (4096, 4), (4096, 2), (8192, 8), (16384, 8))]
+    if quick:  # the kernels' own tile only: each formulation at 8,192 / 4 warps
+        configs = [c for c in configs if c[0] != "two_pass" and c[2:] == (8192, 4)]
     out: dict[str, float] = {}
     for layout in ("va1", "va2", "va2q"):
         out.update(_sweep_layout(dt_name, layout, shape, device, n, copy_ms, configs))
@@ -460,7 +463,8 @@ def _sweep_layout(dt_name: str, layout: str, shape: dict[str, int], device: torc
     return out
 
 
-def store_sweep(shape: dict[str, int], device: torch.device) -> dict[str, float]:
+def store_sweep(shape: dict[str, int], device: torch.device, dtypes: Optional[list[str]] = None,
+                quick: bool = False) -> dict[str, float]:
     """The store's formulations (one-pass tile / warps, two-pass rows a step / warps), 16 states, each
     checked bit-exact against the reference first, timed against a device copy of its bytes."""
     out: dict[str, float] = {}
@@ -473,8 +477,8 @@ def store_sweep(shape: dict[str, int], device: torch.device) -> dict[str, float]
         quant._PAIR_STORE.update(saved[3])
 
     try:
-        for dt_name in DTYPES:
-            out.update(_sweep_dtype(dt_name, shape, device))
+        for dt_name in dtypes or list(DTYPES):
+            out.update(_sweep_dtype(dt_name, shape, device, quick=quick))
             restore()
             torch.cuda.empty_cache()
     finally:
@@ -530,6 +534,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--states", type=int, nargs="+", default=None, help="states per call (default 16 64)")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--sweep-quick", action="store_true",
+                        help="--parts sweep at the kernels' own tile only (each formulation and layout at 8,192 / 4)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run through the interpreter)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU: do_bench)")
@@ -577,7 +583,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     progress(f"api {dt} n{n}", got)
                     torch.cuda.empty_cache()
         if "sweep" in args.parts:
-            got = store_sweep(shape, device)
+            got = store_sweep(shape, device, args.dtypes, args.sweep_quick)
             metrics.update(got)
             progress("sweep", got)
     named: dict[str, float] = {}
