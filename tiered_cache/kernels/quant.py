@@ -351,6 +351,27 @@ def _head_state_layer(H, N):
     return (pid - t * H).to(tl.int64), (t - layer * N).to(tl.int64), layer.to(tl.int64)
 
 
+@triton.jit
+def _channel_codes(x, fin_ptr, slot, MARK, KIND: tl.constexpr, MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr,
+                   FLAG: tl.constexpr):
+    """``x [rows, channels]`` (fp32) -> its int8 codes and per-channel scales (the one-pass kernels' steps).
+    ``FLAG``: a NaN-keeping amax: a NaN or inf anywhere in a column shows in the column's amax, so the check
+    is one per block of columns (``_non_finite``), not one per element (that cost ~14 % of the store's
+    instructions on sm_90); it writes ``MARK`` into ``fin_ptr[slot]``. A flagged slot's codes are not the
+    twin's; a finite slot's are."""
+    if FLAG:
+        amax = tl.reduce(tl.abs(x), 0, _max_nan)
+        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=_non_finite(amax))
+        amax = tl.maximum(amax, 1e-8)
+    else:
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
+    scale = _scale_of(amax, FMA_DIV, KIND)
+    if MIN_SCALE > 0.0:
+        scale = tl.maximum(scale, MIN_SCALE)
+    hi, lo = _reciprocal(scale, FMA_DIV, KIND)
+    return _codes(_quotients(x, scale, hi, lo, FMA_DIV, KIND), FMA_DIV, KIND), scale
+
+
 @triton.jit(do_not_specialize=_NO_SPEC_MARK)
 def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
                            P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
@@ -374,21 +395,7 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
         x = _to_fp32(tl.load(src), FMA_DIV, KIND)
     else:
         x = _to_fp32(tl.load(src, mask=mask, other=0.0), FMA_DIV, KIND)
-    if FLAG:
-        # A NaN-keeping amax: a NaN or inf anywhere in a column shows in the column's amax, so the check is
-        # one per block of columns (``_non_finite``), not one per element (that cost ~14 % of the store's
-        # instructions on sm_90). A flagged slot's codes are not the twin's; a finite slot's are.
-        amax = tl.reduce(tl.abs(x), 0, _max_nan)
-        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=_non_finite(amax))
-        amax = tl.maximum(amax, 1e-8)
-    else:
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
-    scale = _scale_of(amax, FMA_DIV, KIND)
-    if MIN_SCALE > 0.0:
-        scale = tl.maximum(scale, MIN_SCALE)
-    hi, lo = _reciprocal(scale, FMA_DIV, KIND)
-    y = _quotients(x, scale, hi, lo, FMA_DIV, KIND)
-    code = _codes(y, FMA_DIV, KIND)
+    code, scale = _channel_codes(x, fin_ptr, slot, MARK, KIND, MIN_SCALE, FMA_DIV, FLAG)
     q_dst = q_ptr + layer * q_l + slot * q_s + h * q_h
     q_dst = q_dst + offs_v[:, None] * q_v + offs_k[None, :] * q_k
     s_dst = s_ptr + layer * c_l + slot * c_s + h * c_h + offs_k * c_k
@@ -411,23 +418,6 @@ def _bf16_pair(w, FMA_DIV: tl.constexpr):
         lo = (u << 16).to(tl.float32, bitcast=True)
         hi = (u & 0xFFFF0000).to(tl.float32, bitcast=True)
     return lo, hi
-
-
-@triton.jit
-def _channel_codes(x, fin_ptr, slot, MARK, KIND: tl.constexpr, MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr,
-                   FLAG: tl.constexpr):
-    """``x [rows, channels]`` (fp32) -> its int8 codes and per-channel scales: the one-pass kernel's steps."""
-    if FLAG:
-        amax = tl.reduce(tl.abs(x), 0, _max_nan)
-        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=_non_finite(amax))
-        amax = tl.maximum(amax, 1e-8)
-    else:
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
-    scale = _scale_of(amax, FMA_DIV, KIND)
-    if MIN_SCALE > 0.0:
-        scale = tl.maximum(scale, MIN_SCALE)
-    hi, lo = _reciprocal(scale, FMA_DIV, KIND)
-    return _codes(_quotients(x, scale, hi, lo, FMA_DIV, KIND), FMA_DIV, KIND), scale
 
 
 @triton.jit(do_not_specialize=_NO_SPEC_MARK)
