@@ -4,10 +4,12 @@
 
 Triton compiles each kernel for an H100 / H200 (``GPUTarget("cuda", 90, 32)``) with the ptxas its wheel
 carries, and its nvdisasm lists the SASS; the counts are per thread of one program (static: no loop runs
-here), by opcode, with the shared memory the program takes. A count is no speed: the bf16 store lost a third
-of its instructions on 2026-12-02 and gained 2-6 % on the H200 (results README, T1 section); it shows what a
-formulation removes (a shared-memory transpose, cross-lane reductions) where no GPU is at hand, and a GPU run
-(``bench_kernels.py --parts sweep``) decides.
+here), by opcode, with the shared memory the program takes, the registers a thread holds (cuobjdump) and the
+programs an SM can hold by those registers alone (what bounds the bytes a memory-bound kernel keeps in
+flight). A count is no speed: the bf16 store lost a third of its instructions on 2026-12-02 and gained 2-6 %
+on the H200 (results README, T1 section); it shows what a formulation removes (a shared-memory transpose,
+cross-lane reductions, registers) where no GPU is at hand, and a GPU run (``bench_kernels.py --parts
+sweep``) decides.
 
 Shapes: Qwen3-Next-80B's 128 x 128 heads, whole tiles, the engine path's specialisations (the non-finite flag
 on, 16 ids passed as arguments, unit strides as constants, the rest 16-divisible). Layouts: ``va1`` states
@@ -46,6 +48,17 @@ def _nvdisasm() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 
 
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def programs_per_sm(regs: int, warps: int) -> int:
+    """Programs an sm_90 SM holds by registers alone: 65,536 a SM, given out per warp in units of 256 (a
+    thread's count rounded up to 8), at most 64 warps and 32 programs; shared memory and the rest not counted."""
+    per_warp = -(-regs // 8) * 8 * 32
+    return min(65536 // (per_warp * warps), 64 // warps, 32)
+
+
 def counts(kernel: Any, ptrs: dict[str, str], const: dict[str, Any], ints: dict[str, int], warps: int) -> dict:
     """SASS opcode counts and shared bytes of ``kernel`` compiled for sm_90: pointer arguments typed by ``ptrs``
     (others ``*i64``), ``const`` the constexprs, ``ints`` integer arguments' values where known (1: a constant,
@@ -71,10 +84,13 @@ def counts(kernel: Any, ptrs: dict[str, str], const: dict[str, Any], ints: dict[
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         sass = subprocess.run([_nvdisasm(), "-c", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_cuobjdump(), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))  # type: ignore[union-attr]
     ops = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].rstrip(";")
            for line in sass.splitlines() if re.match(r"^\s*/\*[0-9a-f]{4}\*/", line)]
     by = collections.Counter(op.split(".")[0] for op in ops if op != "NOP")
-    return {"instructions": sum(by.values()), "shared_bytes": compiled.metadata.shared, "ops": dict(by)}
+    return {"instructions": sum(by.values()), "shared_bytes": compiled.metadata.shared, "registers": regs,
+            "programs_per_sm": programs_per_sm(regs, warps), "ops": dict(by)}
 
 
 def _strides(layout: str) -> dict[str, int]:
@@ -138,12 +154,15 @@ def main(argv: list[str] | None = None) -> str:
     for name, fn in cases(args.quick):
         got = fn()
         rows.append({"kernel": name, "instructions": got["instructions"], "shared_bytes": got["shared_bytes"],
+                     "registers": got["registers"], "programs_per_sm": got["programs_per_sm"],
                      **{op: got["ops"].get(op, 0) for op in OPS}})
         metrics[f"{name}_instructions"] = got["instructions"]
-        print(f"{name:36} {got['instructions']:5} instructions, shared {got['shared_bytes']:6} B  "
+        print(f"{name:36} {got['instructions']:5} instructions, shared {got['shared_bytes']:6} B, "
+              f"{got['registers']} registers ({got['programs_per_sm']} programs a SM)  "
               + " ".join(f"{op}={got['ops'].get(op, 0)}" for op in OPS), flush=True)
     info = {"target": "sm_90 (H100 / H200), compiled on the CPU: no GPU ran", "triton": triton.__version__,
-            "counts": "SASS instructions a thread of one program, static (NOP excluded); no speed"}
+            "counts": "SASS instructions a thread of one program, static (NOP excluded); no speed",
+            "registers": "a thread's, from cuobjdump -res-usage; programs_per_sm: by registers alone"}
     path = write_results("sass", metrics, rows=rows, info=info, out_dir=str(args.out))
     print(f"wrote {path}")
     return path

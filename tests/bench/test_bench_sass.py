@@ -34,7 +34,15 @@ def rows(tmp_path_factory):
     got = {r["kernel"]: r for r in record["rows"]}
     for name, r in got.items():
         assert record["metrics"][f"{name}_instructions"] == r["instructions"] > 0
+        assert 0 < r["registers"] <= 255 and r["programs_per_sm"] >= 1
     return got
+
+
+def test_programs_per_sm_by_registers():
+    assert bench_sass.programs_per_sm(123, 4) == 4  # 128 a thread: 16,384 a program of 4 warps
+    assert bench_sass.programs_per_sm(96, 4) == 5
+    assert bench_sass.programs_per_sm(32, 4) == 16  # 64 warps a SM at most
+    assert bench_sass.programs_per_sm(16, 1) == 32  # 32 programs a SM at most
 
 
 def test_every_layout_and_dtype_is_compiled(rows):
@@ -57,6 +65,7 @@ def test_pairs_store_reduces_in_registers(rows):
     # the pairs tile: one word a lane, the value axis down each thread; only the flag's block max shuffles
     assert pairs["SHFL"] <= 8
     assert pairs["instructions"] < one["instructions"]
+    assert pairs["programs_per_sm"] >= one["programs_per_sm"]
 
 
 def test_codes_in_the_states_order_need_no_transpose(rows):
