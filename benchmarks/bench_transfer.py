@@ -7,7 +7,8 @@ Data: Qwen3-Next-80B-like int8 state envelopes (36 layers x [32, 128, 128] + sca
 All in one run:
 - baseline: contiguous pinned copies of the same number of bytes, each direction and both at once;
 - ours: scattered T1 -> T2 demote, T2 -> T1 promote (checksummed), both directions at once, for the
-  ``copy``, ``staging``, ``kernel``, ``batch`` (``cudaMemcpyBatchAsync``, where present) and ``auto``
+  ``copy``, ``staging``, ``kernel`` (``kernel-1w`` beside it: one word a lane, the kernel before 2026-12-07),
+  ``batch`` (``cudaMemcpyBatchAsync``, where present) and ``auto``
   methods, and for KV pages the mixes ``kernel`` one way / ``batch`` the other; KV pages whose host
   slots are consecutive ("kv-runs");
 - correctness before timing, per method and page size: the landed bytes equal the demoted ones (compared
@@ -153,11 +154,16 @@ MIXES = {"kernel+batch": {"d2h": "kernel", "h2d": "batch"}, "batch+kernel": {"d2
 
 
 def _engine(dev, method: str, staging: int, tune=None) -> TransferEngine:
+    """``kernel-1w``: the mapped-memory kernel at one word a lane (``copy_items(vector=False)``, the kernel before
+    2026-12-07), beside ``kernel`` (four words a lane where every range is 16-byte aligned, as KV pages are)."""
+    one_word = method == "kernel-1w"
+    method = "kernel" if one_word else method
     m = MIXES.get(method, {"d2h": method, "h2d": method})
     eng = TransferEngine(dev, method=m, staging_bytes=staging)
     if tune is not None:
         c = eng.copier
         c.kernel_programs, c.kernel_block_words, c.kernel_warps = tune
+    eng.copier.kernel_vector = not one_word
     return eng
 
 
@@ -312,7 +318,7 @@ def main() -> None:
     metrics["batch_dma_available"] = float(probe.available)
     if not probe.available:
         print("batch DMA unavailable:", probe.error)
-    methods = ["copy", "staging", "kernel", "auto"] + (["batch", *MIXES] if probe.available else [])
+    methods = ["copy", "staging", "kernel", "kernel-1w", "auto"] + (["batch", *MIXES] if probe.available else [])
 
     def st_submit(eng, direction):
         if direction == "d2h":

@@ -16,7 +16,7 @@ from tiered_cache import (
     StateSpec,
     UnifiedPool,
 )
-from tiered_cache.errors import TransferTimeoutError
+from tiered_cache.errors import InvalidTypeError, TransferTimeoutError
 from tiered_cache.kernels.checksum import row_checksums
 from tiered_cache.kernels.reference import row_checksums_reference
 from tiered_cache.tiers.checkpoint_pool import Int8CheckpointPool
@@ -400,6 +400,66 @@ def test_copy_items_kernel_settings_match_reference(poison, block_words, num_war
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("shift, n_words, vector", [(0, 300, True), (0, 300, False), (1, 300, True), (0, 302, True),
+                                                     (2, 298, True)])
+def test_copy_items_four_words_a_lane_match_reference(poison, shift, n_words, vector):
+    """Aligned ranges (four words a lane) and every misaligned form (an offset, ``n_words``: one word a lane) move
+    exactly the reference's words, on fresh random words into a poisoned destination."""
+    from tiered_cache.kernels.hostcopy import _vec_width, copy_items
+    from tiered_cache.kernels.reference import copy_items_reference
+
+    g = torch.Generator().manual_seed(1000 * shift + n_words)
+    src = torch.randint(-2**31, 2**31 - 1, (4000,), dtype=torch.int32, generator=g)
+    so = torch.tensor([0, 900, 1800, 3000, 2700], dtype=torch.int64) + shift
+    do = torch.tensor([1500, 0, 3100, 600, 2300], dtype=torch.int64)
+    want = poison((4000,), torch.int32)
+    got = want.clone()
+    copy_items_reference(src, so, want, do, n_words)
+    copy_items(src, so, got, do, n_words, 3, 64, 2, vector=vector)
+    assert torch.equal(got, want)
+    assert _vec_width(src, so, got, do, n_words) == (4 if shift == 0 and n_words % 4 == 0 else 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [0, 1])
+def test_copy_items_four_words_a_lane_over_mapped_memory_on_cuda(shift):
+    """Both directions between the GPU and pinned host memory, offsets in pinned memory as the transfer paths keep
+    them: aligned (128-bit accesses) and one word off (one word a lane, no misaligned fault), bit-exact."""
+    from tiered_cache.kernels.hostcopy import _vec_width, copy_items
+
+    g = torch.Generator().manual_seed(7 + shift)
+    host = torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int32, generator=g).pin_memory()
+    devw = torch.full((1 << 16,), -1, dtype=torch.int32, device="cuda")
+    so = (torch.tensor([0, 9000, 20000, 40000], dtype=torch.int64) + shift).pin_memory()
+    do = torch.tensor([30000, 0, 50000, 10000], dtype=torch.int64).pin_memory()
+    n = 8192
+    assert _vec_width(host, so, devw, do, n) == (1 if shift else 4)
+    copy_items(host, so, devw, do, n)  # H2D
+    back = torch.full_like(host, -1).pin_memory()
+    copy_items(devw, do, back, so, n)  # D2H into the same host offsets
+    torch.cuda.synchronize()
+    got = devw.cpu()
+    for a, b in zip(so.tolist(), do.tolist()):
+        assert torch.equal(got[b:b + n], host[a:a + n])
+        assert torch.equal(back[a:a + n], host[a:a + n])
+
+
+def test_copy_items_vector_width_is_checked_never_assumed():
+    """Four words a lane only where both tensors, ``n_words`` and every offset (read on the host) are 16-byte
+    aligned: a 128-bit access of a misaligned address faults on a GPU."""
+    from tiered_cache.kernels.hostcopy import _vec_width
+
+    x, y = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    ok = torch.tensor([0, 8, 4], dtype=torch.int64)
+    assert _vec_width(x, ok, y, ok, 8) == 4
+    assert _vec_width(x, ok, y, ok, 6) == 1  # n_words
+    assert _vec_width(x, ok, y, torch.tensor([0, 8, 6]), 8) == 1  # one destination offset
+    assert _vec_width(x, torch.tensor([2, 8, 4]), y, ok, 8) == 1  # one source offset
+    assert _vec_width(x[1:], ok, y, ok, 8) == 1  # a view one word past 16 bytes
+    assert _vec_width(x, ok, y[2:], ok, 8) == 1
+    assert _vec_width(x, ok.to("meta"), y, ok, 8) == 1  # offsets not on the host: not read, one word a lane
+
+
 @pytest.mark.parametrize("kw,arg", [({"block_words": 100}, "block_words"), ({"num_warps": 3}, "num_warps"),
                                     ({"num_programs": 0}, "num_programs")])
 def test_copy_items_bad_settings_name_the_argument(kw, arg):
@@ -408,6 +468,14 @@ def test_copy_items_bad_settings_name_the_argument(kw, arg):
     x = torch.zeros(8, dtype=torch.int32)
     with pytest.raises(InvalidArgumentError, match=arg):
         copy_items(x, torch.tensor([0]), x.clone(), torch.tensor([0]), 4, **kw)
+
+
+def test_copy_items_vector_must_be_a_bool():
+    from tiered_cache.kernels.hostcopy import copy_items
+
+    x = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(InvalidTypeError, match="vector"):
+        copy_items(x, torch.tensor([0]), x.clone(), torch.tensor([0]), 4, vector=1)
 
 
 def _runs_one_by_one(slots, per_chunk):

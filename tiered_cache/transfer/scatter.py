@@ -62,6 +62,7 @@ class ScatterCopier:
         self.kernel_programs = 16  # programs of the mapped-memory copy kernel (few: leave SMs to compute)
         self.kernel_block_words = 2048  # int32 words a program moves per step (power of two)
         self.kernel_warps = 4  # warps per program
+        self.kernel_vector = True  # four words a lane where every range is 16-byte aligned (``copy_items``)
         # programs of the staging gather / scatter (device to device: many, to run near HBM speed)
         self.staging_programs = 4 * dev.multiprocessor_count(device) if device.type == "cuda" else 4
         self._staging: dict[str, torch.Tensor] = {}
@@ -169,7 +170,8 @@ class ScatterCopier:
                 r_off, s_off = r_off.pin_memory(), s_off.pin_memory()
                 keep += [r_off, s_off]  # read by the kernel until it ends
             src, dst = ((rows_w, r_off), (stage_w, s_off)) if to_stage else ((stage_w, s_off), (rows_w, r_off))
-            copy_items(src[0], src[1], dst[0], dst[1], e // 4, self.staging_programs, 4096, 8)
+            copy_items(src[0], src[1], dst[0], dst[1], e // 4, self.staging_programs, 4096, 8,
+                       vector=self.kernel_vector)
             return
         idx = ids.to(self.device, non_blocking=True)
         part = rows_view[:, off:off + e]
@@ -198,10 +200,10 @@ class ScatterCopier:
                 keep += [d_t, h_t]  # read by the kernel until it ends: not freed (nor reused) before
             if direction == "d2h":
                 copy_items(dev_words, d_t, host_words, h_t, n // 4, self.kernel_programs, self.kernel_block_words,
-                           self.kernel_warps)
+                           self.kernel_warps, self.kernel_vector)
             else:
                 copy_items(host_words, h_t, dev_words, d_t, n // 4, self.kernel_programs, self.kernel_block_words,
-                           self.kernel_warps)
+                           self.kernel_warps, self.kernel_vector)
 
     def _batch(self, direction, rows_view, rows_l, region, slots, off, n) -> None:
         """One ``cudaMemcpyBatchAsync`` for all rows on the current stream; rows adjacent on both sides
