@@ -63,8 +63,10 @@ _STORE_TILE, _STORE_WARPS = 8192, 4
 _STREAM_STORE: dict[torch.dtype, Optional[tuple[int, int, int]]] = {
     torch.float32: None, torch.bfloat16: None, torch.float16: None}
 # The one-pass store of bf16 states whose k-channels are innermost on both sides (value axis 1, SGLang's
-# [H, d_v, d_k]) in bf16 pairs (``_quantize_store_pairs_kernel``), where the dtype is in this set. Off until a run
-# on the GPU shows it ahead: ``bench_kernels.py --parts sweep`` times both (``pairs`` rows).
+# [H, d_v, d_k]) in bf16 pairs (``_quantize_store_pairs_kernel``), where the dtype is in this set. Off: measured
+# on an H100 (2026-12-07) at 0.110-0.114 of a device copy at every tile against the one-pass kernel's 0.79-0.80,
+# bit-exact, cause not found (results README, T1); ``bench_kernels.py --parts sweep`` keeps timing it (``pairs``
+# rows) for whoever looks for the cause.
 _PAIR_STORE: set[torch.dtype] = set()
 _LOAD_TILE, _LOAD_WARPS = 16384, 8
 _COPY_TILE = 4096
