@@ -414,8 +414,6 @@ def _sweep_dtype(dt_name: str, shape: dict[str, int], device: torch.device, n: i
         ("one_pass", None, t, w) for t, w in ((8192, 4), (4096, 4), (4096, 2), (4096, 1), (2048, 1), (2048, 2),
                                                (8192, 8), (16384, 8))]
     configs += [("two_pass", c, 0, 0) for c in ((32, 64, 4), (64, 64, 8))]
-    if dtype == torch.bfloat16:  # the one-pass kernel in bf16 pairs (quant._PAIR_STORE; va1 only, below)
-        configs += [("pairs", None, t, w) for t, w in ((8192, 4), (4096, 4), (4096, 2), (8192, 8), (16384, 8))]
     if quick:  # the kernels' own tile only: each formulation at 8,192 / 4 warps
         configs = [c for c in configs if c[0] != "two_pass" and c[2:] == (8192, 4)]
     out: dict[str, float] = {}
@@ -441,12 +439,7 @@ def _sweep_layout(dt_name: str, layout: str, shape: dict[str, int], device: torc
              torch.zeros((L, n + 1, H, dk, dv), dtype=torch.int8, device=device).transpose(3, 4))
     out: dict[str, float] = {}
     for kind, stream, tile, warps in configs:
-        if kind == "pairs" and layout != "va1":
-            continue  # the pairs kernel needs the k-channels innermost on both sides
         quant._STREAM_STORE[dtype] = stream
-        quant._PAIR_STORE.discard(dtype)
-        if kind == "pairs":
-            quant._PAIR_STORE.add(dtype)
         if stream is None:
             quant._STORE_TILE, quant._STORE_WARPS = tile, warps
         tag = f"{layout}_{tile}_w{warps}" if stream is None else f"{layout}_{stream[0]}x{stream[1]}_w{stream[2]}"
@@ -468,13 +461,11 @@ def store_sweep(shape: dict[str, int], device: torch.device, dtypes: Optional[li
     """The store's formulations (one-pass tile / warps, two-pass rows a step / warps), 16 states, each
     checked bit-exact against the reference first, timed against a device copy of its bytes."""
     out: dict[str, float] = {}
-    saved = quant._STORE_TILE, quant._STORE_WARPS, dict(quant._STREAM_STORE), set(quant._PAIR_STORE)
+    saved = quant._STORE_TILE, quant._STORE_WARPS, dict(quant._STREAM_STORE)
 
     def restore() -> None:
         quant._STORE_TILE, quant._STORE_WARPS = saved[0], saved[1]
         quant._STREAM_STORE.update(saved[2])
-        quant._PAIR_STORE.clear()
-        quant._PAIR_STORE.update(saved[3])
 
     try:
         for dt_name in dtypes or list(DTYPES):

@@ -100,15 +100,13 @@ def _strides(layout: str) -> dict[str, int]:
     return {"v": state[0], "k": state[1], "qv": codes[0], "qk": codes[1]}
 
 
-def store(layout: str, dtype: str, tile: int, warps: int, pairs: bool = False) -> dict:
+def store(layout: str, dtype: str, tile: int, warps: int) -> dict:
     st = _strides(layout)
     const = dict(BLOCK_V=DV, BLOCK_K=min(DK, tile // DV), KIND=1 if dtype == "bf16" else 0, MIN_SCALE=0.0,
                  FMA_DIV=True, EVEN=True, FLAG=True, NA=16)
-    if pairs:
-        const.update(S_V2=st["v"] // 2, Q_V2=st["qv"] // 2)
     ints = dict(s_l=16, s_r=16, s_h=16, s_v=st["v"], s_k=st["k"], q_l=16, q_s=16, q_h=16, q_v=st["qv"],
                 q_k=st["qk"], c_l=16, c_s=16, c_h=16, c_k=1)
-    kernel = quant._quantize_store_pairs_kernel if pairs else quant._quantize_store_kernel
+    kernel = quant._quantize_store_kernel
     ptrs = {"src_ptr": "*" + dtype, "q_ptr": "*i8", "s_ptr": "*" + dtype, "fin_ptr": "*u8"}
     return counts(kernel, ptrs, const, ints, warps)
 
@@ -123,8 +121,8 @@ def load(layout: str, dtype: str, tile: int, warps: int) -> dict:
 
 
 def cases(quick: bool) -> list[tuple[str, Any]]:
-    """(name, thunk): the store and load of each layout and dtype at the tiles the kernels use, the bf16 pairs
-    store (va1 only), and (not ``quick``) the store's other tiles of the sweep."""
+    """(name, thunk): the store and load of each layout and dtype at the tiles the kernels use, and (not
+    ``quick``) the store's other tiles of the sweep."""
     out: list[tuple[str, Any]] = []
     for dt in ("fp32", "bf16"):
         for lay in ("va1", "va2", "va2q"):
@@ -132,16 +130,11 @@ def cases(quick: bool) -> list[tuple[str, Any]]:
                         lambda lay=lay, dt=dt: store(lay, dt, quant._STORE_TILE, quant._STORE_WARPS)))
             out.append((f"load_{dt}_{lay}_{quant._LOAD_TILE}_w{quant._LOAD_WARPS}",
                         lambda lay=lay, dt=dt: load(lay, dt, quant._LOAD_TILE, quant._LOAD_WARPS)))
-        if dt == "bf16":
-            out.append((f"store_bf16_va1_pairs_{quant._STORE_TILE}_w{quant._STORE_WARPS}",
-                        lambda: store("va1", "bf16", quant._STORE_TILE, quant._STORE_WARPS, pairs=True)))
     if not quick:
         for tile, warps in ((4096, 2), (2048, 1), (16384, 8)):
             for lay in ("va1", "va2q"):
                 out.append((f"store_bf16_{lay}_{tile}_w{warps}",
                             lambda lay=lay, t=tile, w=warps: store(lay, "bf16", t, w)))
-            out.append((f"store_bf16_va1_pairs_{tile}_w{warps}",
-                        lambda t=tile, w=warps: store("va1", "bf16", t, w, pairs=True)))
     return out
 
 

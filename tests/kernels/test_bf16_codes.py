@@ -135,12 +135,10 @@ def test_tie_states_hold_ties_at_every_scale_range(poison, value_axis):
 
 
 @gpu
-@pytest.mark.parametrize("stream", [None, (16, 64, 4), "pairs"], ids=["one-pass", "two-pass", "pairs"])
+@pytest.mark.parametrize("stream", [None, (16, 64, 4)], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("value_axis", [1, 2])
 def test_gpu_bf16_codes_at_ties_and_extreme_scales(poison, monkeypatch, stream, value_axis):
-    pairs = stream == "pairs"
-    monkeypatch.setattr(quant, "_STREAM_STORE", {**quant._STREAM_STORE, torch.bfloat16: None if pairs else stream})
-    monkeypatch.setattr(quant, "_PAIR_STORE", {torch.bfloat16} if pairs else set())
+    monkeypatch.setattr(quant, "_STREAM_STORE", {**quant._STREAM_STORE, torch.bfloat16: stream})
     x = tie_states(value_axis, "cuda")
     dk = x.shape[-1] if value_axis == 1 else x.shape[-2]
     ids = torch.tensor([0], device="cuda")

@@ -24,21 +24,14 @@ from tiered_cache.kernels.reference import (
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 gpu = pytest.mark.gpu
-# The store's formulations: the one-pass kernel (None), the two-pass one at a few step sizes, and the one-pass
-# kernel in bf16 pairs ("pairs": bf16 states with the k-channels innermost; the others take the one-pass kernel).
-FORMULATIONS = [None, (16, 64, 4), (64, 128, 8), "pairs"]
+# The store's two formulations: the one-pass kernel (None) and the two-pass one at a few step sizes.
+FORMULATIONS = [None, (16, 64, 4), (64, 128, 8)]
 
 
-def _formulation_id(f):
-    return "one-pass" if f is None else f if isinstance(f, str) else f"two-pass-{f[0]}x{f[1]}"
-
-
-@pytest.fixture(params=FORMULATIONS, ids=_formulation_id)
+@pytest.fixture(params=FORMULATIONS, ids=lambda f: "one-pass" if f is None else f"two-pass-{f[0]}x{f[1]}")
 def formulation(request, monkeypatch):
-    """Runs the test once per store formulation (``quant._STREAM_STORE`` and ``quant._PAIR_STORE``)."""
-    pairs = request.param == "pairs"
-    monkeypatch.setattr(quant, "_STREAM_STORE", {d: None if pairs else request.param for d in DTYPES})
-    monkeypatch.setattr(quant, "_PAIR_STORE", {torch.bfloat16} if pairs else set())
+    """Runs the test once per store formulation (``quant._STREAM_STORE`` for every dtype)."""
+    monkeypatch.setattr(quant, "_STREAM_STORE", {d: request.param for d in DTYPES})
     return request.param
 
 
@@ -103,37 +96,6 @@ def run_store_load(poison, L, R, S, H, dv, dk, dtype, value_axis, rows, slots, d
 def test_kernels_match_reference(poison, formulation, dtype, value_axis, dv, dk):
     run_store_load(poison, L=2, R=5, S=4, H=2, dv=dv, dk=dk, dtype=dtype, value_axis=value_axis,
                    rows=[3, 0, 4], slots=[2, 1, 3], seed=dv * 7 + dk)
-
-
-@pytest.mark.parametrize("conv", [False, True], ids=["alone", "with-conv"])
-def test_pairs_kernel_takes_bf16_states_with_channels_innermost(poison, monkeypatch, conv):
-    """With ``_PAIR_STORE`` on, a bf16 store whose k-channels are innermost on both sides runs the pairs kernel
-    (alone or inside the store-with-conv launch) and its codes, scales and flags equal the reference's; a
-    value-axis-2 source, an odd channel count or fp32 keep the one-pass kernel."""
-    monkeypatch.setattr(quant, "_PAIR_STORE", {torch.bfloat16})
-    L, R, S, H, dv, dk = 2, 4, 3, 2, 64, 32
-    src = rand_states((L, R, H, dv, dk), torch.bfloat16, seed=5)
-    src[1, 2, 1, 7, 9] = float("nan")  # row 2's state is non-finite: its flag is marked
-    q, s = poison((L, S, H, dv, dk), torch.int8), poison((L, S, H, 1, dk), torch.bfloat16)
-    q_ref, s_ref = q.clone(), s.clone()
-    fin, fin_ref = torch.zeros(S, dtype=torch.uint8), torch.zeros(S, dtype=torch.uint8)
-    cv = (rand_states((L, R, 6, 3), torch.bfloat16, seed=6), poison((L, S, 6, 3), torch.bfloat16)) if conv else None
-    plan = quant.StorePlan(src, src, q, s, 1, "triton", fin, cv)
-    kernel = quant._store_with_conv_kernel if conv else quant._quantize_store_pairs_kernel
-    assert plan.launches.kernel is kernel and plan.launches.meta.get("PAIRS", True)
-    rows, slots = torch.tensor([3, 0, 2]), torch.tensor([1, 2, 0])
-    plan(rows, slots, 7)
-    quantize_store_reference(src, rows, q_ref, s_ref, slots, 1, fin_ref, 7)
-    finite = fin_ref[slots[2]] == 7  # the reference flags the NaN row's slot
-    assert finite and torch.equal(fin, fin_ref)
-    ok = [0, 1]  # the finite states' codes and scales are the reference's bit for bit
-    assert torch.equal(q[:, slots[ok]], q_ref[:, slots[ok]])
-    assert torch.equal(bits(s[:, slots[ok]]), bits(s_ref[:, slots[ok]]))
-    for other in (src.transpose(3, 4).contiguous().transpose(3, 4), src[..., :31].contiguous(), src.float()):
-        shape_q = (L, S, H, dv, other.shape[-1])
-        got = quant.StorePlan(other, other, torch.empty(shape_q, dtype=torch.int8),
-                              torch.empty((L, S, H, 1, other.shape[-1]), dtype=other.dtype), 1, "triton", None)
-        assert got.launches.kernel is quant._quantize_store_kernel
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -62,12 +62,6 @@ _STORE_TILE, _STORE_WARPS = 8192, 4
 # bench_kernels.py --sweep measures both formulations there.
 _STREAM_STORE: dict[torch.dtype, Optional[tuple[int, int, int]]] = {
     torch.float32: None, torch.bfloat16: None, torch.float16: None}
-# The one-pass store of bf16 states whose k-channels are innermost on both sides (value axis 1, SGLang's
-# [H, d_v, d_k]) in bf16 pairs (``_quantize_store_pairs_kernel``), where the dtype is in this set. Off: measured
-# on an H100 (2026-12-07) at 0.110-0.114 of a device copy at every tile against the one-pass kernel's 0.79-0.80,
-# bit-exact, cause not found (results README, T1); ``bench_kernels.py --parts sweep`` keeps timing it (``pairs``
-# rows) for whoever looks for the cause.
-_PAIR_STORE: set[torch.dtype] = set()
 _LOAD_TILE, _LOAD_WARPS = 16384, 8
 _COPY_TILE = 4096
 # Exponent bits of the float dtypes whose copies are checked for NaN/inf (FLAG_DTYPES), read as integers.
@@ -353,27 +347,6 @@ def _head_state_layer(H, N):
     return (pid - t * H).to(tl.int64), (t - layer * N).to(tl.int64), layer.to(tl.int64)
 
 
-@triton.jit
-def _channel_codes(x, fin_ptr, slot, MARK, KIND: tl.constexpr, MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr,
-                   FLAG: tl.constexpr):
-    """``x [rows, channels]`` (fp32) -> its int8 codes and per-channel scales (the one-pass kernels' steps).
-    ``FLAG``: a NaN-keeping amax: a NaN or inf anywhere in a column shows in the column's amax, so the check
-    is one per block of columns (``_non_finite``), not one per element (that cost ~14 % of the store's
-    instructions on sm_90); it writes ``MARK`` into ``fin_ptr[slot]``. A flagged slot's codes are not the
-    twin's; a finite slot's are."""
-    if FLAG:
-        amax = tl.reduce(tl.abs(x), 0, _max_nan)
-        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=_non_finite(amax))
-        amax = tl.maximum(amax, 1e-8)
-    else:
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
-    scale = _scale_of(amax, FMA_DIV, KIND)
-    if MIN_SCALE > 0.0:
-        scale = tl.maximum(scale, MIN_SCALE)
-    hi, lo = _reciprocal(scale, FMA_DIV, KIND)
-    return _codes(_quotients(x, scale, hi, lo, FMA_DIV, KIND), FMA_DIV, KIND), scale
-
-
 @triton.jit(do_not_specialize=_NO_SPEC_MARK)
 def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
                            P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
@@ -397,7 +370,21 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
         x = _to_fp32(tl.load(src), FMA_DIV, KIND)
     else:
         x = _to_fp32(tl.load(src, mask=mask, other=0.0), FMA_DIV, KIND)
-    code, scale = _channel_codes(x, fin_ptr, slot, MARK, KIND, MIN_SCALE, FMA_DIV, FLAG)
+    if FLAG:
+        # A NaN-keeping amax: a NaN or inf anywhere in a column shows in the column's amax, so the check is
+        # one per block of columns (``_non_finite``), not one per element (that cost ~14 % of the store's
+        # instructions on sm_90). A flagged slot's codes are not the twin's; a finite slot's are.
+        amax = tl.reduce(tl.abs(x), 0, _max_nan)
+        tl.store(fin_ptr + slot, _mark(MARK, fin_ptr), mask=_non_finite(amax))
+        amax = tl.maximum(amax, 1e-8)
+    else:
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
+    scale = _scale_of(amax, FMA_DIV, KIND)
+    if MIN_SCALE > 0.0:
+        scale = tl.maximum(scale, MIN_SCALE)
+    hi, lo = _reciprocal(scale, FMA_DIV, KIND)
+    y = _quotients(x, scale, hi, lo, FMA_DIV, KIND)
+    code = _codes(y, FMA_DIV, KIND)
     q_dst = q_ptr + layer * q_l + slot * q_s + h * q_h
     q_dst = q_dst + offs_v[:, None] * q_v + offs_k[None, :] * q_k
     s_dst = s_ptr + layer * c_l + slot * c_s + h * c_h + offs_k * c_k
@@ -407,56 +394,6 @@ def _quantize_store_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, 
     else:
         tl.store(q_dst, code, mask=mask)
         tl.store(s_dst, scale.to(s_ptr.dtype.element_ty), mask=mask_k)
-
-
-@triton.jit
-def _bf16_pair(w, FMA_DIV: tl.constexpr):
-    """int32 words holding two bf16 (the lower channel in the low half: little-endian) -> two fp32 tensors."""
-    if FMA_DIV:
-        lo, hi = tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [w],
-                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        u = w.to(tl.uint32, bitcast=True)
-        lo = (u << 16).to(tl.float32, bitcast=True)
-        hi = (u & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return lo, hi
-
-
-@triton.jit(do_not_specialize=_NO_SPEC_MARK)
-def _quantize_store_pairs_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
-                                 P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
-                                 s_l, s_r, s_h, s_v, s_k,
-                                 q_l, q_s, q_h, q_v, q_k,
-                                 c_l, c_s, c_h, c_k,
-                                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
-                                 MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr,
-                                 FLAG: tl.constexpr, NA: tl.constexpr, S_V2: tl.constexpr, Q_V2: tl.constexpr):
-    """The one-pass store of bf16 states whose k-channels are innermost in the state and the codes (``s_k = q_k =
-    1``), the tile read as int32 words of two channels: the layout Triton picks for a word tile puts the lanes
-    along the channels and each thread's elements down the value axis, so the amax is reduced in registers (the
-    bf16 tile's 16 channels a thread were reduced across 8 lanes and 4 warps, and each thread repeated the
-    per-channel steps of 16 channels). Row strides in words (``S_V2``, ``Q_V2``) are constants, so each row's
-    address is an immediate offset. Codes as int16 words of two; the math is the one-pass kernel's, step for
-    step, per channel: the codes and scales are bit-identical. The caller guarantees whole tiles (``EVEN``), an
-    even ``d_k`` and even strides (4-byte words, 2-byte code pairs)."""
-    h, n, layer = _head_state_layer(H, N)
-    row, slot = _pair(n, rows_ptr, slots_ptr, P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15, NA)
-    offs_v = tl.arange(0, BLOCK_V)
-    offs_j = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # word j: channels 2j, 2j + 1
-    # one word a thread along the channels: told that only runs of 1 are contiguous, Triton gives each lane one
-    # word (128 contiguous bytes a warp, still one line) and each thread its elements down the value axis;
-    # without it, 4 words (8 channels) a thread and the lanes down the value axis again
-    offs_j = tl.max_contiguous(tl.multiple_of(offs_j, 1), 1)
-    src = (src_ptr + layer * s_l + row * s_r + h * s_h).to(tl.pointer_type(tl.int32), bitcast=True)
-    x0, x1 = _bf16_pair(tl.load(src + offs_v[:, None] * S_V2 + offs_j[None, :]), FMA_DIV)
-    c0, sc0 = _channel_codes(x0, fin_ptr, slot, MARK, KIND, MIN_SCALE, FMA_DIV, FLAG)
-    c1, sc1 = _channel_codes(x1, fin_ptr, slot, MARK, KIND, MIN_SCALE, FMA_DIV, FLAG)
-    code = (c0.to(tl.int16) & 0xFF) | (c1.to(tl.int16) << 8)
-    q_dst = (q_ptr + layer * q_l + slot * q_s + h * q_h).to(tl.pointer_type(tl.int16), bitcast=True)
-    tl.store(q_dst + offs_v[:, None] * Q_V2 + offs_j[None, :], code)
-    s_dst = s_ptr + layer * c_l + slot * c_s + h * c_h + 2 * offs_j * c_k
-    tl.store(s_dst, sc0.to(s_ptr.dtype.element_ty))
-    tl.store(s_dst + c_k, sc1.to(s_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -593,19 +530,12 @@ def _store_with_conv_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr,
                             BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr,
                             MIN_SCALE: tl.constexpr, FMA_DIV: tl.constexpr, EVEN: tl.constexpr, FLAG: tl.constexpr,
                             STREAM: tl.constexpr, CONV_BLOCK: tl.constexpr, CONV_MASK: tl.constexpr,
-                            NA: tl.constexpr, PAIRS: tl.constexpr = False, S_V2: tl.constexpr = 0,
-                            Q_V2: tl.constexpr = 0):
+                            NA: tl.constexpr):
     """One launch for a whole store: programs ``< QP`` quantize the temporal state (the one-pass kernel,
-    with ``STREAM`` the two-pass one, ``BLOCK_V`` then being its rows a step, with ``PAIRS`` the bf16 pairs
-    one), the rest copy the conv window. One launch instead of two: each costs tens of microseconds of host
-    time."""
+    or with ``STREAM`` the two-pass one, ``BLOCK_V`` then being its rows a step), the rest copy the conv
+    window. One launch instead of two: each costs tens of microseconds of host time."""
     if tl.program_id(0) < QP:
-        if PAIRS:
-            _quantize_store_pairs_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
-                                         P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
-                                         s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
-                                         BLOCK_V, BLOCK_K, KIND, MIN_SCALE, FMA_DIV, EVEN, FLAG, NA, S_V2, Q_V2)
-        elif STREAM:
+        if STREAM:
             _quantize_store_stream_kernel(src_ptr, rows_ptr, q_ptr, s_ptr, slots_ptr, fin_ptr, MARK, N, H, D_V, D_K,
                                           P0, P1, P2, P3, P4, P5, P6, P7, P8, P9, P10, P11, P12, P13, P14, P15,
                                           s_l, s_r, s_h, s_v, s_k, q_l, q_s, q_h, q_v, q_k, c_l, c_s, c_h, c_k,
@@ -806,14 +736,6 @@ def _even(d_v: int, d_k: int, block_v: int, block_k: int) -> bool:
     return d_v == block_v and d_k % block_k == 0
 
 
-def _pairs_fit(state: torch.Tensor, qdata: torch.Tensor, even: bool, block_k: int) -> bool:
-    """Whether ``_quantize_store_pairs_kernel`` applies: bf16 states and codes with the k-channels innermost, whole
-    tiles of an even channel count, every stride and both base addresses even in elements (words of two)."""
-    return (state.dtype == torch.bfloat16 and even and block_k % 2 == 0 and state.stride(4) == 1
-            and qdata.stride(4) == 1 and all(st % 2 == 0 for st in (*state.stride()[:4], *qdata.stride()[:4]))
-            and state.data_ptr() % 4 == 0 and qdata.data_ptr() % 2 == 0)
-
-
 def quantize_store(src: torch.Tensor, src_rows: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                    dst_slots: torch.Tensor, value_axis: int = 1, *, backend: str = "auto",
                    check_ids: bool = True, finite: Optional[torch.Tensor] = None, mark: int = 0) -> None:
@@ -900,7 +822,6 @@ class StorePlan(_Plan):
         else:
             block_v, block_k = _tile(dv, dk, src.device, _STORE_TILE)
             warps, even = _STORE_WARPS, _even(dv, dk, block_v, block_k)
-        pairs = stream is None and src.dtype in _PAIR_STORE and _pairs_fit(state, qdata, even, block_k)
         fin = qdata if finite is None else finite
         # rows, slots, the mark and N (and QP) vary per call: placeholders here (0)
         args = [state, 0, qdata, scale, 0, fin, 0, 0, H, dv, dk, *[0] * PACKED, *state.stride(), *qdata.stride(),
@@ -908,19 +829,13 @@ class StorePlan(_Plan):
         self.per_state, self.kb, self.conv_per_state = L * H, triton.cdiv(dk, block_k), 0
         meta = dict(KIND=_KIND[src.dtype], MIN_SCALE=min_scale(src.dtype), FMA_DIV=src.device.type == "cuda",
                     EVEN=even, FLAG=finite is not None, num_warps=warps)
-        if pairs:  # row strides in words: 4-byte words of the state, 2-byte pairs of codes
-            meta.update(S_V2=state.stride(3) // 2, Q_V2=qdata.stride(3) // 2)
         if conv is not None:
             cargs, cblock, self.conv_per_state = _conv_args(conv[0], conv[1])
             mask = 0 if finite is None else _EXP_MASK.get(conv[0].dtype, 0)
             self.launches = _Launches(
                 _store_with_conv_kernel, [*args, *cargs, 0],
                 dict(BLOCK_V=block_v, BLOCK_K=block_k, STREAM=stream is not None, CONV_BLOCK=cblock,
-                     CONV_MASK=mask, PAIRS=pairs, **meta), ("rows_ptr", "slots_ptr"), ("MARK", "N", "QP"), ("MARK",))
-        elif pairs:
-            self.launches = _Launches(_quantize_store_pairs_kernel, args,
-                                      dict(BLOCK_V=block_v, BLOCK_K=block_k, **meta),
-                                      ("rows_ptr", "slots_ptr"), ("MARK", "N"), ("MARK",))
+                     CONV_MASK=mask, **meta), ("rows_ptr", "slots_ptr"), ("MARK", "N", "QP"), ("MARK",))
         elif stream is not None:
             self.launches = _Launches(_quantize_store_stream_kernel, args, dict(SUB_V=block_v, BLOCK_K=block_k, **meta),
                                       ("rows_ptr", "slots_ptr"), ("MARK", "N"), ("MARK",))
